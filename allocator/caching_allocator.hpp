@@ -1,0 +1,108 @@
+// gact/allocator/caching_allocator.hpp
+//
+// A stream-aware caching allocator over one device::backend. Requests are
+// rounded up to 512 bytes and served best-fit from cached free blocks of the
+// same stream, splitting large blocks and coalescing free neighbours; new
+// segments come from the backend only on a miss. Small requests (<= small_size)
+// are packed into small segments, larger ones into large segments, so that
+// long-lived large blocks do not pin small ones (the design of PyTorch's
+// CUDACachingAllocator; key names of its statistics are kept).
+//
+// Streams: a block freed on stream S is reused only by requests on S. A block
+// used on another stream T (record_stream) is held back at free time until an
+// event recorded on T has completed; events are polled on later allocations,
+// never waited for on the fast path.
+//
+// Out of memory: on a backend failure (or the hard memory limit), cached free
+// segments are released (after waiting for pending events) and the request
+// retried once; then gact::out_of_memory is thrown.
+//
+// Bad input never corrupts state: size 0 returns nullptr; absurd sizes throw
+// gact::invalid_argument; unknown pointers and double frees are counted and
+// logged, and change nothing.
+//
+// Thread-safe: one mutex per allocator.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "device/backend.hpp"
+#include "tags.hpp"
+
+namespace gact::alloc {
+
+/// Settings of one allocator. Defaults match PyTorch's native allocator.
+struct allocator_options {
+  std::size_t small_size = std::size_t{1} << 20;            ///< requests <= this use the small pool
+  std::size_t small_segment_size = std::size_t{2} << 20;    ///< segment size of the small pool
+  std::size_t large_segment_size = std::size_t{20} << 20;   ///< segment for requests in (small_size, min_large_alloc)
+  std::size_t min_large_alloc = std::size_t{10} << 20;      ///< requests >= this get their own segment
+  std::size_t round_large = std::size_t{2} << 20;           ///< own segments are rounded up to this
+  std::size_t memory_limit = 0;                             ///< hard cap on reserved bytes; 0 = none
+  std::size_t max_request = std::size_t{1} << 46;           ///< larger requests are invalid (64 TiB)
+  std::string name = "host";                                ///< name in the stats ("cuda:0", "pinned", ...)
+};
+
+class caching_allocator {
+ public:
+  /// @param be the backend; must outlive the allocator.
+  /// @throws gact::invalid_argument for inconsistent options (e.g. small_size > small_segment_size).
+  explicit caching_allocator(device::backend& be, allocator_options opts = {});
+  /// Releases every cached segment; blocks still allocated are reported as leaks in the log.
+  ~caching_allocator();
+  caching_allocator(caching_allocator const&) = delete;
+  caching_allocator& operator=(caching_allocator const&) = delete;
+
+  /// Allocate `bytes` on `stream`, tagged with the calling thread's current tag.
+  /// @returns nullptr for bytes == 0 (counted), else a pointer aligned to 512 bytes.
+  /// @throws gact::out_of_memory after release-and-retry failed or the memory limit would be exceeded.
+  /// @throws gact::invalid_argument for bytes > max_request.
+  void* allocate(std::size_t bytes, device::stream_t stream = 0);
+  /// As allocate, with an explicit tag.
+  void* allocate(std::size_t bytes, device::stream_t stream, tag_id tag);
+
+  /// Free a pointer returned by allocate. nullptr is a no-op. Unknown pointers and double
+  /// frees are counted (stats "errors") and logged; the allocator state is unchanged.
+  void deallocate(void* p) noexcept;
+
+  /// Mark `p` as used on `stream` (a stream other than its allocation stream): its memory is
+  /// not reused until the work queued on `stream` at free time has completed.
+  /// @throws gact::invalid_argument for an unknown pointer.
+  void record_stream(void* p, device::stream_t stream);
+
+  /// Release every cached free segment to the backend (waits for pending events first).
+  void empty_cache();
+
+  /// The rounded size of a live block (0 for an unknown pointer).
+  std::size_t block_size(void const* p) const noexcept;
+  /// True when `p` is the start of a live block of this allocator.
+  bool owns(void const* p) const noexcept;
+
+  /// Counters in the key names of torch.cuda.memory_stats(), flattened
+  /// ("allocated_bytes.all.current", "num_alloc_retries", ...), plus gact's sections
+  /// "tags", "fragmentation", "errors", "options".
+  nlohmann::json stats_json() const;
+  /// Peaks := current values.
+  void reset_peak_stats();
+  /// allocated/freed counters and num_* := 0.
+  void reset_accumulated_stats();
+
+  /// Current bytes reserved from the backend.
+  std::size_t reserved_bytes() const noexcept;
+  /// Current bytes handed out (rounded sizes).
+  std::size_t allocated_bytes() const noexcept;
+
+  device::backend& backend() const noexcept;
+  allocator_options const& options() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace gact::alloc

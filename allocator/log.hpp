@@ -1,0 +1,50 @@
+// gact/allocator/log.hpp
+//
+// The one logger of gact, an spdlog logger named "gact" writing to stderr. Its
+// level comes from GACT_LOG_LEVEL (trace|debug|info|warn|error|off, default
+// warn) when it is first used. GACT_LOG_TRACE compiles out of release builds.
+// `warn_capped` limits how often one call site can warn (mimalloc style), so a
+// pathological caller cannot flood the log.
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <memory>
+
+namespace gact::log {
+
+/// The shared "gact" logger (created on first use, level from GACT_LOG_LEVEL).
+spdlog::logger& get();
+
+/// Re-read GACT_LOG_LEVEL or set the level by name; throws gact::invalid_argument on a bad name.
+void set_level(std::string const& name);
+
+/// True while a call site identified by `counter` has warned fewer than `cap` times.
+inline bool allow_capped(std::atomic<int>& counter, int cap = 16) noexcept {
+  return counter.fetch_add(1, std::memory_order_relaxed) < cap;
+}
+
+}  // namespace gact::log
+
+#define GACT_LOG_DEBUG(...) ::gact::log::get().debug(__VA_ARGS__)
+#define GACT_LOG_INFO(...) ::gact::log::get().info(__VA_ARGS__)
+#define GACT_LOG_WARN(...) ::gact::log::get().warn(__VA_ARGS__)
+#define GACT_LOG_ERROR(...) ::gact::log::get().error(__VA_ARGS__)
+#ifdef NDEBUG
+#define GACT_LOG_TRACE(...) ((void)0)
+#else
+#define GACT_LOG_TRACE(...) ::gact::log::get().trace(__VA_ARGS__)
+#endif
+
+/// Warn at most `cap` times from this call site, then say once that further warnings are muted.
+#define GACT_WARN_CAPPED(cap, ...)                                                   \
+  do {                                                                               \
+    static std::atomic<int> gact_warn_count_{0};                                     \
+    int const gact_n_ = gact_warn_count_.fetch_add(1, std::memory_order_relaxed);   \
+    if (gact_n_ < (cap)) {                                                           \
+      ::gact::log::get().warn(__VA_ARGS__);                                          \
+    } else if (gact_n_ == (cap)) {                                                   \
+      ::gact::log::get().warn("(further warnings from {}:{} muted)", __FILE__, __LINE__); \
+    }                                                                                \
+  } while (0)

@@ -1,0 +1,48 @@
+// gact/allocator/stats_registry.hpp
+//
+// The one JSON document of gact's statistics. Each component (every caching
+// allocator instance, the activation store, codecs, swap, policy) registers a
+// provider that returns its section; `document()` gathers them under a
+// versioned schema:
+//
+//   { "schema_version": 1, "gact_version": "...", "pid": ..., "time_unix_ms": ...,
+//     "allocators": { "<name>": {...} },        // one per caching_allocator
+//     "<section>": {...}, ... }                 // "store", "codecs", "swap", "policy", ...
+//
+// A provider registered under "allocators/<name>" lands in the "allocators"
+// object; any other name is a top-level section. Providers are called with no
+// allocator lock held by the registry, and must be thread-safe.
+//
+// Dumps: dump(path) writes the document atomically (temp file + rename). When
+// GACT_STATS_PATH is set, install_dump_triggers() arranges a dump at exit and on
+// SIGUSR1; the signal handler only writes a byte to a pipe that a service
+// thread reads, so no JSON is built inside the handler.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace gact::stats {
+
+inline constexpr int k_schema_version = 1;
+
+using provider = std::function<nlohmann::json()>;
+
+/// Register (or replace) the provider for `name`; returns a token for unregister().
+std::uint64_t register_provider(std::string const& name, provider fn);
+/// Remove a provider; unknown tokens are ignored.
+void unregister_provider(std::uint64_t token) noexcept;
+
+/// The whole document, built now.
+nlohmann::json document();
+
+/// Write document() to `path` atomically. @throws gact::error naming the path on I/O failure.
+void dump(std::string const& path);
+
+/// If GACT_STATS_PATH is set: dump there at normal exit and on SIGUSR1 (idempotent; safe to call often).
+void install_dump_triggers();
+
+}  // namespace gact::stats
