@@ -31,8 +31,9 @@
 #include <memory>
 #include <string>
 
-#include "device/backend.hpp"
-#include "tags.hpp"
+#include "allocator/device/backend.hpp"
+#include "allocator/stats.hpp"
+#include "allocator/tags.hpp"
 
 namespace gact::alloc {
 
@@ -87,6 +88,12 @@ class caching_allocator {
   /// ("allocated_bytes.all.current", "num_alloc_retries", ...), plus gact's sections
   /// "tags", "fragmentation", "errors", "options".
   nlohmann::json stats_json() const;
+  /// A consistent copy of the counters (cheap: no JSON, one lock).
+  allocator_stats stats() const;
+  /// The name this allocator is registered under in the stats document ("allocators/<name>");
+  /// options().name, or options().name + "#2", ... when another allocator already had it.
+  std::string const& stats_name() const noexcept;
+
   /// Peaks := current values.
   void reset_peak_stats();
   /// allocated/freed counters and num_* := 0.

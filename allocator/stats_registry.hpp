@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 namespace gact::stats {
 
@@ -33,7 +34,13 @@ using provider = std::function<nlohmann::json()>;
 
 /// Register (or replace) the provider for `name`; returns a token for unregister().
 std::uint64_t register_provider(std::string const& name, provider fn);
-/// Remove a provider; unknown tokens are ignored.
+/// Register `fn` under `name`, or under "name#2", "name#3", ... when `name` is taken, so
+/// that two allocators with the same name both appear in the document.
+/// @returns the token for unregister() and the name actually used.
+std::pair<std::uint64_t, std::string> register_unique_provider(std::string const& name, provider fn);
+/// Remove a provider; unknown tokens are ignored. Waits until no document() is calling it,
+/// so that the provider's owner may be destroyed as soon as this returns. A provider must
+/// therefore never call register/unregister itself.
 void unregister_provider(std::uint64_t token) noexcept;
 
 /// The whole document, built now.

@@ -49,6 +49,14 @@ void pop_tag() noexcept;
 tag_id current_tag() noexcept;
 /// Depth of the calling thread's stack.
 std::size_t tag_depth() noexcept;
+/// Number of pop_tag() calls on an empty stack, over all threads, since the process started.
+std::uint64_t tag_underflows() noexcept;
+/// Number of push_tag() calls beyond k_max_tag_depth (the tag pushed is not recorded; the
+/// previous top stays current until the matching pop).
+std::uint64_t tag_overflows() noexcept;
+
+/// The deepest per-thread stack kept; pushes beyond it are counted (tag_overflows()).
+inline constexpr std::size_t k_max_tag_depth = 64;
 
 /// RAII: push on construction, pop on destruction.
 class tag_scope {

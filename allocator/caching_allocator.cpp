@@ -1,0 +1,625 @@
+// gact/allocator/caching_allocator.cpp — the caching allocator (see caching_allocator.hpp).
+//
+// Data structures (all guarded by impl::mu):
+//   block        one contiguous piece of a segment; the blocks of a segment form a
+//                doubly linked list in address order (prev/next); blocks of different
+//                segments never merge.
+//   free sets    one std::set per pool (small, large) of free blocks ordered by
+//                (stream, size, address): lower_bound({stream, size}) is a per-stream
+//                best fit. Nodes come from a node_pool, records from an object_pool,
+//                so the cached path allocates nothing.
+//   live         flat map address -> block of every block handed out and not freed.
+//   pending      (event, block) pairs of blocks freed while used on other streams.
+//
+// Invariants:
+//   sum of block sizes in a segment == segment size; neighbours of a free block are
+//   never free (coalescing is eager); a block is in exactly one of: a free set
+//   (state free), live (state allocated), or referenced by event_count > 0 entries of
+//   pending (state pending).
+//   stats: allocation == |live|; active == |live| + |pending blocks|;
+//   reserved_bytes == sum of segment sizes; inactive_split == free blocks with a neighbour.
+//
+// Fast path (a cached hit): one lower_bound, one erase, at most one insert (the split
+// remainder), one flat-map insert; free: one flat-map erase, at most two erases (merged
+// neighbours) and one insert. No backend call unless events are pending.
+#include "allocator/caching_allocator.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "allocator/block_pool.hpp"
+#include "allocator/error.hpp"
+#include "allocator/log.hpp"
+#include "allocator/stats_registry.hpp"
+
+namespace gact::alloc {
+namespace {
+
+constexpr std::size_t k_min_block = 512;
+
+std::size_t round_size(std::size_t n) noexcept {
+  return n < k_min_block ? k_min_block : (n + k_min_block - 1) / k_min_block * k_min_block;
+}
+
+std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 1) / to * to; }
+
+std::string human_bytes(std::size_t n) {
+  char buf[64];
+  static constexpr char const* k_units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::snprintf(buf, sizeof buf, "%zu bytes (%.2f %s)", n, v, k_units[u]);
+  return buf;
+}
+
+enum class block_state : std::uint8_t { free, allocated, pending };
+
+struct block {
+  std::uintptr_t ptr = 0;
+  std::size_t size = 0;        // rounded; a multiple of 512
+  std::size_t requested = 0;   // the caller's size while allocated
+  device::stream_t stream = 0; // the stream of the segment
+  block* prev = nullptr;       // address-order neighbours in the same segment
+  block* next = nullptr;
+  std::vector<device::stream_t> stream_uses;  // other streams (record_stream); empty on the fast path
+  int event_count = 0;         // pending events while state == pending
+  tag_id tag = tag_other;
+  bool small = false;          // pool
+  bool counted_split = false;  // counted in inactive_split while in a free set
+  block_state state = block_state::free;
+
+  bool whole_segment() const noexcept { return prev == nullptr && next == nullptr; }
+};
+
+struct block_less {
+  bool operator()(block const* a, block const* b) const noexcept {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+  }
+};
+
+using free_set = std::set<block*, block_less, detail::pool_allocator<block*>>;
+
+struct pending_event {
+  device::event_t event;
+  block* blk;
+};
+
+/// Per-tag counters. Invariant: current_* == sums over live blocks with this tag.
+struct tag_stat {
+  std::int64_t current_bytes = 0;
+  std::int64_t peak_bytes = 0;
+  std::int64_t current_count = 0;
+  std::int64_t peak_count = 0;
+  std::int64_t total_allocs = 0;
+};
+
+}  // namespace
+
+struct caching_allocator::impl {
+  device::backend& be;
+  allocator_options const opts;
+  mutable std::mutex mu;
+
+  detail::node_pool nodes;  // before the sets that use it
+  detail::object_pool<block> records;
+  free_set small_free{block_less{}, detail::pool_allocator<block*>(nodes)};
+  free_set large_free{block_less{}, detail::pool_allocator<block*>(nodes)};
+  detail::ptr_map<block*> live;
+  std::vector<pending_event> pending;
+  std::vector<device::event_t> spare_events;
+
+  allocator_stats st;
+  std::array<tag_stat, k_max_tags> tags{};
+  std::string last_backend_error;
+
+  std::uint64_t stats_token = 0;
+  std::string stats_name;
+
+  impl(device::backend& b, allocator_options o) : be(b), opts(std::move(o)) {}
+
+  free_set& pool_of(bool small) noexcept { return small ? small_free : large_free; }
+
+  std::size_t segment_size(std::size_t size) const noexcept {
+    if (size <= opts.small_size) return opts.small_segment_size;
+    if (size < opts.min_large_alloc) return opts.large_segment_size;
+    return round_up(size, opts.round_large);
+  }
+
+  bool should_split(bool small, std::size_t remaining) const noexcept {
+    return small ? remaining >= k_min_block : remaining > opts.small_size;
+  }
+
+  // ---- free sets -----------------------------------------------------------
+  void insert_free(block* b) {
+    b->state = block_state::free;
+    pool_of(b->small).insert(b);
+    if (!b->whole_segment()) {
+      b->counted_split = true;
+      update_stat(st.inactive_split, b->small, 1);
+      update_stat(st.inactive_split_bytes, b->small, static_cast<std::int64_t>(b->size));
+    }
+  }
+
+  void erase_free(block* b) noexcept {
+    pool_of(b->small).erase(b);
+    if (b->counted_split) {
+      b->counted_split = false;
+      update_stat(st.inactive_split, b->small, -1);
+      update_stat(st.inactive_split_bytes, b->small, -static_cast<std::int64_t>(b->size));
+    }
+  }
+
+  block* find_free(bool small, std::size_t size, device::stream_t stream) {
+    free_set& pool = pool_of(small);
+    block key;
+    key.stream = stream;
+    key.size = size;
+    key.ptr = 0;
+    auto it = pool.lower_bound(&key);
+    if (it == pool.end() || (*it)->stream != stream) return nullptr;
+    return *it;
+  }
+
+  // ---- segments --------------------------------------------------------------
+  /// A new whole-segment free block (not in a free set), or nullptr when the limit or the
+  /// backend refuses. Other backend errors propagate.
+  block* try_new_segment(std::size_t seg_size, bool small, device::stream_t stream) {
+    std::size_t const reserved = static_cast<std::size_t>(st.reserved_bytes[pool_all].current);
+    if (opts.memory_limit != 0 && (seg_size > opts.memory_limit || reserved > opts.memory_limit - seg_size)) {
+      last_backend_error = "memory limit";
+      return nullptr;
+    }
+    block* b = records.make();
+    void* p = nullptr;
+    try {
+      p = be.reserve(seg_size);
+    } catch (out_of_memory const& e) {
+      records.destroy(b);
+      last_backend_error = e.what();
+      return nullptr;
+    } catch (...) {
+      records.destroy(b);
+      throw;
+    }
+    b->ptr = reinterpret_cast<std::uintptr_t>(p);
+    b->size = seg_size;
+    b->stream = stream;
+    b->small = small;
+    update_stat(st.segment, small, 1);
+    update_stat(st.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
+    ++st.num_device_alloc;
+    GACT_LOG_DEBUG("[segment+][{}][stream {:#x}][{}B][{}]", stats_name, stream, seg_size, p);
+    return b;
+  }
+
+  void release_segment(block* b) noexcept {
+    be.release(reinterpret_cast<void*>(b->ptr), b->size);
+    update_stat(st.segment, b->small, -1);
+    update_stat(st.reserved_bytes, b->small, -static_cast<std::int64_t>(b->size));
+    ++st.num_device_free;
+    GACT_LOG_DEBUG("[segment-][{}][stream {:#x}][{}B][{:#x}]", stats_name, b->stream, b->size, b->ptr);
+    records.destroy(b);
+  }
+
+  /// Wait for every pending event, free the blocks, release every whole free segment.
+  void release_cached() {
+    synchronize_pending();
+    ++st.num_sync_all_streams;
+    for (free_set* pool : {&small_free, &large_free}) {
+      for (auto it = pool->begin(); it != pool->end();) {
+        block* b = *it;
+        if (b->whole_segment()) {
+          it = pool->erase(it);
+          release_segment(b);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+
+  // ---- block life cycle --------------------------------------------------------
+  /// Turn an allocated or pending block into a free one, coalescing with free neighbours.
+  void free_block(block* b) {
+    update_stat(st.active, b->small, -1);
+    update_stat(st.active_bytes, b->small, -static_cast<std::int64_t>(b->size));
+    if (block* p = b->prev; p != nullptr && p->state == block_state::free) {
+      erase_free(p);
+      b->ptr = p->ptr;
+      b->size += p->size;
+      b->prev = p->prev;
+      if (b->prev != nullptr) b->prev->next = b;
+      records.destroy(p);
+    }
+    if (block* n = b->next; n != nullptr && n->state == block_state::free) {
+      erase_free(n);
+      b->size += n->size;
+      b->next = n->next;
+      if (b->next != nullptr) b->next->prev = b;
+      records.destroy(n);
+    }
+    insert_free(b);
+  }
+
+  device::event_t acquire_event() {
+    if (!spare_events.empty()) {
+      device::event_t const e = spare_events.back();
+      spare_events.pop_back();
+      return e;
+    }
+    return be.create_event();
+  }
+
+  void event_done(std::size_t i) {
+    pending_event const pe = pending[i];
+    pending[i] = pending.back();
+    pending.pop_back();
+    spare_events.push_back(pe.event);
+    if (--pe.blk->event_count == 0) free_block(pe.blk);
+  }
+
+  /// Free the blocks whose events have all completed (never blocks).
+  void process_events() {
+    for (std::size_t i = 0; i < pending.size();) {
+      if (be.query(pending[i].event)) {
+        event_done(i);
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  void synchronize_pending() {
+    while (!pending.empty()) {
+      be.synchronize(pending.back().event);
+      event_done(pending.size() - 1);
+    }
+  }
+
+  void count_alloc(block* b, std::size_t requested, tag_id tag) noexcept {
+    auto const size = static_cast<std::int64_t>(b->size);
+    update_stat(st.allocation, b->small, 1);
+    update_stat(st.allocated_bytes, b->small, size);
+    update_stat(st.requested_bytes, b->small, static_cast<std::int64_t>(requested));
+    update_stat(st.active, b->small, 1);
+    update_stat(st.active_bytes, b->small, size);
+    tag_stat& t = tags[tag];
+    t.current_bytes += size;
+    t.peak_bytes = std::max(t.peak_bytes, t.current_bytes);
+    ++t.current_count;
+    t.peak_count = std::max(t.peak_count, t.current_count);
+    ++t.total_allocs;
+  }
+
+  void count_free(block const* b) noexcept {
+    auto const size = static_cast<std::int64_t>(b->size);
+    update_stat(st.allocation, b->small, -1);
+    update_stat(st.allocated_bytes, b->small, -size);
+    update_stat(st.requested_bytes, b->small, -static_cast<std::int64_t>(b->requested));
+    tag_stat& t = tags[b->tag];
+    t.current_bytes -= size;
+    --t.current_count;
+  }
+
+  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t seg_size) {
+    ++st.num_ooms;
+    std::string msg = "gact: out of memory in allocator '" + stats_name + "': requested " + human_bytes(bytes) +
+                      " (needs a new segment of " + human_bytes(seg_size) + "); reserved " +
+                      human_bytes(static_cast<std::size_t>(st.reserved_bytes[pool_all].current)) + ", allocated " +
+                      human_bytes(static_cast<std::size_t>(st.allocated_bytes[pool_all].current)) + ", limit " +
+                      (opts.memory_limit == 0 ? std::string("none") : human_bytes(opts.memory_limit)) + "; " +
+                      std::string(be.name()) + " backend: " + last_backend_error;
+    GACT_WARN_CAPPED(16, "{}", msg);
+    throw out_of_memory(msg);
+  }
+
+  /// Classify a free of a pointer that is not live: the start of a free or pending block is a
+  /// double free; anything else is unknown. Slow path (walks the free sets).
+  void bad_free(void* p) noexcept {
+    auto const addr = reinterpret_cast<std::uintptr_t>(p);
+    bool dbl = false;
+    for (free_set const* pool : {&small_free, &large_free}) {
+      for (block const* b : *pool) {
+        if (b->ptr == addr) dbl = true;
+      }
+    }
+    for (pending_event const& pe : pending) {
+      if (pe.blk->ptr == addr) dbl = true;
+    }
+    if (dbl) {
+      ++st.double_free;
+      GACT_WARN_CAPPED(16, "allocator '{}': double free of {} (ignored)", stats_name, p);
+    } else {
+      ++st.invalid_free;
+      GACT_WARN_CAPPED(16, "allocator '{}': free of {}, which it did not allocate (ignored)", stats_name, p);
+    }
+  }
+
+  nlohmann::json stats_json_locked() const {
+    nlohmann::json j = nlohmann::json::object();
+    st.to_json(j);
+    j["errors"]["tag_underflow"] = tag_underflows();
+
+    auto const names = tag_names();
+    nlohmann::json tj = nlohmann::json::object();
+    for (std::size_t i = 0; i < tags.size(); ++i) {
+      tag_stat const& t = tags[i];
+      if (t.total_allocs == 0 && t.peak_bytes == 0) continue;
+      std::string const name = i < names.size() ? names[i] : std::to_string(i);
+      tj[name] = {{"current_bytes", t.current_bytes}, {"peak_bytes", t.peak_bytes},
+                  {"current_count", t.current_count}, {"peak_count", t.peak_count},
+                  {"total_allocs", t.total_allocs}};
+    }
+    j["tags"] = std::move(tj);
+
+    std::size_t largest = 0;
+    std::size_t total_free = 0;
+    for (free_set const* pool : {&small_free, &large_free}) {
+      for (block const* b : *pool) {
+        largest = std::max(largest, b->size);
+        total_free += b->size;
+      }
+    }
+    double const peak_alloc = static_cast<double>(st.allocated_bytes[pool_all].peak);
+    double const peak_res = static_cast<double>(st.reserved_bytes[pool_all].peak);
+    j["fragmentation"] = {
+        {"peak", peak_res > 0 ? 1.0 - peak_alloc / peak_res : 0.0},
+        {"free", total_free > 0 ? 1.0 - static_cast<double>(largest) / static_cast<double>(total_free) : 0.0},
+        {"largest_free_block", largest},
+        {"total_free", total_free}};
+    j["options"] = {{"small_size", opts.small_size},
+                    {"small_segment_size", opts.small_segment_size},
+                    {"large_segment_size", opts.large_segment_size},
+                    {"min_large_alloc", opts.min_large_alloc},
+                    {"round_large", opts.round_large},
+                    {"memory_limit", opts.memory_limit},
+                    {"max_request", opts.max_request}};
+    j["name"] = stats_name;
+    return j;
+  }
+};
+
+// ---- public interface ------------------------------------------------------------
+
+caching_allocator::caching_allocator(device::backend& be, allocator_options opts) {
+  auto const multiple = [](std::size_t n) { return n > 0 && n % k_min_block == 0; };
+  GACT_EXPECTS(!opts.name.empty(), "caching_allocator: options.name must not be empty");
+  GACT_EXPECTS(opts.small_size > 0 && round_size(opts.small_size) <= opts.small_segment_size,
+               "caching_allocator: small_size (" + std::to_string(opts.small_size) +
+                   ") must be positive and fit in small_segment_size (" + std::to_string(opts.small_segment_size) + ")");
+  GACT_EXPECTS(multiple(opts.small_segment_size) && multiple(opts.large_segment_size) && multiple(opts.round_large),
+               "caching_allocator: small_segment_size, large_segment_size and round_large must be positive "
+               "multiples of 512");
+  GACT_EXPECTS(opts.min_large_alloc > opts.small_size && opts.large_segment_size >= opts.min_large_alloc,
+               "caching_allocator: need small_size < min_large_alloc <= large_segment_size");
+  GACT_EXPECTS(opts.max_request >= k_min_block && opts.max_request <= (std::size_t{1} << 56),
+               "caching_allocator: max_request must be in [512, 2^56]");
+  impl_ = std::make_unique<impl>(be, std::move(opts));
+  auto [token, name] = stats::register_unique_provider("allocators/" + impl_->opts.name,
+                                                       [this] { return stats_json(); });
+  impl_->stats_token = token;
+  impl_->stats_name = name.substr(std::string_view("allocators/").size());
+  stats::install_dump_triggers();
+}
+
+caching_allocator::~caching_allocator() {
+  stats::unregister_provider(impl_->stats_token);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl& m = *impl_;
+  try {
+    m.release_cached();
+  } catch (std::exception const& e) {
+    GACT_LOG_ERROR("allocator '{}': releasing the cache at destruction failed: {}", m.stats_name, e.what());
+  }
+  if (m.live.size() > 0 || !m.pending.empty()) {
+    GACT_LOG_WARN("allocator '{}' destroyed with {} live blocks ({} bytes); their segments are not released",
+                  m.stats_name, m.live.size(), m.st.allocated_bytes[pool_all].current);
+  }
+  for (device::event_t e : m.spare_events) m.be.destroy_event(e);
+  for (pending_event const& pe : m.pending) m.be.destroy_event(pe.event);
+}
+
+void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream) {
+  return allocate(bytes, stream, current_tag());
+}
+
+void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, tag_id tag) {
+  impl& m = *impl_;
+  if (bytes == 0 || bytes > m.opts.max_request) [[unlikely]] {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (bytes == 0) {
+      ++m.st.zero_size;
+      return nullptr;
+    }
+    ++m.st.invalid_size;
+    GACT_FAIL("allocator '" + m.stats_name + "': request of " + std::to_string(bytes) +
+              " bytes exceeds max_request (" + std::to_string(m.opts.max_request) + ")");
+  }
+  if (tag >= k_max_tags) tag = tag_other;
+  std::size_t const size = round_size(bytes);
+  bool const small = size <= m.opts.small_size;
+
+  std::lock_guard<std::mutex> lock(m.mu);
+  if (!m.pending.empty()) m.process_events();
+  block* b = m.find_free(small, size, stream);
+  if (b != nullptr) [[likely]] {
+    m.erase_free(b);
+  } else {
+    std::size_t const seg = m.segment_size(size);
+    b = m.try_new_segment(seg, small, stream);
+    if (b == nullptr) {
+      m.release_cached();
+      ++m.st.num_alloc_retries;
+      b = m.find_free(small, size, stream);  // freed pending blocks may serve it now
+      if (b != nullptr) {
+        m.erase_free(b);
+      } else {
+        b = m.try_new_segment(seg, small, stream);
+        if (b == nullptr) m.throw_oom(bytes, seg);
+      }
+    }
+  }
+
+  if (std::size_t const remaining = b->size - size; m.should_split(small, remaining)) {
+    block* r = m.records.make();
+    r->ptr = b->ptr + size;
+    r->size = remaining;
+    r->stream = b->stream;
+    r->small = small;
+    r->prev = b;
+    r->next = b->next;
+    if (r->next != nullptr) r->next->prev = r;
+    b->next = r;
+    b->size = size;
+    m.insert_free(r);
+  }
+  b->state = block_state::allocated;
+  b->requested = bytes;
+  b->tag = tag;
+  m.live.insert(b->ptr, b);
+  m.count_alloc(b, bytes, tag);
+  return reinterpret_cast<void*>(b->ptr);
+}
+
+void caching_allocator::deallocate(void* p) noexcept {
+  if (p == nullptr) return;
+  impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  auto const addr = reinterpret_cast<std::uintptr_t>(p);
+  block* b = m.live.find(addr);
+  if (b == nullptr) [[unlikely]] {
+    m.bad_free(p);
+    return;
+  }
+  m.live.erase(addr);
+  m.count_free(b);
+  try {
+    if (b->stream_uses.empty()) [[likely]] {
+      m.free_block(b);
+      return;
+    }
+    // Used on other streams: the memory is reusable once an event recorded now on each
+    // of them has completed.
+    b->state = block_state::pending;
+    bool leaked = false;
+    for (device::stream_t s : b->stream_uses) {
+      try {
+        device::event_t const e = m.acquire_event();
+        try {
+          m.be.record(e, s);
+        } catch (...) {
+          m.spare_events.push_back(e);
+          throw;
+        }
+        m.pending.push_back({e, b});
+        ++b->event_count;
+      } catch (std::exception const& e) {
+        // No event: wait for the stream now rather than reuse memory it may still touch.
+        try {
+          m.be.synchronize_stream(s);
+        } catch (std::exception const& e2) {
+          leaked = true;
+          GACT_LOG_ERROR("allocator '{}': cannot record or wait for stream {:#x} ({}; {}); block {} is kept "
+                         "out of use",
+                         m.stats_name, s, e.what(), e2.what(), p);
+        }
+      }
+    }
+    b->stream_uses.clear();
+    if (b->event_count == 0 && !leaked) m.free_block(b);
+  } catch (std::exception const& e) {
+    // Only host allocation failure (bad_alloc) can reach here; the block stays out of use.
+    GACT_LOG_ERROR("allocator '{}': free of {} failed: {}", m.stats_name, p, e.what());
+  }
+}
+
+void caching_allocator::record_stream(void* p, device::stream_t stream) {
+  impl& m = *impl_;
+  std::lock_guard<std::mutex> lock(m.mu);
+  block* b = m.live.find(reinterpret_cast<std::uintptr_t>(p));
+  GACT_EXPECTS(b != nullptr, "allocator '" + m.stats_name + "': record_stream on a pointer it did not allocate");
+  if (stream == b->stream) return;
+  if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
+    b->stream_uses.push_back(stream);
+  }
+}
+
+void caching_allocator::empty_cache() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->release_cached();
+}
+
+std::size_t caching_allocator::block_size(void const* p) const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  block const* b = impl_->live.find(reinterpret_cast<std::uintptr_t>(p));
+  return b == nullptr ? 0 : b->size;
+}
+
+bool caching_allocator::owns(void const* p) const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->live.find(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+}
+
+nlohmann::json caching_allocator::stats_json() const {
+  nlohmann::json j;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    j = impl_->stats_json_locked();
+  }
+  // The backend may make a device call here (cudaMemGetInfo): outside the lock.
+  device::mem_info const info = impl_->be.memory_info();
+  j["backend"] = {{"name", std::string(impl_->be.name())},
+                  {"kind", static_cast<int>(impl_->be.kind())},
+                  {"free_bytes", info.free_bytes},
+                  {"total_bytes", info.total_bytes}};
+  return j;
+}
+
+allocator_stats caching_allocator::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->st;
+}
+
+std::string const& caching_allocator::stats_name() const noexcept { return impl_->stats_name; }
+
+void caching_allocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->st.reset_peak();
+  for (tag_stat& t : impl_->tags) {
+    t.peak_bytes = t.current_bytes;
+    t.peak_count = t.current_count;
+  }
+}
+
+void caching_allocator::reset_accumulated_stats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->st.reset_accumulated();
+  for (tag_stat& t : impl_->tags) t.total_allocs = 0;
+}
+
+std::size_t caching_allocator::reserved_bytes() const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current);
+}
+
+std::size_t caching_allocator::allocated_bytes() const noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return static_cast<std::size_t>(impl_->st.allocated_bytes[pool_all].current);
+}
+
+device::backend& caching_allocator::backend() const noexcept { return impl_->be; }
+
+allocator_options const& caching_allocator::options() const noexcept { return impl_->opts; }
+
+}  // namespace gact::alloc

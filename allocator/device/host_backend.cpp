@@ -1,0 +1,93 @@
+// gact/allocator/device/host_backend.cpp — host memory behind device::backend
+// (see host_backend.hpp). All system calls of the host backend live here.
+#include "allocator/device/host_backend.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "allocator/error.hpp"
+#include "allocator/log.hpp"
+
+namespace gact::device {
+namespace {
+
+std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 1) / to * to; }
+
+[[noreturn]] void throw_oom(std::size_t bytes, std::size_t reserved, std::size_t capacity,
+                            char const* why) {
+  throw out_of_memory("host backend: cannot reserve " + std::to_string(bytes) +
+                      " bytes (reserved " + std::to_string(reserved) + ", capacity " +
+                      (capacity == 0 ? std::string("none") : std::to_string(capacity)) +
+                      "): " + why);
+}
+
+}  // namespace
+
+void* host_backend::do_reserve(std::size_t bytes) {
+  GACT_EXPECTS(bytes > 0, "host_backend::reserve: size must be positive");
+  // Claim the bytes against the capacity first, so that concurrent reserves never overshoot it.
+  std::size_t const before = reserved_.fetch_add(bytes, std::memory_order_relaxed);
+  if (capacity_ != 0 && (before + bytes > capacity_ || before + bytes < before)) {
+    reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+    throw_oom(bytes, before, capacity_, "capacity reached");
+  }
+  void* p = nullptr;
+  if (bytes >= k_mmap_threshold) {
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+               -1, 0);
+    if (p == MAP_FAILED) p = nullptr;
+  } else {
+    p = std::aligned_alloc(k_alignment, round_up(bytes, k_alignment));
+  }
+  if (p == nullptr) {
+    int const err = errno;
+    reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+    throw_oom(bytes, before, capacity_, std::strerror(err));
+  }
+  return p;
+}
+
+void host_backend::do_release(void* p, std::size_t bytes) noexcept {
+  if (p == nullptr) return;
+  if (bytes >= k_mmap_threshold) {
+    if (::munmap(p, bytes) != 0) {
+      GACT_WARN_CAPPED(8, "host_backend: munmap({}, {}) failed: {}", p, bytes, std::strerror(errno));
+      return;
+    }
+  } else {
+    std::free(p);
+  }
+  reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+stream_t host_backend::do_create_stream() { return next_handle_.fetch_add(1, std::memory_order_relaxed); }
+
+event_t host_backend::do_create_event() { return next_handle_.fetch_add(1, std::memory_order_relaxed); }
+
+void host_backend::do_copy_async(void* dst, void const* src, std::size_t bytes, stream_t) {
+  if (bytes == 0) return;
+  GACT_EXPECTS(dst != nullptr && src != nullptr, "host_backend::copy_async: null pointer");
+  std::memmove(dst, src, bytes);
+}
+
+mem_info host_backend::do_memory_info() {
+  long const page = ::sysconf(_SC_PAGESIZE);
+  long const phys = ::sysconf(_SC_PHYS_PAGES);
+  long const avail = ::sysconf(_SC_AVPHYS_PAGES);
+  mem_info info;
+  if (page > 0 && phys > 0) info.total_bytes = std::size_t(phys) * std::size_t(page);
+  if (page > 0 && avail > 0) info.free_bytes = std::size_t(avail) * std::size_t(page);
+  if (capacity_ != 0) {
+    std::size_t const used = reserved_.load(std::memory_order_relaxed);
+    info.total_bytes = capacity_;
+    info.free_bytes = used >= capacity_ ? 0 : capacity_ - used;
+  }
+  return info;
+}
+
+}  // namespace gact::device

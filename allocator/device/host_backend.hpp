@@ -1,0 +1,67 @@
+// gact/allocator/device/host_backend.hpp
+//
+// The host backend: device::backend over ordinary host memory. It is a real
+// feature (activation compression for CPU training, a capped host pool) and the
+// backend every layer above the device is tested on where no GPU exists.
+//
+// Memory: segments of at least k_mmap_threshold bytes come from anonymous
+// mmap (page aligned, MAP_NORESERVE), so untouched pages cost no physical
+// memory; smaller ones from aligned_alloc with k_alignment. Streams run inline:
+// copy_async is a memmove done before it returns, so every event is complete
+// as soon as it is recorded and synchronization never waits.
+//
+// An optional capacity turns the backend into a bounded pool: a reserve that
+// would take the bytes reserved past the capacity throws gact::out_of_memory,
+// which is how tests drive the caching allocator's release-and-retry path.
+//
+// Thread-safe: the only shared state is atomic.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "allocator/device/backend.hpp"
+
+namespace gact::device {
+
+class host_backend final : public backend {
+ public:
+  /// Every pointer reserve() returns is aligned to this many bytes.
+  static constexpr std::size_t k_alignment = 512;
+  /// Requests of at least this size are served by mmap (page-aligned, lazily backed).
+  static constexpr std::size_t k_mmap_threshold = std::size_t{256} << 10;
+
+  /// @param capacity bytes that may be reserved at once; 0 = no cap beyond what the OS gives.
+  explicit host_backend(std::size_t capacity = 0) noexcept : capacity_(capacity) {}
+  ~host_backend() override = default;
+
+  /// The cap given at construction (0 = none).
+  std::size_t capacity() const noexcept { return capacity_; }
+  /// Bytes currently reserved and not yet released.
+  std::size_t reserved_bytes() const noexcept { return reserved_.load(std::memory_order_relaxed); }
+
+ private:
+  void* do_reserve(std::size_t bytes) override;
+  void do_release(void* p, std::size_t bytes) noexcept override;
+  stream_t do_create_stream() override;
+  void do_destroy_stream(stream_t) noexcept override {}
+  event_t do_create_event() override;
+  void do_destroy_event(event_t) noexcept override {}
+  void do_record(event_t, stream_t) override {}
+  bool do_query(event_t) override { return true; }
+  void do_wait(stream_t, event_t) override {}
+  void do_synchronize(event_t) override {}
+  void do_synchronize_stream(stream_t) override {}
+  void do_copy_async(void* dst, void const* src, std::size_t bytes, stream_t s) override;
+  mem_info do_memory_info() override;
+  memory_kind do_kind() const noexcept override { return memory_kind::host; }
+  std::string_view do_name() const noexcept override { return "host"; }
+
+  std::size_t const capacity_;
+  std::atomic<std::size_t> reserved_{0};      // sum of the sizes of live reservations
+  std::atomic<std::uintptr_t> next_handle_{1};  // streams and events; 0 is the default stream
+};
+
+}  // namespace gact::device
