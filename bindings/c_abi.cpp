@@ -1,0 +1,197 @@
+// gact/bindings/c_abi.cpp
+//
+// The C ABI of libgact.so (declared in bindings/gact.h): PyTorch's
+// CUDAPluggableAllocator entry points over one caching allocator per device,
+// plus tags and statistics. Thin by design: every function forwards to the
+// core and converts failures, because nothing may cross a C boundary as an
+// exception. Allocation failures become nullptr with a rate-limited log line;
+// everything else is logged and counted by the core.
+//
+// Streams: PyTorch passes the allocation stream to both alloc and free, and
+// reports other streams through the record-stream hook; the caching allocator
+// keeps blocks per stream, so the `stream` argument of gact_free is not needed.
+#include "bindings/gact.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "allocator/stats_registry.hpp"
+#include "allocator/tags.hpp"
+#include "bindings/device_allocators.hpp"
+
+namespace {
+
+using gact::bindings::device_allocators;
+
+/// The allocators of this library (never destroyed; see device_allocators.hpp).
+device_allocators& allocators() {
+  static device_allocators* const a = [] {
+    auto* p = new device_allocators(gact::device::direct_cuda_api(), "cuda");
+    gact::stats::install_dump_triggers();
+    return p;
+  }();
+  return *a;
+}
+
+/// Log an exception escaping an entry point (capped per call site by the caller's macro).
+char const* what_of(std::exception_ptr e) noexcept {
+  try {
+    std::rethrow_exception(e);
+  } catch (std::exception const& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void* gact_alloc(ssize_t size, int device, cudaStream_t stream) {
+  if (size <= 0) {
+    if (size < 0) {
+      GACT_WARN_CAPPED(8, "gact_alloc: negative size {} on device {}", static_cast<long long>(size), device);
+    }
+    return nullptr;
+  }
+  try {
+    return allocators().get(device).allocate(static_cast<std::size_t>(size), gact::device::to_handle(stream));
+  } catch (gact::out_of_memory const& e) {
+    GACT_WARN_CAPPED(16, "gact_alloc({} bytes, device {}): {}", static_cast<long long>(size), device, e.what());
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_alloc({} bytes, device {}) failed: {}", static_cast<long long>(size), device,
+                     what_of(std::current_exception()));
+  }
+  return nullptr;
+}
+
+void gact_free(void* ptr, ssize_t size, int device, cudaStream_t /*stream*/) {
+  if (ptr == nullptr) {
+    return;
+  }
+  try {
+    gact::alloc::caching_allocator* a = allocators().peek(device);
+    if (a == nullptr || !a->owns(ptr)) {
+      // A wrong device argument must not leak the block: find its owner.
+      a = allocators().owner(ptr);
+    }
+    if (a == nullptr) {
+      if (gact::alloc::caching_allocator* any = allocators().peek(device)) {
+        any->deallocate(ptr);  // counted and logged as a bad free in that allocator's stats
+      } else {
+        GACT_WARN_CAPPED(16, "gact_free({}, {} bytes, device {}): not allocated by gact (ignored)", ptr,
+                         static_cast<long long>(size), device);
+      }
+      return;
+    }
+    a->deallocate(ptr);
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_free({}) failed: {}", ptr, what_of(std::current_exception()));
+  }
+}
+
+void gact_record_stream(void* ptr, cudaStream_t stream) {
+  if (ptr == nullptr) {
+    return;
+  }
+  try {
+    gact::alloc::caching_allocator* a = allocators().owner(ptr);
+    if (a == nullptr) {
+      GACT_WARN_CAPPED(16, "gact_record_stream({}): not allocated by gact (ignored)", ptr);
+      return;
+    }
+    a->record_stream(ptr, gact::device::to_handle(stream));
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_record_stream({}) failed: {}", ptr, what_of(std::current_exception()));
+  }
+}
+
+void gact_empty_cache(void) {
+  try {
+    allocators().for_each([](int, gact::alloc::caching_allocator& a) { a.empty_cache(); });
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_empty_cache failed: {}", what_of(std::current_exception()));
+  }
+}
+
+void gact_init(int device) {
+  try {
+    (void)allocators().get(device);
+    gact::stats::install_dump_triggers();  // GACT_STATS_PATH may have been set since
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_init({}) failed: {}", device, what_of(std::current_exception()));
+  }
+}
+
+void gact_set_memory_fraction(double fraction, int device) {
+  try {
+    if (!allocators().set_memory_fraction(fraction, device)) {
+      GACT_WARN_CAPPED(8,
+                       "gact_set_memory_fraction({}, {}): the device's allocator exists already; the "
+                       "fraction applies only before its first allocation (use GACT_MEMORY_LIMIT)",
+                       fraction, device);
+    }
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_set_memory_fraction({}, {}) failed: {}", fraction, device,
+                     what_of(std::current_exception()));
+  }
+}
+
+int gact_push_tag(char const* name) {
+  if (name == nullptr) {
+    GACT_WARN_CAPPED(8, "gact_push_tag(NULL) ignored");
+    return -1;
+  }
+  try {
+    gact::alloc::tag_id const id = gact::alloc::intern_tag(name);
+    gact::alloc::push_tag(id);
+    return static_cast<int>(id);
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_push_tag(\"{}\") failed: {}", name, what_of(std::current_exception()));
+    return -1;
+  }
+}
+
+void gact_pop_tag(void) { gact::alloc::pop_tag(); }
+
+char* gact_stats_json(void) {
+  try {
+    (void)allocators();  // arm the dump triggers like every other entry point
+    std::string const text = gact::stats::document().dump();
+    auto* out = static_cast<char*>(std::malloc(text.size() + 1));
+    if (out == nullptr) {
+      return nullptr;
+    }
+    std::memcpy(out, text.c_str(), text.size() + 1);
+    return out;
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_stats_json failed: {}", what_of(std::current_exception()));
+    return nullptr;
+  }
+}
+
+void gact_free_string(char* s) { std::free(s); }
+
+int gact_dump_stats(char const* path) {
+  try {
+    std::string target = path != nullptr ? path : "";
+    if (target.empty()) {
+      char const* env = std::getenv("GACT_STATS_PATH");
+      target = env != nullptr ? env : "";
+    }
+    if (target.empty()) {
+      GACT_WARN_CAPPED(8, "gact_dump_stats: no path given and GACT_STATS_PATH is not set");
+      return -1;
+    }
+    gact::stats::dump(target);
+    return 0;
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_dump_stats failed: {}", what_of(std::current_exception()));
+    return -1;
+  }
+}
+
+}  // extern "C"

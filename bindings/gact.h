@@ -1,0 +1,58 @@
+/* gact/bindings/gact.h
+ *
+ * The C ABI of libgact.so: gact's caching allocator as PyTorch's pluggable CUDA
+ * allocator, plus allocation tags and statistics. Every function catches every
+ * failure: an allocation that cannot be served returns NULL after one
+ * (rate-limited) log line; nothing throws or aborts across this boundary.
+ *
+ * With PyTorch (before any CUDA tensor exists):
+ *   a = torch.cuda.memory.CUDAPluggableAllocator("libgact.so", "gact_alloc", "gact_free")
+ *   torch.cuda.memory.change_current_allocator(a)
+ * and optionally the hooks: a.allocator().set_record_stream_fn(gact_record_stream),
+ * set_reset_fn(gact_empty_cache), set_init_fn(gact_init),
+ * set_memory_fraction_fn(gact_set_memory_fraction) (function pointers from ctypes).
+ */
+#ifndef GACT_BINDINGS_GACT_H
+#define GACT_BINDINGS_GACT_H
+
+#include <cuda_runtime_api.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Allocate `size` bytes on `device` for use on `stream` (PyTorch's alloc signature).
+ *  Returns NULL for size <= 0, a bad device, or when memory is exhausted (after the
+ *  cache was released and the request retried). The calling thread's current tag is recorded. */
+void* gact_alloc(ssize_t size, int device, cudaStream_t stream);
+/** Free a pointer from gact_alloc (PyTorch's free signature; `size` and `stream` are those
+ *  of the allocation and are not needed). NULL is ignored; a foreign pointer is logged and counted. */
+void gact_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
+/** Mark `ptr` as used on `stream` too: its memory is not reused before the work queued on
+ *  `stream` at free time has completed. Unknown pointers are logged. */
+void gact_record_stream(void* ptr, cudaStream_t stream);
+/** Release every cached free segment of every device to the runtime. */
+void gact_empty_cache(void);
+/** Create the allocator of `device` now (otherwise done on its first allocation) and arm the
+ *  stats dump triggers (GACT_STATS_PATH). */
+void gact_init(int device);
+/** Cap `device` at `fraction` (0 < fraction <= 1) of its memory; effective only before the
+ *  device's first allocation (logged otherwise). */
+void gact_set_memory_fraction(double fraction, int device);
+/** Push the tag `name` on the calling thread's stack; returns its id, or -1 on a bad name. */
+int gact_push_tag(char const* name);
+/** Pop the calling thread's top tag (an empty stack is counted, never an error). */
+void gact_pop_tag(void);
+/** The stats document as JSON text (free it with gact_free_string), or NULL on failure. */
+char* gact_stats_json(void);
+/** Free a string returned by gact_stats_json. */
+void gact_free_string(char* s);
+/** Write the stats document to `path` (NULL or "": GACT_STATS_PATH). Returns 0, or -1 on failure. */
+int gact_dump_stats(char const* path);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GACT_BINDINGS_GACT_H */
