@@ -249,6 +249,7 @@ struct options {
   random_options random;
   std::string trace_path;
   std::size_t passes = 5;
+  std::size_t min_ops = 200000;
   std::size_t pairs = 5000000;
   std::size_t pair_bytes = 4096;
   std::size_t sample_every = 8;
@@ -270,7 +271,9 @@ constexpr char const* k_usage =
     "  --alloc-prob P     probability that a random step allocates (default 0.73)\n"
     "  --seed S           seed of the random workload (default 42)\n"
     "  --trace PATH       allocation trace, plain or gzip (default: the committed ResNet-50 step)\n"
-    "  --passes N         timed passes over each workload (default 5)\n"
+    "  --passes N         timed passes over each workload (default 5; more for a short workload,\n"
+    "                     until a pass set has at least --min-ops operations)\n"
+    "  --min-ops N        operations timed per workload at least (default 200000)\n"
     "  --pairs N          alloc+free pairs of the cached-path test (default 5000000)\n"
     "  --pair-size B      request size of the cached-path test (default 4096)\n"
     "  --sample-every K   time every K-th operation for the percentiles (default 8)\n"
@@ -325,6 +328,7 @@ options parse_args(int argc, char** argv) {
     } else if (a == "--quick") {
       o.random.ops = 20000;
       o.passes = 2;
+      o.min_ops = 10000;
       o.pairs = 200000;
     } else if (a == "--only") {
       o.run_random = o.run_trace = o.run_cached = false;
@@ -357,6 +361,8 @@ options parse_args(int argc, char** argv) {
       o.trace_path = value();
     } else if (a == "--passes") {
       o.passes = count(value());
+    } else if (a == "--min-ops") {
+      o.min_ops = count(value());
     } else if (a == "--pairs") {
       o.pairs = count(value());
     } else if (a == "--pair-size") {
@@ -453,8 +459,9 @@ int run(options const& o) {
                 "p99 ns");
   }
   for (workload const& w : loads) {
+    std::size_t const passes = std::max(o.passes, (o.min_ops + w.ops.size() - 1) / w.ops.size());
     malloc_resource m;
-    result const rm = measure(w, m, o.passes, o.sample_every, tk);
+    result const rm = measure(w, m, passes, o.sample_every, tk);
     std::vector<result> rs{rm};
     nlohmann::json wj = {{"workload", w.name},
                          {"ops", w.ops.size()},
@@ -464,7 +471,7 @@ int run(options const& o) {
 #ifdef GACT_BENCH_HAVE_GACT
     cache.emplace(backend, aopts);  // fresh allocator: peaks belong to this workload only
     gact_resource g{&*cache};
-    rs.push_back(measure(w, g, o.passes, o.sample_every, tk));
+    rs.push_back(measure(w, g, passes, o.sample_every, tk));
     alloc::allocator_stats const st = cache->stats();
     double const peak_alloc = static_cast<double>(st.allocated_bytes[alloc::pool_all].peak);
     double const peak_res = static_cast<double>(st.reserved_bytes[alloc::pool_all].peak);

@@ -11,10 +11,13 @@
 // memalign, valloc. Each forwards to glibc's own entry points (__libc_malloc,
 // ...), so no dlsym bootstrap is needed. While recording is on (between
 // gact_tracer_start and gact_tracer_stop), every block of at least `min_bytes`
-// gets a sequential id and an "a <id> <bytes>" event; freeing a recorded block
+// made through the selected entry points (plain malloc/calloc/realloc, the
+// aligned ones, or both: PyTorch's CPU tensor storage comes from
+// posix_memalign) gets a sequential id and an "a <id> <bytes>" event; freeing a recorded block
 // gives "f <id>". Blocks made before start, or smaller than min_bytes, are not
 // recorded and their frees are ignored. realloc of a recorded block is a free
-// of the old id and an allocation of a new one.
+// of the old id and an allocation of a new one (a failed realloc, which leaves
+// the old block live, is still recorded as its free: the one inexact case).
 //
 // Nothing here calls malloc while recording: the address table and the event
 // log live in anonymous mmap memory, and one spin lock guards both (the real
@@ -66,6 +69,7 @@ event* g_log = nullptr;
 std::size_t g_events = 0;
 std::uint64_t g_next_id = 1;
 std::size_t g_min_bytes = 512;
+unsigned g_sources = 3;  // gact_tracer_source_* bits recorded
 bool g_overflow = false;
 
 struct lock_guard {
@@ -132,8 +136,11 @@ void record_free(void* p) noexcept {
   g_table[hole] = slot{0, 0};
 }
 
-void on_alloc(void* p, std::size_t bytes) noexcept {
-  if (p == nullptr || bytes < g_min_bytes || !g_on.load(std::memory_order_relaxed)) return;
+/// Which entry point made a block (bits of gact_tracer_start's `sources`).
+enum source : unsigned { source_plain = 1, source_aligned = 2 };
+
+void on_alloc(void* p, std::size_t bytes, source src) noexcept {
+  if (p == nullptr || bytes < g_min_bytes || (g_sources & src) == 0 || !g_on.load(std::memory_order_relaxed)) return;
   lock_guard g;
   if (g_on.load(std::memory_order_relaxed)) record_alloc(p, bytes);
 }
@@ -148,9 +155,13 @@ void on_free(void* p) noexcept {
 
 extern "C" {
 
-/// Begin recording blocks of at least `min_bytes` (earlier recordings are discarded).
-/// @returns 0, or -1 when the tracer's memory could not be mapped (errno set).
-__attribute__((visibility("default"))) int gact_tracer_start(std::size_t min_bytes) {
+/// Begin recording blocks of at least `min_bytes` (earlier recordings are discarded) made
+/// through the entry points in `sources`: bit 0 malloc/calloc/realloc, bit 1
+/// posix_memalign/memalign/aligned_alloc/valloc (PyTorch's CPU tensor storage and oneDNN
+/// buffers come from posix_memalign). Frees are recorded for every recorded block.
+/// @returns 0; -1 when the tracer's memory could not be mapped; -2 for sources == 0.
+__attribute__((visibility("default"))) int gact_tracer_start(std::size_t min_bytes, unsigned sources) {
+  if ((sources & 3u) == 0) return -2;
   lock_guard g;
   if (g_table == nullptr) {
     g_table = static_cast<slot*>(map_zeroed(k_table_slots * sizeof(slot)));
@@ -163,6 +174,7 @@ __attribute__((visibility("default"))) int gact_tracer_start(std::size_t min_byt
   g_next_id = 1;
   g_overflow = false;
   g_min_bytes = min_bytes;
+  g_sources = sources & 3u;
   g_on.store(true, std::memory_order_release);
   return 0;
 }
@@ -205,13 +217,13 @@ __attribute__((visibility("default"))) std::size_t gact_tracer_live() {
 
 void* malloc(std::size_t bytes) {
   void* p = __libc_malloc(bytes);
-  on_alloc(p, bytes);
+  on_alloc(p, bytes, source_plain);
   return p;
 }
 
 void* calloc(std::size_t n, std::size_t size) {
   void* p = __libc_calloc(n, size);
-  on_alloc(p, n * size);  // no overflow: calloc returned non-null only when n*size fits
+  on_alloc(p, n * size, source_plain);  // no overflow: calloc returned non-null only when n*size fits
   return p;
 }
 
@@ -228,13 +240,13 @@ void* realloc(void* p, std::size_t bytes) {
   }
   on_free(p);
   void* q = __libc_realloc(p, bytes);
-  on_alloc(q, bytes);
+  on_alloc(q, bytes, source_plain);
   return q;
 }
 
 void* memalign(std::size_t align, std::size_t bytes) {
   void* p = __libc_memalign(align, bytes);
-  on_alloc(p, bytes);
+  on_alloc(p, bytes, source_aligned);
   return p;
 }
 
@@ -247,7 +259,7 @@ int posix_memalign(void** out, std::size_t align, std::size_t bytes) {
   void* p = __libc_memalign(align, bytes);
   if (p == nullptr && bytes != 0) return ENOMEM;
   *out = p;
-  on_alloc(p, bytes);
+  on_alloc(p, bytes, source_aligned);
   return 0;
 }
 
