@@ -1,0 +1,77 @@
+"""gact: train with far less memory by compressing the activations autograd saves.
+
+Saved tensors are quantized per group of 256 elements to 1/2/4/8 bits with
+unbiased stochastic rounding (the GACT method), stored in gact's own caching
+allocator, and decoded when backward needs them::
+
+    import gact
+    comp = gact.Compressor(model, bits=4)
+    for x, y in loader:
+        with comp:
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        comp.step()
+    print(comp.stats())
+
+Also: :func:`stats` / :func:`dump_stats` (the whole statistics document),
+:func:`use_allocator` (gact as torch's CUDA allocator), :func:`options` /
+:func:`configure` (the settings table), :mod:`gact.codecs` (encode/decode blobs
+directly), and the ``gact-run`` command (compress an unmodified script).
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+try:
+    import _gact as _C
+except ImportError as e:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "gact: the extension module _gact is missing or failed to load "
+        f"({e}); build gact and run inside `meson devenv -C <builddir>`, or `pip install .`"
+    ) from e
+
+from . import codecs
+from .allocator import use_allocator
+from .compressor import Compressor
+from .options import configure, options
+
+__version__ = _C.__version__
+
+GactError = _C.GactError
+CorruptBlobError = _C.CorruptBlobError
+
+__all__ = [
+    "Compressor",
+    "stats",
+    "dump_stats",
+    "install_dump_triggers",
+    "use_allocator",
+    "options",
+    "configure",
+    "codecs",
+    "GactError",
+    "CorruptBlobError",
+    "__version__",
+]
+
+
+def stats() -> dict:
+    """The whole statistics document (schema_version, allocators, store, codecs, ...) as a dict:
+    the same document :func:`dump_stats` writes."""
+    return _C.stats_document()
+
+
+def dump_stats(path: str | _os.PathLike) -> None:
+    """Write the statistics document to ``path`` as JSON (atomically: temp file + rename).
+
+    Raises:
+        gact.GactError: naming the path when it cannot be written.
+    """
+    _C.stats_dump(_os.fspath(path))
+
+
+def install_dump_triggers() -> None:
+    """If GACT_STATS_PATH is set, dump the stats there at exit and on SIGUSR1."""
+    _C.install_dump_triggers()

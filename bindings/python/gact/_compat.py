@@ -1,0 +1,78 @@
+"""What differs between the torch versions gact supports (1.13 CPU to 2.x CUDA).
+
+Everything version-dependent is detected here once, by feature rather than by
+version number, so the rest of the package reads the same on every torch:
+
+* storage identity: ``Tensor.untyped_storage()`` (2.x) or ``Tensor.storage()``
+  (1.13, a TypedStorage; calling it on 2.x warns, so it is only the fallback);
+* global saved-tensor hooks: ``torch._C._autograd._push_saved_tensors_default_hooks``
+  (1.11+), else an entered ``torch.autograd.graph.saved_tensors_hooks``;
+* the optimizer step hook: ``torch.optim.optimizer.register_optimizer_step_post_hook``
+  (2.0+), else a wrapper installed on each optimizer class;
+* the pluggable CUDA allocator: ``torch.cuda.memory.CUDAPluggableAllocator`` (2.0+).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.optim.optimizer as _optim_mod
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+
+HAS_UNTYPED_STORAGE = hasattr(torch.Tensor, "untyped_storage")
+HAS_DEFAULT_HOOKS = hasattr(torch._C._autograd, "_push_saved_tensors_default_hooks")
+HAS_OPTIMIZER_POST_HOOK = hasattr(_optim_mod, "register_optimizer_step_post_hook")
+HAS_PLUGGABLE_ALLOCATOR = hasattr(torch.cuda, "memory") and hasattr(torch.cuda.memory, "CUDAPluggableAllocator")
+HAS_GLOBAL_MODULE_HOOKS = hasattr(torch.nn.modules.module, "register_module_forward_pre_hook") and hasattr(
+    torch.nn.modules.module, "register_module_forward_hook"
+)
+
+# torch dtype -> the name the C++ core parses; dtypes missing here are never stored.
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float64: "float64",
+}
+NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+# dtypes the quant codec encodes; bool and uint8 go to the mask codec (uint8 only when 0/1).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """Address of the storage behind ``t`` (shared by all views of one tensor)."""
+    if HAS_UNTYPED_STORAGE:
+        return t.untyped_storage().data_ptr()
+    return t.storage().data_ptr()
+
+
+def device_index(t: torch.Tensor) -> int:
+    """-1 for a CPU tensor, the CUDA device index otherwise."""
+    if t.device.type == "cpu":
+        return -1
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def current_stream(t: torch.Tensor) -> int:
+    """The current CUDA stream on ``t``'s device as an integer handle (0 on the CPU)."""
+    if t.device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def push_default_hooks(pack, unpack):
+    """Install process-wide saved-tensor hooks; returns a callable that removes them."""
+    if HAS_DEFAULT_HOOKS:
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        return torch._C._autograd._pop_saved_tensors_default_hooks
+    ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    ctx.__enter__()
+    return lambda: ctx.__exit__(None, None, None)

@@ -1,0 +1,314 @@
+// gact/bindings/python/module.cpp
+//
+// The _gact extension module: a thin pybind11 layer over the C++ core, with no
+// logic of its own. It never includes libtorch: the Python package hands it raw
+// data pointers, dtype names, shape/stride tuples, device indices and stream
+// handles as integers (DESIGN decision 4), so one build serves every torch
+// version from 1.13 on, CPU and CUDA.
+//
+// Process-wide state lives in one `runtime` object created at import and never
+// destroyed (Python finalizers may still release handles while the interpreter
+// shuts down): the options read from GACT_* variables, the host backend and its
+// caching allocator ("host"), per-device CUDA arenas created on first use, and
+// the activation store. Encode and decode release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "allocator/caching_allocator.hpp"
+#include "allocator/device/host_backend.hpp"
+#include "allocator/error.hpp"
+#include "allocator/options.hpp"
+#include "allocator/stats_registry.hpp"
+#include "allocator/store/activation_store.hpp"
+#include "allocator/tags.hpp"
+#include "codecs/codec.hpp"
+
+#if defined(GACT_HAVE_KERNELS)
+#include "allocator/device/cuda_backend.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+using gact::store::activation_store;
+
+struct runtime {
+  gact::options opts = gact::options::from_env();
+  gact::device::host_backend host_be;
+  gact::alloc::caching_allocator host_arena{host_be, host_options()};
+  activation_store store{host_arena, gact::store::store_options{static_cast<int>(opts.threads), "store"}};
+#if defined(GACT_HAVE_KERNELS)
+  std::mutex cuda_mu;
+  std::vector<std::unique_ptr<gact::device::cuda_backend>> cuda_backends;
+  std::vector<std::unique_ptr<gact::alloc::caching_allocator>> cuda_arenas;
+#endif
+
+  gact::alloc::allocator_options host_options() const {
+    gact::alloc::allocator_options o;
+    o.name = "host";
+    o.memory_limit = static_cast<std::size_t>(opts.memory_limit);
+    return o;
+  }
+
+  // Make sure the store has an arena for CUDA device `dev` (created on first use).
+  void ensure_device(int dev) {
+#if defined(GACT_HAVE_KERNELS)
+    std::lock_guard lock(cuda_mu);
+    for (auto const& a : cuda_backends) {
+      if (a->device() == dev) return;
+    }
+    auto be = std::make_unique<gact::device::cuda_backend>(dev);
+    gact::alloc::allocator_options o;
+    o.name = "cuda:" + std::to_string(dev) + "/activations";
+    auto arena = std::make_unique<gact::alloc::caching_allocator>(*be, o);
+    store.set_device_arena(dev, arena.get());
+    cuda_backends.push_back(std::move(be));
+    cuda_arenas.push_back(std::move(arena));
+#else
+    GACT_FAIL("gact: tensor on CUDA device " + std::to_string(dev) +
+              " but this build of gact has no CUDA kernels (rebuild with the CUDA toolkit)");
+#endif
+  }
+};
+
+runtime& rt() {
+  static runtime* r = new runtime();  // never destroyed: see the file comment
+  return *r;
+}
+
+std::vector<std::int64_t> to_vec(py::sequence const& s) {
+  std::vector<std::int64_t> v;
+  v.reserve(py::len(s));
+  for (auto const& x : s) v.push_back(x.cast<std::int64_t>());
+  return v;
+}
+
+gact::codec::codec_id parse_codec(std::string const& name) {
+  if (name == "quant") return gact::codec::codec_id::quant;
+  if (name == "raw") return gact::codec::codec_id::raw;
+  if (name == "mask") return gact::codec::codec_id::mask;
+  GACT_FAIL("codec: '" + name + "' is unknown; use quant, raw or mask");
+}
+
+py::object json_loads(std::string const& s) { return py::module_::import("json").attr("loads")(s); }
+
+}  // namespace
+
+PYBIND11_MODULE(_gact, m) {
+  m.doc() = "gact's C++ core (activation store, codecs, tags, stats, options); use the gact package";
+  m.attr("__version__") = GACT_VERSION;
+#if defined(GACT_HAVE_KERNELS)
+  m.attr("have_kernels") = true;
+#else
+  m.attr("have_kernels") = false;
+#endif
+
+  // Map gact's error types onto Python exceptions.
+  static py::exception<gact::error> gact_error(m, "GactError", PyExc_RuntimeError);
+  static py::exception<gact::corrupt_blob> corrupt(m, "CorruptBlobError", gact_error.ptr());
+  static py::exception<gact::out_of_memory> oom(m, "OutOfMemoryError", PyExc_MemoryError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (gact::corrupt_blob const& e) {
+      PyErr_SetString(corrupt.ptr(), e.what());
+    } catch (gact::invalid_argument const& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (gact::out_of_memory const& e) {
+      PyErr_SetString(oom.ptr(), e.what());
+    } catch (gact::error const& e) {
+      PyErr_SetString(gact_error.ptr(), e.what());
+    }
+  });
+
+  // ---- activation store ----------------------------------------------------------------
+  m.def(
+      "store_put",
+      [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
+         std::int64_t version, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
+         std::uintptr_t stream) {
+        gact::store::tensor_view v;
+        v.data = reinterpret_cast<void const*>(ptr);
+        v.dtype = gact::store::parse_dtype(dtype);
+        v.shape = to_vec(shape);
+        v.strides = to_vec(strides);
+        v.device = device;
+        v.version = version;
+        gact::store::put_params p{key, bits, group_size, seed, stream};
+        runtime& r = rt();
+        if (device >= 0) r.ensure_device(device);
+        py::gil_scoped_release nogil;
+        return r.store.put(v, p);
+      },
+      py::arg("ptr"), py::arg("dtype"), py::arg("shape"), py::arg("strides"), py::arg("device"),
+      py::arg("version"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
+      py::arg("stream") = 0,
+      "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index "
+      "(-1 = CPU), version counter); returns a handle.");
+  m.def(
+      "store_get",
+      [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream) {
+        runtime& r = rt();
+        py::gil_scoped_release nogil;
+        r.store.get(h, reinterpret_cast<void*>(dst), dst_bytes, stream);
+      },
+      py::arg("handle"), py::arg("dst"), py::arg("dst_bytes"), py::arg("stream") = 0,
+      "Decode a handle into dst (contiguous, dst_bytes bytes).");
+  m.def("store_release", [](std::uint64_t h) { return rt().store.release(h); }, py::arg("handle"),
+        "Drop one reference to a handle; returns the references left (0 = freed), -1 if unknown.");
+  m.def("store_forget", [](std::uint64_t h) { rt().store.forget(h); }, py::arg("handle"),
+        "The tensor saved under this handle died: never dedup against it again.");
+  m.def(
+      "store_info",
+      [](std::uint64_t h) {
+        gact::store::tensor_info i = rt().store.info(h);
+        py::dict d;
+        d["dtype"] = gact::store::dtype_name(i.dtype);
+        d["shape"] = py::tuple(py::cast(i.shape));
+        d["device"] = i.device;
+        d["codec"] = gact::codec::codec_name(i.codec);
+        d["bits"] = i.bits;
+        d["bytes_in"] = i.bytes_in;
+        d["bytes_stored"] = i.bytes_stored;
+        d["refcount"] = i.refcount;
+        return d;
+      },
+      py::arg("handle"));
+  m.def(
+      "store_note_skip",
+      [](std::string const& reason, std::size_t bytes) {
+        rt().store.note_skip(gact::store::parse_skip_reason(reason), bytes);
+      },
+      py::arg("reason"), py::arg("bytes"));
+  m.def("store_begin_step", [](std::uint64_t step) { rt().store.begin_step(step); }, py::arg("step"));
+  m.def("store_end_step", []() { return rt().store.end_step(); },
+        "End the step; returns the number of handles still alive (counted as leaks).");
+  m.def("store_live_handles", []() { return rt().store.live_handles(); });
+  m.def("store_stored_bytes", []() { return rt().store.stored_bytes(); });
+  m.def("store_stats", []() { return json_loads(rt().store.stats_json().dump()); });
+  m.def("store_reset_stats", []() { rt().store.reset_stats(); });
+
+  // ---- codecs --------------------------------------------------------------------------
+  m.def(
+      "codec_blob_size",
+      [](std::string const& dtype, py::sequence shape, std::string const& codec, int bits, int group_size) {
+        gact::codec::encode_params ep;
+        ep.codec = parse_codec(codec);
+        ep.bits = bits;
+        ep.group_size = group_size;
+        auto const s = to_vec(shape);
+        return gact::codec::blob_size(gact::store::parse_dtype(dtype), std::span<std::int64_t const>(s), ep);
+      },
+      py::arg("dtype"), py::arg("shape"), py::arg("codec"), py::arg("bits"), py::arg("group_size"));
+  m.def(
+      "codec_encode",
+      [](std::uintptr_t src, std::string const& dtype, py::sequence shape, std::string const& codec, int bits,
+         int group_size, std::uint64_t seed, std::uint64_t key) {
+        gact::codec::encode_params ep;
+        ep.codec = parse_codec(codec);
+        ep.bits = bits;
+        ep.group_size = group_size;
+        ep.seed = seed;
+        ep.key = key;
+        auto const dt = gact::store::parse_dtype(dtype);
+        auto const s = to_vec(shape);
+        std::span<std::int64_t const> const sp(s);
+        std::size_t const cap = gact::codec::blob_size(dt, sp, ep);
+        std::string buf(cap, '\0');
+        gact::codec::encode_result res{};
+        {
+          py::gil_scoped_release nogil;
+          res = gact::codec::encode_cpu(reinterpret_cast<void const*>(src), dt, sp, ep, buf.data(), cap,
+                                        static_cast<int>(rt().opts.threads));
+        }
+        if (res.nonfinite) return py::make_tuple(py::none(), true);
+        buf.resize(res.bytes);
+        return py::make_tuple(py::bytes(buf), false);
+      },
+      py::arg("src"), py::arg("dtype"), py::arg("shape"), py::arg("codec"), py::arg("bits"),
+      py::arg("group_size"), py::arg("seed"), py::arg("key"),
+      "Encode a contiguous host tensor; returns (blob bytes, False), or (None, True) when the quant "
+      "codec refused NaN/Inf.");
+  m.def(
+      "codec_parse",
+      [](py::bytes blob) {
+        std::string_view const b = blob;
+        gact::codec::blob_info i = gact::codec::parse(b.data(), b.size());
+        py::dict d;
+        d["codec"] = gact::codec::codec_name(i.codec);
+        d["dtype"] = gact::store::dtype_name(i.dt);
+        d["shape"] = py::tuple(py::cast(i.shape));
+        d["numel"] = i.numel;
+        d["bits"] = i.bits;
+        d["group_size"] = i.group_size;
+        d["seed"] = i.seed;
+        d["key"] = i.key;
+        d["bytes"] = i.size;
+        return d;
+      },
+      py::arg("blob"), "Validate a blob's header and return its fields; raises CorruptBlobError.");
+  m.def(
+      "codec_decode",
+      [](py::bytes blob, std::uintptr_t dst, std::size_t dst_bytes) {
+        std::string_view const b = blob;
+        int const threads = static_cast<int>(rt().opts.threads);
+        py::gil_scoped_release nogil;
+        gact::codec::decode_cpu(b.data(), b.size(), reinterpret_cast<void*>(dst), dst_bytes, threads);
+      },
+      py::arg("blob"), py::arg("dst"), py::arg("dst_bytes"), "Decode a blob into contiguous host memory.");
+
+  // ---- tags ----------------------------------------------------------------------------
+  m.def("push_tag", [](std::string const& name) { gact::alloc::push_tag(gact::alloc::intern_tag(name)); },
+        py::arg("name"), "Push an allocation tag on the calling thread's stack.");
+  m.def("pop_tag", []() { gact::alloc::pop_tag(); }, "Pop the calling thread's top tag.");
+  m.def("current_tag", []() { return gact::alloc::tag_name(gact::alloc::current_tag()); });
+  m.def("tag_depth", []() { return gact::alloc::tag_depth(); });
+  m.def("tag_names", []() { return gact::alloc::tag_names(); });
+
+  // ---- stats ---------------------------------------------------------------------------
+  m.def("stats_document", []() {
+    rt();  // make sure the store and the host arena are registered
+    return json_loads(gact::stats::document().dump());
+  });
+  m.def(
+      "stats_dump",
+      [](std::string const& path) {
+        rt();
+        py::gil_scoped_release nogil;
+        gact::stats::dump(path);
+      },
+      py::arg("path"), "Write the stats document to path atomically.");
+  m.def("install_dump_triggers", []() {
+    rt();
+    gact::stats::install_dump_triggers();
+  });
+
+  // ---- options -------------------------------------------------------------------------
+  m.def("options_table", []() {
+    py::list rows;
+    for (auto const& o : gact::option_table()) {
+      py::dict d;
+      d["name"] = std::string(o.name);
+      d["type"] = std::string(o.type);
+      d["env"] = std::string(o.env);
+      d["keyword"] = std::string(o.keyword);
+      d["default"] = o.default_text;
+      d["help"] = std::string(o.help);
+      rows.append(d);
+    }
+    return rows;
+  });
+  m.def("options_current", []() { return json_loads(rt().opts.to_json().dump()); });
+  m.def(
+      "options_set", [](std::string const& keyword, std::string const& value) { rt().opts.set(keyword, value); },
+      py::arg("keyword"), py::arg("value"),
+      "Set one option from text (validated; raises ValueError naming the setting).");
+}
