@@ -82,6 +82,8 @@ struct fake_stream {
   std::uint64_t enqueued = 0;
   std::uint64_t completed = 0;
   bool stop = false;
+  std::uint64_t holds = 0;     ///< fake_cudart_hold calls
+  std::uint64_t releases = 0;  ///< fake_cudart_release calls; invariant: releases <= holds
   std::atomic<bool> capturing{false};
   std::thread worker;
 };
@@ -387,6 +389,39 @@ cudaError_t fake_cudart_end_capture(cudaStream_t stream) {
     return fail(cudaErrorIllegalState);
   }
   st().capturing.fetch_sub(1, std::memory_order_acq_rel);
+  return cudaSuccess;
+}
+
+cudaError_t fake_cudart_hold(cudaStream_t stream) {
+  fake_stream* s = resolve_stream(stream);
+  if (s == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  std::uint64_t gate = 0;
+  {
+    std::lock_guard lk(s->mu);
+    gate = ++s->holds;
+  }
+  enqueue(s, [s, gate] {
+    std::unique_lock lk(s->mu);
+    s->cv.wait(lk, [&] { return s->releases >= gate; });
+  });
+  return cudaSuccess;
+}
+
+cudaError_t fake_cudart_release(cudaStream_t stream) {
+  fake_stream* s = resolve_stream(stream);
+  if (s == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  {
+    std::lock_guard lk(s->mu);
+    if (s->releases >= s->holds) {
+      return fail(cudaErrorIllegalState);
+    }
+    ++s->releases;
+  }
+  s->cv.notify_all();
   return cudaSuccess;
 }
 

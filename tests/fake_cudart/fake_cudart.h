@@ -33,6 +33,12 @@ cudaError_t fake_cudart_begin_capture(cudaStream_t stream);
 /** End the capture started by fake_cudart_begin_capture. */
 cudaError_t fake_cudart_end_capture(cudaStream_t stream);
 
+/** Hold `stream`: work queued on it after this call does not start until
+ *  fake_cudart_release(stream) (a deterministic "kernel still running"). */
+cudaError_t fake_cudart_hold(cudaStream_t stream);
+/** Let a held stream go on (one release per hold). */
+cudaError_t fake_cudart_release(cudaStream_t stream);
+
 /** Change the device-memory capacity of every device (bytes). */
 void fake_cudart_set_capacity(size_t bytes);
 /** Bytes currently allocated on `device` by cudaMalloc/cudaMallocAsync (not yet freed). */

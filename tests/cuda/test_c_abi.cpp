@@ -1,0 +1,230 @@
+// gact/tests/cuda/test_c_abi.cpp
+//
+// The C ABI of libgact.so (bindings/gact.h) over the fake runtime: PyTorch's
+// alloc/free signatures, record_stream, empty_cache, memory fraction, tags and
+// the stats document; failures give nullptr / -1 and never throw. The
+// allocators of the C ABI live for the whole process, so each test works with
+// differences of the counters rather than absolute values.
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bindings/gact.h"
+#include "cuda_fixtures.hpp"
+
+namespace {
+constexpr std::size_t k_mib = std::size_t{1} << 20;
+
+nlohmann::json stats() {
+  char* text = gact_stats_json();
+  REQUIRE(text != nullptr);
+  nlohmann::json j = nlohmann::json::parse(text);
+  gact_free_string(text);
+  return j;
+}
+
+nlohmann::json device_stats(int device) { return stats()["allocators"]["cuda:" + std::to_string(device)]; }
+
+std::int64_t stat(int device, char const* key) { return device_stats(device)[key].get<std::int64_t>(); }
+}  // namespace
+
+TEST_CASE("c abi: alloc and free with PyTorch's signatures") {
+  CHECK(gact_alloc(0, 0, nullptr) == nullptr);
+  CHECK(gact_alloc(-5, 0, nullptr) == nullptr);
+  gact_init(0);
+  std::int64_t const allocs = stat(0, "allocation.all.allocated");
+  std::int64_t const requested = stat(0, "requested_bytes.all.allocated");
+  std::vector<void*> ps;
+  std::size_t total = 0;
+  for (ssize_t n : {1, 1000, 4096, 1 << 20, 3 << 20, 11 << 20}) {
+    void* p = gact_alloc(n, 0, nullptr);
+    REQUIRE(p != nullptr);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 512 == 0);
+    std::memset(p, 0x5A, static_cast<std::size_t>(n));  // fake device memory is host memory
+    ps.push_back(p);
+    total += static_cast<std::size_t>(n);
+  }
+  CHECK(stat(0, "allocation.all.allocated") - allocs == 6);
+  CHECK(stat(0, "requested_bytes.all.allocated") - requested == static_cast<std::int64_t>(total));
+  for (void* p : ps) {
+    gact_free(p, 0, 0, nullptr);
+  }
+  CHECK(stat(0, "allocation.all.current") == 0);
+  gact_free(nullptr, 0, 0, nullptr);  // no-op
+}
+
+TEST_CASE("c abi: a wrong device argument in free still frees the block; foreign pointers are counted") {
+  void* p = gact_alloc(4096, 0, nullptr);
+  REQUIRE(p != nullptr);
+  gact_free(p, 4096, 1, nullptr);  // device 1 has no allocator yet: the owner is found
+  CHECK(stat(0, "allocation.all.current") == 0);
+  int local = 0;
+  auto const before = device_stats(0)["errors"]["invalid_free"].get<std::int64_t>();
+  gact_free(&local, sizeof local, 0, nullptr);
+  CHECK(device_stats(0)["errors"]["invalid_free"].get<std::int64_t>() == before + 1);
+  gact_record_stream(&local, nullptr);  // logged, ignored
+}
+
+TEST_CASE("c abi: out of memory and bad devices give nullptr, never an exception") {
+  gact_empty_cache();
+  {
+    gact::test::capacity_scope const cap(64 * k_mib);
+    auto const ooms = stat(0, "num_ooms");
+    CHECK(gact_alloc(static_cast<ssize_t>(128 * k_mib), 0, nullptr) == nullptr);
+    CHECK(stat(0, "num_ooms") == ooms + 1);
+    void* p = gact_alloc(static_cast<ssize_t>(32 * k_mib), 0, nullptr);  // still works after the failure
+    CHECK(p != nullptr);
+    gact_free(p, 0, 0, nullptr);
+    gact_empty_cache();
+  }
+  CHECK(gact_alloc(100, 7, nullptr) == nullptr);   // no device 7
+  CHECK(gact_alloc(100, -1, nullptr) == nullptr);
+  CHECK(gact_alloc(100, 1 << 20, nullptr) == nullptr);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
+TEST_CASE("c abi: empty_cache gives every cached segment back to the runtime") {
+  void* p = gact_alloc(static_cast<ssize_t>(5 * k_mib), 0, nullptr);
+  REQUIRE(p != nullptr);
+  gact_free(p, 0, 0, nullptr);
+  auto const reserved = stat(0, "reserved_bytes.all.current");
+  CHECK(reserved >= static_cast<std::int64_t>(5 * k_mib));
+  std::size_t const used = fake_cudart_used_bytes(0);
+  gact_empty_cache();
+  CHECK(stat(0, "reserved_bytes.all.current") == 0);
+  CHECK(fake_cudart_used_bytes(0) == used - static_cast<std::size_t>(reserved));
+}
+
+TEST_CASE("c abi: record_stream keeps a block from reuse until the other stream is done") {
+  cudaStream_t s1 = nullptr;
+  cudaStream_t s2 = nullptr;
+  REQUIRE(cudaStreamCreate(&s1) == cudaSuccess);
+  REQUIRE(cudaStreamCreate(&s2) == cudaSuccess);
+  void* p = gact_alloc(static_cast<ssize_t>(2 * k_mib), 0, s1);
+  REQUIRE(p != nullptr);
+  gact_record_stream(p, s2);
+  REQUIRE(fake_cudart_hold(s2) == cudaSuccess);
+  gact_free(p, static_cast<ssize_t>(2 * k_mib), 0, s1);
+  void* q = gact_alloc(static_cast<ssize_t>(2 * k_mib), 0, s1);
+  CHECK(q != p);
+  REQUIRE(fake_cudart_release(s2) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(s2) == cudaSuccess);
+  void* r = gact_alloc(static_cast<ssize_t>(2 * k_mib), 0, s1);
+  CHECK(r == p);
+  gact_free(q, 0, 0, s1);
+  gact_free(r, 0, 0, s1);
+  gact_empty_cache();
+  CHECK(cudaStreamDestroy(s1) == cudaSuccess);
+  CHECK(cudaStreamDestroy(s2) == cudaSuccess);
+}
+
+TEST_CASE("c abi: tags are recorded per allocation") {
+  int const id = gact_push_tag("activation");
+  CHECK(id == 1);
+  void* p = gact_alloc(4096, 0, nullptr);
+  REQUIRE(p != nullptr);
+  auto const tags = device_stats(0)["tags"];
+  CHECK(tags["activation"]["current_bytes"] == 4096);
+  CHECK(tags["activation"]["current_count"] == 1);
+  gact_pop_tag();
+  int const user = gact_push_tag("my_buffers");
+  CHECK(user >= 6);
+  CHECK(gact_push_tag("my_buffers") == user);  // same name, same id
+  gact_pop_tag();
+  gact_pop_tag();
+  CHECK(gact_push_tag("") == -1);
+  CHECK(gact_push_tag(nullptr) == -1);
+  CHECK(gact_push_tag(std::string(100, 'x').c_str()) == -1);
+  gact_free(p, 4096, 0, nullptr);
+  CHECK(device_stats(0)["tags"]["activation"]["current_bytes"] == 0);
+}
+
+TEST_CASE("c abi: memory fraction caps a device before its first allocation") {
+  gact_set_memory_fraction(1.5, 1);  // rejected, logged
+  gact_set_memory_fraction(0.25, 1);  // 2 GiB of the fake's 8 GiB
+  CHECK(gact_alloc(static_cast<ssize_t>(3) << 30, 1, nullptr) == nullptr);
+  void* p = gact_alloc(static_cast<ssize_t>(64 * k_mib), 1, nullptr);
+  CHECK(p != nullptr);
+  CHECK(device_stats(1)["options"]["memory_limit"] == std::size_t{2} << 30);
+  gact_set_memory_fraction(0.5, 1);  // too late: logged, limit unchanged
+  CHECK(device_stats(1)["options"]["memory_limit"] == std::size_t{2} << 30);
+  gact_free(p, 0, 1, nullptr);
+  gact_empty_cache();
+  CHECK(fake_cudart_used_bytes(1) == 0);
+}
+
+TEST_CASE("c abi: stats dump to a file, errors as -1") {
+  std::string const path = "test_c_abi_stats.json";
+  std::remove(path.c_str());
+  REQUIRE(gact_dump_stats(path.c_str()) == 0);
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  auto const doc = nlohmann::json::parse(in);
+  CHECK(doc["schema_version"] == 1);
+  CHECK(doc["allocators"].contains("cuda:0"));
+  std::remove(path.c_str());
+  CHECK(gact_dump_stats("/nonexistent-dir/gact/stats.json") == -1);
+}
+
+TEST_CASE("c abi: threads allocating, writing and freeing on their own streams") {
+  constexpr int k_threads = 4;
+  constexpr int k_rounds = 300;
+  std::vector<std::thread> pool;
+  std::vector<int> bad(k_threads, 0);
+  for (int t = 0; t < k_threads; ++t) {
+    pool.emplace_back([t, &bad] {
+      cudaStream_t s = nullptr;
+      if (cudaStreamCreate(&s) != cudaSuccess) {
+        bad[static_cast<std::size_t>(t)] = -1;
+        return;
+      }
+      std::vector<std::pair<unsigned char*, std::size_t>> live;
+      unsigned seed = 12345u + static_cast<unsigned>(t);
+      for (int i = 0; i < k_rounds; ++i) {
+        seed = seed * 1103515245u + 12345u;
+        std::size_t const n = 1 + (seed >> 8) % (3 * k_mib);
+        auto* p = static_cast<unsigned char*>(gact_alloc(static_cast<ssize_t>(n), 0, s));
+        if (p == nullptr) {
+          ++bad[static_cast<std::size_t>(t)];
+          continue;
+        }
+        (void)cudaMemsetAsync(p, t + 1, n, s);
+        live.emplace_back(p, n);
+        if (live.size() > 8 || (seed & 1) != 0) {
+          auto [q, m] = live.front();
+          live.erase(live.begin());
+          (void)cudaStreamSynchronize(s);
+          if (q[0] != t + 1 || q[m - 1] != t + 1) {
+            ++bad[static_cast<std::size_t>(t)];  // another thread's block overlapped ours
+          }
+          gact_free(q, static_cast<ssize_t>(m), 0, s);
+        }
+      }
+      (void)cudaStreamSynchronize(s);
+      for (auto [q, m] : live) {
+        if (q[0] != t + 1 || q[m - 1] != t + 1) {
+          ++bad[static_cast<std::size_t>(t)];
+        }
+        gact_free(q, static_cast<ssize_t>(m), 0, s);
+      }
+      gact_empty_cache();
+      (void)cudaStreamDestroy(s);
+    });
+  }
+  for (auto& th : pool) {
+    th.join();
+  }
+  for (int b : bad) {
+    CHECK(b == 0);
+  }
+  CHECK(stat(0, "allocation.all.current") == 0);
+  gact_empty_cache();
+  CHECK(stat(0, "reserved_bytes.all.current") == 0);
+  CHECK(fake_cudart_take_async_error() == cudaSuccess);
+}
