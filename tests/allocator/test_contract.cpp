@@ -1,0 +1,6 @@
+// gact/tests/allocator/test_contract.cpp — the allocator contract (contract.hpp)
+// over the host backend and over the manual-event test backend.
+#include "contract.hpp"
+#include "fixtures.hpp"
+
+TEST_CASE_TEMPLATE_INVOKE(allocator_contract, gact::test::host_fixture, gact::test::manual_fixture);
