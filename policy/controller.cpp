@@ -1,0 +1,216 @@
+// gact/policy/controller.cpp
+//
+// The thread-safe policy object: records, estimates, the solve over active
+// tensors with reserved bytes for unestimated ones, and the stats section.
+#include "policy/controller.hpp"
+
+#include "allocator/log.hpp"
+
+#if GACT_HAVE_STATS_REGISTRY
+#include "allocator/stats_registry.hpp"
+#endif
+
+#include <cmath>
+
+namespace gact::policy {
+
+namespace {
+
+table_options table_opts(controller_options const& o) {
+  table_options t;
+  t.default_bits = o.default_bits;
+  t.ema_weight = o.ema_weight;
+  t.stale_after = o.stale_after;
+  t.storage = o.storage;
+  return t;
+}
+
+}  // namespace
+
+char const* to_string(solve_status s) noexcept {
+  return s == solve_status::ok ? "ok" : "infeasible";
+}
+
+void controller_options::validate() const {
+  GACT_EXPECTS(std::isfinite(budget_avg_bits) && budget_avg_bits > 0.0,
+               "policy budget_avg_bits must be finite and > 0, got " + std::to_string(budget_avg_bits));
+  table_opts(*this).validate();
+  solver_options so{storage, allow_full_precision, code_bits};
+  (void)solve_greedy({}, 0, so);  // validates the solver options
+}
+
+controller::controller(controller_options opts) : opts_(std::move(opts)), table_(table_opts(opts_)) {
+  opts_.validate();
+}
+
+controller::~controller() {
+#if GACT_HAVE_STATS_REGISTRY
+  if (registered_) stats::unregister_provider(stats_token_);
+#endif
+}
+
+void controller::set_step(std::int64_t step) {
+  std::lock_guard lk(mu_);
+  step_ = step;
+}
+
+std::int64_t controller::step() const {
+  std::lock_guard lk(mu_);
+  return step_;
+}
+
+int controller::on_save(std::string_view key, std::uint64_t numel, int full_bits) {
+  std::lock_guard lk(mu_);
+  return table_.observe(key, numel, step_, full_bits).bits;
+}
+
+int controller::bits_for(std::string_view key) const noexcept {
+  std::lock_guard lk(mu_);
+  return table_.bits_for(key);
+}
+
+void controller::add_estimate(std::string_view key, double c) {
+  std::lock_guard lk(mu_);
+  table_.add_estimate(key, c);
+}
+
+void controller::add_online_sample(std::string_view key, online_sample const& s) {
+  std::lock_guard lk(mu_);
+  online_.add(key, s);
+}
+
+std::pair<std::size_t, std::size_t> controller::apply_online_estimates() {
+  std::lock_guard lk(mu_);
+  std::size_t folded = 0, skipped = 0;
+  for (auto const& [k, c] : online_.take()) {
+    if (table_.find(k) == nullptr) {
+      ++skipped;
+      continue;
+    }
+    table_.add_estimate(k, c);
+    ++folded;
+  }
+  return {folded, skipped};
+}
+
+decision_summary controller::decide() {
+  std::lock_guard lk(mu_);
+  decision_summary d;
+  d.step = step_;
+  std::vector<solver_item> items;
+  for (auto const& [key, r] : table_.all()) {
+    if (!table_.is_active(r, step_)) continue;
+    d.total_numel += r.numel;
+    if (r.estimates > 0) {
+      items.push_back({key, r.numel, r.sensitivity, r.full_bits});
+    } else {
+      d.reserved_bytes += opts_.storage.stored_bytes(r.numel, r.bits, r.full_bits);
+      ++d.unestimated;
+    }
+  }
+  d.solved = items.size();
+  d.budget_bytes = budget_bytes_for(opts_.budget_avg_bits, d.total_numel);
+  std::uint64_t const left = d.budget_bytes >= d.reserved_bytes ? d.budget_bytes - d.reserved_bytes : 0;
+  solver_options const so{opts_.storage, opts_.allow_full_precision, opts_.code_bits};
+  solution const s = solve_greedy(items, left, so);
+  for (std::size_t i = 0; i < items.size(); ++i) table_.set_bits(items[i].key, s.bits[i]);
+  d.status = (s.status == solve_status::ok && d.reserved_bytes <= d.budget_bytes) ? solve_status::ok
+                                                                                    : solve_status::infeasible;
+  d.stored_bytes = s.stored_bytes + d.reserved_bytes;
+  d.objective = s.objective;
+  d.lower_bound = s.lower_bound;
+  d.achieved_avg_bits =
+      d.total_numel == 0 ? 0.0 : 8.0 * static_cast<double>(d.stored_bytes) / static_cast<double>(d.total_numel);
+  if (d.status == solve_status::infeasible) {
+    GACT_WARN_CAPPED(8, "gact policy: budget of {} bits/element is infeasible at step {} (needs {} bytes, "
+                        "budget {}); using the smallest widths",
+                     opts_.budget_avg_bits, d.step, d.stored_bytes, d.budget_bytes);
+  } else {
+    GACT_LOG_DEBUG("gact policy: step {}: {} tensors solved, {} reserved, {:.3f} bits/element, objective {:.4g}",
+                   d.step, d.solved, d.unestimated, d.achieved_avg_bits, d.objective);
+  }
+  last_ = d;
+  return d;
+}
+
+void controller::set_budget(double avg_bits) {
+  GACT_EXPECTS(std::isfinite(avg_bits) && avg_bits > 0.0,
+               "policy budget must be finite and > 0 bits per element, got " + std::to_string(avg_bits));
+  std::lock_guard lk(mu_);
+  opts_.budget_avg_bits = avg_bits;
+}
+
+std::optional<decision_summary> controller::last_decision() const {
+  std::lock_guard lk(mu_);
+  return last_;
+}
+
+std::optional<record> controller::find(std::string_view key) const {
+  std::lock_guard lk(mu_);
+  record const* r = table_.find(key);
+  return r ? std::optional<record>(*r) : std::nullopt;
+}
+
+nlohmann::json controller::stats() const {
+  std::lock_guard lk(mu_);
+  nlohmann::json j;
+  j["step"] = step_;
+  j["budget_avg_bits"] = opts_.budget_avg_bits;
+  j["default_bits"] = opts_.default_bits;
+  j["group_size"] = opts_.storage.group_size;
+  j["meta_bytes_per_group"] = opts_.storage.meta_bytes_per_group;
+  if (last_) {
+    j["last_decision"] = {
+        {"step", last_->step},
+        {"status", to_string(last_->status)},
+        {"total_numel", last_->total_numel},
+        {"budget_bytes", last_->budget_bytes},
+        {"stored_bytes", last_->stored_bytes},
+        {"reserved_bytes", last_->reserved_bytes},
+        {"solved", last_->solved},
+        {"unestimated", last_->unestimated},
+        {"achieved_avg_bits", last_->achieved_avg_bits},
+        {"objective", last_->objective},
+        {"lower_bound", last_->lower_bound},
+    };
+  } else {
+    j["last_decision"] = nullptr;
+  }
+  nlohmann::json tensors = nlohmann::json::object();
+  for (auto const& [key, r] : table_.all()) {
+    tensors[key] = {
+        {"numel", r.numel},
+        {"groups", r.groups},
+        {"C", r.estimates > 0 ? nlohmann::json(r.sensitivity) : nlohmann::json(nullptr)},
+        {"estimates", r.estimates},
+        {"bits", r.bits},
+        {"decided", r.decided},
+        {"active", table_.is_active(r, step_)},
+        {"last_seen", r.last_seen},
+    };
+  }
+  j["tensors"] = std::move(tensors);
+  return j;
+}
+
+bool controller::register_stats(std::string const& name) {
+#if GACT_HAVE_STATS_REGISTRY
+  std::uint64_t const token = stats::register_provider(name, [this] { return stats(); });
+  std::uint64_t old = 0;
+  bool had = false;
+  {
+    std::lock_guard lk(mu_);
+    old = stats_token_;
+    had = registered_;
+    stats_token_ = token;
+    registered_ = true;
+  }
+  if (had && old != token) stats::unregister_provider(old);
+  return true;
+#else
+  (void)name;
+  return false;
+#endif
+}
+
+}  // namespace gact::policy

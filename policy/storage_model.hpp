@@ -1,0 +1,97 @@
+// gact/policy/storage_model.hpp
+//
+// How many bytes a saved tensor occupies in the activation store at a given bit
+// width. The policy's budget is stated in average bits per element, but what
+// the store pays for is whole blobs: a header, per-group metadata (min and
+// scale of every group) and the packed codes. GACT counted only b·numel and so
+// exceeded its budget by the metadata (0.25 bit/element at 8 B per 256
+// elements, 12.5 % of a 2-bit budget). This model counts everything, with the
+// layout given as parameters so that it can follow the codec's blob format
+// (codecs/README.md: group size, metadata bytes per group, header bytes,
+// alignment).
+//
+// Invariants (checked by `validate`):
+//   group_size > 0 and group_size % 8 == 0   (a padded group of 1-bit codes is whole bytes)
+//   blob_align >= 1
+//   compressed_bytes(n, b) = align(header + groups(n)·meta + payload(n, b))
+//   payload(n, b) = groups(n)·group_size·b/8 if pad_last_group else ceil(n·b/8)
+//   full_bytes(n, f) = align(passthrough_header + n·f/8)       (f = 16 or 32)
+#pragma once
+
+#include "allocator/error.hpp"
+
+#include <cstdint>
+#include <string>
+
+namespace gact::policy {
+
+/// Bit widths the codecs implement; anything else is full precision or invalid.
+inline constexpr int k_code_bits[] = {1, 2, 4, 8};
+
+/// True for 1, 2, 4 and 8.
+constexpr bool is_code_bits(int bits) noexcept {
+  return bits == 1 || bits == 2 || bits == 4 || bits == 8;
+}
+
+/// True for the full-precision widths a saved tensor can have (fp16/bf16 and fp32).
+constexpr bool is_full_bits(int bits) noexcept { return bits == 16 || bits == 32; }
+
+/// The stored size of one saved tensor as a function of its bit width.
+struct storage_model {
+  std::uint32_t group_size = 256;           ///< elements per quantization group
+  std::uint32_t meta_bytes_per_group = 8;   ///< per-group metadata (e.g. fp32 min + fp32 scale)
+  std::uint32_t header_bytes = 0;           ///< fixed bytes per compressed blob
+  std::uint32_t passthrough_header_bytes = 0;  ///< fixed bytes for a tensor kept at full precision
+  std::uint32_t blob_align = 1;             ///< blob sizes are rounded up to a multiple of this
+  bool pad_last_group = true;               ///< codes of the zero-padded last group are stored
+
+  /// Check the invariants above. @throws gact::invalid_argument naming the bad field.
+  void validate() const {
+    GACT_EXPECTS(group_size > 0 && group_size % 8 == 0,
+                 "storage_model.group_size must be a positive multiple of 8, got " +
+                     std::to_string(group_size));
+    GACT_EXPECTS(blob_align >= 1, "storage_model.blob_align must be >= 1");
+  }
+
+  /// Number of groups of a tensor of `numel` elements: ceil(numel / group_size).
+  std::uint64_t groups(std::uint64_t numel) const noexcept {
+    return (numel + group_size - 1) / group_size;
+  }
+
+  /// Bytes of a compressed blob at `bits` ∈ {1,2,4,8}, header and metadata included.
+  /// @throws gact::invalid_argument if `bits` is not a code width.
+  std::uint64_t compressed_bytes(std::uint64_t numel, int bits) const {
+    GACT_EXPECTS(is_code_bits(bits), "compressed_bytes: bits must be 1, 2, 4 or 8, got " +
+                                         std::to_string(bits));
+    std::uint64_t const g = groups(numel);
+    std::uint64_t const b = static_cast<std::uint64_t>(bits);
+    std::uint64_t const payload = pad_last_group ? g * group_size * b / 8 : (numel * b + 7) / 8;
+    return align(std::uint64_t{header_bytes} + g * meta_bytes_per_group + payload);
+  }
+
+  /// Bytes of a tensor kept at full precision (`full_bits` 16 or 32).
+  /// @throws gact::invalid_argument if `full_bits` is not 16 or 32.
+  std::uint64_t full_bytes(std::uint64_t numel, int full_bits) const {
+    GACT_EXPECTS(is_full_bits(full_bits), "full_bytes: full precision must be 16 or 32 bits, got " +
+                                              std::to_string(full_bits));
+    return align(std::uint64_t{passthrough_header_bytes} +
+                 numel * static_cast<std::uint64_t>(full_bits) / 8);
+  }
+
+  /// Bytes at `bits`, which is either a code width or the tensor's own `full_bits`.
+  /// @throws gact::invalid_argument if `bits` is neither.
+  std::uint64_t stored_bytes(std::uint64_t numel, int bits, int full_bits) const {
+    if (is_code_bits(bits)) return compressed_bytes(numel, bits);
+    GACT_EXPECTS(bits == full_bits, "stored_bytes: bits " + std::to_string(bits) +
+                                        " is neither a code width (1,2,4,8) nor the tensor's "
+                                        "full precision " + std::to_string(full_bits));
+    return full_bytes(numel, full_bits);
+  }
+
+ private:
+  std::uint64_t align(std::uint64_t n) const noexcept {
+    return (n + blob_align - 1) / blob_align * blob_align;
+  }
+};
+
+}  // namespace gact::policy

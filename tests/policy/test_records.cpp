@@ -1,0 +1,205 @@
+// gact/tests/policy/test_records.cpp
+//
+// Records and the controller: unknown keys get the default bits and never
+// fail, the EMA of sensitivities, keys that vanish (stale → excluded from the
+// solve) and come back, a dynamic graph with a branch taken on some steps,
+// unestimated tensors reserved out of the budget, and the stats section.
+#include "policy/controller.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+using namespace gact::policy;
+
+TEST_CASE("unknown keys get the default bits and never fail") {
+  record_table t;
+  CHECK(t.bits_for("never.seen#0") == 4);
+  CHECK(t.bits_for("") == 4);
+  CHECK(t.find("never.seen#0") == nullptr);
+  table_options o;
+  o.default_bits = 8;
+  record_table t8(o);
+  CHECK(t8.bits_for("x") == 8);
+  t8.observe("x", 100, 0);
+  CHECK(t8.bits_for("x") == 8);
+  controller c;
+  CHECK(c.bits_for("anything") == 4);
+  CHECK(c.on_save("new.key#3", 4096) == 4);
+}
+
+TEST_CASE("default full precision follows the tensor's dtype") {
+  table_options o;
+  o.default_bits = 32;
+  record_table t(o);
+  CHECK(t.observe("half", 100, 0, 16).bits == 16);
+  CHECK(t.observe("float", 100, 0, 32).bits == 32);
+}
+
+TEST_CASE("sensitivity EMA: first estimate as is, then weighted") {
+  table_options o;
+  o.ema_weight = 0.25;
+  record_table t(o);
+  t.observe("a", 1000, 0);
+  t.add_estimate("a", 8.0);
+  CHECK(t.find("a")->sensitivity == 8.0);
+  t.add_estimate("a", 4.0);
+  CHECK(t.find("a")->sensitivity == doctest::Approx(0.75 * 8.0 + 0.25 * 4.0));
+  t.add_estimate("a", 0.0);
+  CHECK(t.find("a")->sensitivity == doctest::Approx(0.75 * 7.0));
+  CHECK(t.find("a")->estimates == 3);
+  CHECK_THROWS_AS(t.add_estimate("unknown", 1.0), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate("a", -1.0), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate("a", NAN), gact::invalid_argument);
+  CHECK_THROWS_AS(t.observe("", 10, 0), gact::invalid_argument);
+  CHECK_THROWS_AS(t.observe("z", 0, 0), gact::invalid_argument);
+  CHECK_THROWS_AS(t.observe("z", 10, 0, 8), gact::invalid_argument);
+  table_options bad;
+  bad.ema_weight = 0.0;
+  CHECK_THROWS_AS(record_table{bad}, gact::invalid_argument);
+  bad.ema_weight = 0.5;
+  bad.default_bits = 3;
+  CHECK_THROWS_AS(record_table{bad}, gact::invalid_argument);
+}
+
+TEST_CASE("numel changes update the record and keep the estimate") {
+  record_table t;
+  t.observe("fc#0", 1000, 0);
+  t.add_estimate("fc#0", 2.0);
+  auto const& r = t.observe("fc#0", 600, 1);  // last, smaller batch
+  CHECK(r.numel == 600);
+  CHECK(r.groups == 3);
+  CHECK(r.sensitivity == 2.0);
+}
+
+TEST_CASE("vanishing keys leave the solve after stale_after steps and return later") {
+  controller_options o;
+  o.stale_after = 2;
+  o.budget_avg_bits = 3.0;
+  controller c(o);
+  std::uint64_t const n = 256 * 100;
+  for (std::int64_t step = 0; step < 3; ++step) {
+    c.set_step(step);
+    c.on_save("a#0", n);
+    c.on_save("b#0", n);
+    c.on_save("gone#0", n);
+  }
+  c.add_estimate("a#0", 1.0);
+  c.add_estimate("b#0", 100.0);
+  c.add_estimate("gone#0", 1e6);
+  auto d = c.decide();
+  CHECK(d.solved == 3);
+  CHECK(d.total_numel == 3 * n);
+  // "gone" is no longer saved; after stale_after steps it is excluded and the budget shrinks.
+  for (std::int64_t step = 3; step < 6; ++step) {
+    c.set_step(step);
+    c.on_save("a#0", n);
+    c.on_save("b#0", n);
+  }
+  d = c.decide();
+  CHECK(d.solved == 2);
+  CHECK(d.total_numel == 2 * n);
+  CHECK(d.stored_bytes <= d.budget_bytes);
+  CHECK(d.budget_bytes == budget_bytes_for(3.0, 2 * n));
+  CHECK(c.bits_for("gone#0") >= 1);  // its old bits stay; looking it up never fails
+  c.set_step(6);
+  c.on_save("gone#0", n);
+  d = c.decide();
+  CHECK(d.solved == 3);
+}
+
+TEST_CASE("a dynamic graph (branch on some steps) keeps working") {
+  controller_options o;
+  o.stale_after = 3;
+  controller c(o);
+  std::uint64_t const n = 256 * 8;
+  for (std::int64_t step = 0; step < 20; ++step) {
+    c.set_step(step);
+    c.on_save("stem#0", n);
+    if (step % 3 == 0) {
+      int const bits = c.on_save("branch.conv#0", n);
+      CHECK((is_code_bits(bits) || bits == 32));
+    }
+    c.on_save("head#0", n);
+    if (step % 5 == 4) {
+      for (char const* k : {"stem#0", "head#0", "branch.conv#0"}) {
+        if (c.find(k)) c.add_estimate(k, 1.0);
+      }
+      auto const d = c.decide();
+      CHECK(d.status == solve_status::ok);
+      CHECK(d.stored_bytes <= d.budget_bytes);
+    }
+  }
+}
+
+TEST_CASE("unestimated tensors keep default bits and their bytes are reserved") {
+  controller_options o;
+  o.budget_avg_bits = 3.0;
+  o.default_bits = 4;
+  controller c(o);
+  std::uint64_t const n = 256 * 64;
+  c.on_save("est#0", n);
+  c.on_save("noest#0", n);
+  c.add_estimate("est#0", 5.0);
+  auto const d = c.decide();
+  storage_model const m;
+  CHECK(d.unestimated == 1);
+  CHECK(d.reserved_bytes == m.compressed_bytes(n, 4));
+  CHECK(c.bits_for("noest#0") == 4);
+  CHECK(d.stored_bytes <= d.budget_bytes);
+  // 3 bits on average with one tensor at 4.25 → the other must fit in 1.75: 1 bit.
+  CHECK(c.bits_for("est#0") == 1);
+  // A budget below the reservation is infeasible and says so.
+  c.set_budget(1.0);
+  auto const bad = c.decide();
+  CHECK(bad.status == solve_status::infeasible);
+  CHECK_THROWS_AS(c.set_budget(0.0), gact::invalid_argument);
+}
+
+TEST_CASE("online samples are folded into the estimates") {
+  controller c;
+  c.on_save("fc#0", 1024);
+  online_sample s;
+  s.sum_sq_ranges = 4.0;
+  s.numel = 1024;
+  s.grad_sq_norm = 3.0;
+  s.fan_in = 256;
+  c.add_online_sample("fc#0", s);
+  s.grad_sq_norm = 9.0;
+  c.add_online_sample("fc#0", s);
+  c.add_online_sample("never.saved#0", s);
+  auto const [folded, skipped] = c.apply_online_estimates();
+  CHECK(folded == 1);
+  CHECK(skipped == 1);
+  double const expect = 256.0 * 6.0 * 256.0 * 4.0 / (6.0 * 1024.0);  // mean grad² = 6
+  CHECK(c.find("fc#0")->sensitivity == doctest::Approx(expect));
+}
+
+TEST_CASE("stats section carries budget, achieved bits, objective and per-key decisions") {
+  controller_options o;
+  o.budget_avg_bits = 2.0;
+  controller c(o);
+  c.set_step(7);
+  c.on_save("l1#0", 256 * 32);
+  c.on_save("l2#0", 256 * 32);
+  c.add_estimate("l1#0", 10.0);
+  c.add_estimate("l2#0", 0.1);
+  auto j = c.stats();
+  CHECK(j["last_decision"].is_null());
+  CHECK(j["tensors"]["l1#0"]["bits"] == 4);
+  auto const d = c.decide();
+  j = c.stats();
+  CHECK(j["step"] == 7);
+  CHECK(j["budget_avg_bits"] == 2.0);
+  CHECK(j["last_decision"]["status"] == "ok");
+  CHECK(j["last_decision"]["stored_bytes"] == d.stored_bytes);
+  CHECK(j["last_decision"]["achieved_avg_bits"].get<double>() <= 2.0);
+  CHECK(j["last_decision"]["objective"].get<double>() == doctest::Approx(d.objective));
+  CHECK(j["tensors"]["l1#0"]["numel"] == 256 * 32);
+  CHECK(j["tensors"]["l1#0"]["C"].get<double>() == 10.0);
+  CHECK(j["tensors"]["l1#0"]["bits"].get<int>() >= j["tensors"]["l2#0"]["bits"].get<int>());
+  CHECK(j["tensors"]["l1#0"]["decided"] == true);
+  controller_options bad;
+  bad.code_bits = {5};
+  CHECK_THROWS_AS(controller{bad}, gact::invalid_argument);
+}
