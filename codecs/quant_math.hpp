@@ -1,0 +1,92 @@
+// gact/codecs/quant_math.hpp
+//
+// The arithmetic of the quant codec, written once: the CPU executor
+// (quant_cpu.cpp) and the CUDA kernels (codec_cuda.cu) call exactly these
+// functions, so a blob is the same bytes on both.
+//
+// Per group of G consecutive elements (row-major, the last group may be short):
+//   lo, hi   = min, max of the group (signed zeros canonicalised to +0)
+//   s        = 1, or 1/2 when hi - lo overflows float (|range| > FLT_MAX); the
+//              group is then encoded in the halved domain, so the step never
+//              becomes Inf (ranges up to 2 * FLT_MAX are representable)
+//   step     = (hi*s - lo*s) / (2^b - 1), raised to the smallest denormal when
+//              that underflows to 0 while hi > lo; step = 0 marks a constant group
+//   v        = clamp((x*s - lo*s) / step, 0, 2^b - 1)
+//   q        = floor(v) + [u < frac(v)],  u = (r + 1/2) / 2^16, r = 16 Philox bits
+//   x^       = min(lo*s + q*step, hi*s) / s
+// E[q] = v up to 2^-17 (16-bit noise), hence E[x^] = x up to rounding of a few
+// ulps: the rounding is unbiased. q <= 2^b - 1 always (GACT's unclamped rint
+// could produce 2^b and spill into the next field). Var[x^] = step^2 f(1-f) <= step^2/4.
+//
+// The stored metadata is (lo, hi) in the input dtype. For float16/bfloat16
+// inputs these are input values, so 16-bit metadata is exact; the step is
+// derived from the stored values by the encoder and the decoder alike, so
+// encoding is always unbiased with respect to the stored metadata.
+//
+// Non-finite groups: the CPU encoder refuses the whole tensor (the caller
+// stores it raw). The CUDA encoder cannot tell the host without a sync, so it
+// writes (NaN, NaN) as the group's metadata and zero codes; every decoder then
+// yields NaN for that whole group — never silent finite values.
+#pragma once
+
+#include "codecs/hd.hpp"
+
+namespace gact::codec::hd {
+
+/// Derived per-group constants, a pure function of (lo, hi, bits).
+struct group_params {
+  float s;        ///< 1 or 0.5 (halved domain for ranges beyond FLT_MAX)
+  float unscale;  ///< 1 / s
+  float lo_s;     ///< lo * s
+  float hi_s;     ///< hi * s
+  float step;     ///< quantization step in the scaled domain; 0 for a constant group
+  float levels;   ///< 2^bits - 1
+};
+
+/// Canonical min/max: -0 becomes +0 (so every reduction order gives the same bits).
+GACT_HD float canonical_zero(float x) { return add_rn(x, 0.0f); }
+
+GACT_HD group_params make_params(float lo, float hi, int bits) {
+  group_params p;
+  p.levels = float((1u << bits) - 1u);
+  float const d = sub_rn(hi, lo);
+  bool const huge = !(d <= k_float_max);  // overflow to +Inf (or NaN metadata)
+  p.s = huge ? 0.5f : 1.0f;
+  p.unscale = huge ? 2.0f : 1.0f;
+  p.lo_s = mul_rn(lo, p.s);
+  p.hi_s = mul_rn(hi, p.s);
+  float step = div_rn(sub_rn(p.hi_s, p.lo_s), p.levels);
+  if (step == 0.0f && p.hi_s > p.lo_s) step = k_denorm_min;
+  p.step = step;
+  return p;
+}
+
+/// The uniform in (0, 1) used for 16 random bits r: (r + 1/2) / 2^16, exact in float.
+GACT_HD float noise_uniform(std::uint32_t r16) {
+  return add_rn(mul_rn(float(r16), 1.52587890625e-05f), 7.62939453125e-06f);
+}
+
+/// Code of x (finite, lo <= x <= hi) for a group with step > 0, given 16 random bits.
+GACT_HD std::uint32_t quantize(float x, group_params const& p, std::uint32_t r16) {
+  float v = div_rn(sub_rn(mul_rn(x, p.s), p.lo_s), p.step);
+  v = v > 0.0f ? v : 0.0f;
+  v = v < p.levels ? v : p.levels;
+  std::int32_t const k = std::int32_t(v);  // v >= 0, so truncation is floor
+  float const frac = sub_rn(v, float(k));
+  return std::uint32_t(k) + (noise_uniform(r16) < frac ? 1u : 0u);
+}
+
+/// Value of code q (NaN metadata propagates to NaN).
+GACT_HD float dequantize(std::uint32_t q, group_params const& p) {
+  float xs = add_rn(p.lo_s, mul_rn(float(q), p.step));
+  xs = xs < p.hi_s ? xs : p.hi_s;  // NaN < NaN is false: NaN metadata gives NaN
+  return mul_rn(xs, p.unscale);
+}
+
+/// Metadata of a group as the decoder accepts it: finite lo <= hi, or both NaN (non-finite group).
+GACT_HD bool meta_ok(float lo, float hi) {
+  bool const both_nan = lo != lo && hi != hi;
+  return both_nan || (is_finite_bits(lo) && is_finite_bits(hi) && lo <= hi);
+}
+
+}  // namespace gact::codec::hd
