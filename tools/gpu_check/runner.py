@@ -26,7 +26,7 @@ TAIL_CHARS = 4000
 #: seconds between SIGTERM and SIGKILL when a command overruns
 KILL_GRACE_S = 5.0
 #: a step is not started with less than this many seconds (it is marked skipped instead)
-MIN_STEP_S = 2.0
+MIN_STEP_S = 1.0
 
 
 class Budget:

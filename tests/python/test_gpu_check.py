@@ -1,0 +1,384 @@
+"""Tests of tools/gpu-check's logic that runs without a GPU (CI, development machines).
+
+- ``--dry-run`` on a machine without a GPU exits with the distinct no-GPU status (3), says so
+  on stderr, and leaves a valid report; bad arguments are usage errors (2).
+- The report writer produces a document with the schema's required keys and refuses an
+  invalid one; overall_pass follows the stage statuses.
+- .deb extraction (dpkg-deb and the pure-Python ar + tar path) on a tiny package built here
+  with ``dpkg-deb --build``; the private-prefix pkg-config files read by the stdlib
+  pkg-config stand-in.
+- The budget split and the timeout: a ``sleep`` cut by a 1 s timeout is marked timeout and
+  its process group is gone.
+
+Run by ``tools/dev test`` (pytest in tests/python) or directly:
+``/usr/bin/python3 -m pytest tests/python/test_gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(ROOT, "tools")
+SCRIPT = os.path.join(TOOLS, "gpu-check")
+sys.path.insert(0, TOOLS)
+
+from gpu_check import EXIT_NO_GPU, EXIT_USAGE  # noqa: E402
+from gpu_check import deps, pkg_config, report, runner, stages  # noqa: E402
+
+
+def _has_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return False
+    r = subprocess.run([smi, "-L"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return r.returncode == 0 and b"GPU" in r.stdout
+
+
+def _run_script(args, tmp_path, timeout=180):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    return subprocess.run([sys.executable, SCRIPT] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, env=env, cwd=str(tmp_path), timeout=timeout)
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU: the no-GPU path cannot be observed")
+def test_dry_run_without_gpu_exits_3_and_writes_valid_report(tmp_path):
+    out = tmp_path / "rep"
+    r = _run_script(["--dry-run", str(out), "--python", sys.executable], tmp_path)
+    assert r.returncode == EXIT_NO_GPU, r.stderr
+    assert "no NVIDIA GPU found" in r.stderr
+    doc = json.loads((out / "report.json").read_text())
+    assert report.validate(doc) == []
+    assert doc["mode"] == "dry-run" and doc["finished"] is True
+    assert doc["gpu"]["present"] is False and doc["gpu"]["note"]
+    assert doc["overall_pass"] is False and doc["exit_status"] == EXIT_NO_GPU
+    assert doc["stage_order"] == ["build", "tests", "torch", "bench"]
+    assert all(doc["stages"][s]["status"] == "skipped" for s in doc["stage_order"])
+    assert doc["environment"]["python"] == sys.executable
+    assert "report.json" in os.listdir(out) and "report.md" in os.listdir(out)
+    assert "none found" in (out / "report.md").read_text()
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+def test_out_env_wins_over_outdir_argument(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "from_env"))
+    r = subprocess.run([sys.executable, SCRIPT, "--dry-run", str(tmp_path / "from_arg"), "--stages", "build",
+                        "--python", sys.executable], env=env, cwd=str(tmp_path),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=180)
+    assert r.returncode == EXIT_NO_GPU
+    assert (tmp_path / "from_env" / "report.json").exists()
+    assert not (tmp_path / "from_arg").exists()
+    doc = json.loads((tmp_path / "from_env" / "report.json").read_text())
+    assert doc["stage_order"] == ["build"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget-s", "abc"], "not a number"),
+    (["--budget-s", "1"], "below the minimum"),
+    (["--stages", "build,fly"], "unknown stage"),
+    (["--stages", "tests,tests"], "listed twice"),
+    (["--gpu-arch", "sm90"], "not an SM version"),
+    (["--no-such-option"], "unrecognized arguments"),
+    (["a", "b"], "unrecognized arguments"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, args, message):
+    r = _run_script(args, tmp_path, timeout=60)
+    assert r.returncode == EXIT_USAGE
+    assert message in r.stderr
+    assert "usage: gpu-check" in r.stderr
+    assert not (tmp_path / "gpu-check-out").exists()
+
+
+def test_stage_list_keeps_pipeline_order():
+    from gpu_check.cli import build_parser
+    ns = build_parser().parse_args(["--stages", "bench,build"])
+    assert ns.stages == ["build", "bench"]
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def _full_report():
+    rep = report.new_report("full", 480, ["build", "tests"])
+    rep["gpu"] = {"present": True, "model": "NVIDIA H200", "driver": "570.1", "sm": "90", "memory_total_mib": 143771}
+    rep["cuda_version"], rep["torch_version"] = "13.0", "2.5.1"
+    for name in ("build", "tests"):
+        rep["stages"][name].update(status="pass", seconds=1.5, figures={"x": 1.0})
+    return rep
+
+
+def test_report_writer_produces_schema_document(tmp_path):
+    rep = _full_report()
+    rep["stages"]["tests"]["steps"] = [runner.StepResult("meson test", "fail", 2.0, ["meson", "test"], 1,
+                                                         10.0, "FAILED here").to_json()]
+    rep["stages"]["tests"]["status"] = "fail"
+    rep["overall_pass"] = report.compute_overall(rep)
+    paths = report.write_report(rep, str(tmp_path))
+    doc = json.loads(open(paths["json"]).read())
+    for key in report.REQUIRED_KEYS:
+        assert key in doc
+    for key in report.REQUIRED_GPU_KEYS:
+        assert key in doc["gpu"]
+    for s in doc["stage_order"]:
+        for key in report.REQUIRED_STAGE_KEYS:
+            assert key in doc["stages"][s]
+    assert doc["schema_version"] == report.SCHEMA_VERSION
+    assert doc["overall_pass"] is False
+    md = open(paths["md"]).read()
+    assert "NVIDIA H200" in md and "| tests | fail |" in md and "FAILED here" in md
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_overall_pass_follows_stage_statuses():
+    rep = _full_report()
+    assert report.compute_overall(rep) is True
+    rep["stages"]["tests"]["status"] = "skipped"
+    assert report.compute_overall(rep) is True          # skipped does not fail
+    for bad in ("fail", "timeout", "pending", "running"):
+        rep["stages"]["tests"]["status"] = bad
+        assert report.compute_overall(rep) is False, bad
+    rep["stages"]["tests"]["status"] = "pass"
+    rep["gpu"]["present"] = False
+    assert report.compute_overall(rep) is False         # nothing proven without a GPU
+    rep["gpu"]["present"] = True
+    for s in rep["stages"].values():
+        s["status"] = "skipped"
+    assert report.compute_overall(rep) is False         # nothing ran
+
+
+def test_writer_refuses_invalid_documents(tmp_path):
+    rep = _full_report()
+    del rep["torch_version"]
+    with pytest.raises(ValueError, match="torch_version"):
+        report.write_report(rep, str(tmp_path))
+    rep = _full_report()
+    rep["stages"]["build"]["status"] = "great"
+    assert any("great" in p for p in report.validate(rep))
+    rep = _full_report()
+    rep["stages"]["tests"]["status"] = "fail"
+    rep["overall_pass"] = True
+    assert any("overall_pass" in p for p in report.validate(rep))
+    rep = _full_report()
+    rep["stages"]["build"]["figures"] = {"x": float("nan")}
+    assert any("strict JSON" in p for p in report.validate(rep))
+    assert not (tmp_path / "report.json").exists()
+
+
+# ---- budget and timeouts --------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_budget_shares_are_proportional_and_roll_over():
+    clock = FakeClock()
+    b = runner.Budget(100.0, [4, 2, 2, 2], clock=clock)
+    assert b.take() == pytest.approx(40.0)
+    clock.t += 10.0                                  # first stage used 10 of its 40 s
+    assert b.take() == pytest.approx(90.0 * 2 / 6)   # the 30 s left over is shared by the rest
+    clock.t += 30.0
+    assert b.take() == pytest.approx(60.0 * 2 / 4)
+    clock.t += 100.0                                 # past the deadline
+    assert b.take() == 0.0
+    with pytest.raises(IndexError):
+        b.take()
+    with pytest.raises(ValueError):
+        runner.Budget(0, [1])
+    with pytest.raises(ValueError):
+        runner.Budget(10, [1, 0])
+
+
+def test_child_budget_never_outlives_parent():
+    clock = FakeClock()
+    parent = runner.Budget(10.0, [1], clock=clock)
+    child = parent.child(50.0, [1, 1])
+    assert child.remaining() == pytest.approx(10.0)
+    assert child.take() == pytest.approx(5.0)
+
+
+def test_sleep_cut_by_timeout_is_marked_timeout(tmp_path):
+    log = str(tmp_path / "sleep.log")
+    marker = tmp_path / "child-alive"
+    # The shell's child would touch the marker after 4 s if it survived the kill of the group.
+    cmd = ["sh", "-c", f"(sleep 4; touch {marker}) & sleep 30"]
+    t0 = time.monotonic()
+    res = runner.run_command("sleep", cmd, 1.0, log)
+    elapsed = time.monotonic() - t0
+    assert res.status == "timeout"
+    assert res.returncode is not None and res.returncode != 0
+    assert elapsed < 1.0 + runner.KILL_GRACE_S + 5
+    assert "killed after 1.0 s" in res.output_tail
+    time.sleep(4.5)
+    assert not marker.exists(), "a child of the timed-out command survived"
+
+
+def test_run_command_pass_fail_and_no_time_left(tmp_path):
+    ok = runner.run_command("true", ["sh", "-c", "echo hello"], 10.0, str(tmp_path / "a.log"))
+    assert ok.status == "pass" and ok.returncode == 0 and "hello" in ok.output_tail
+    bad = runner.run_command("false", ["sh", "-c", "echo oops; exit 7"], 10.0, str(tmp_path / "b.log"))
+    assert bad.status == "fail" and bad.returncode == 7 and "oops" in bad.output_tail
+    missing = runner.run_command("missing", ["/nonexistent/tool"], 10.0, str(tmp_path / "c.log"))
+    assert missing.status == "fail" and "could not start" in missing.output_tail
+    skipped = runner.run_command("late", ["true"], 0.5, str(tmp_path / "d.log"))
+    assert skipped.status == "skipped" and "no time left" in skipped.note
+    assert runner.aggregate_status(["pass", "skipped"]) == "pass"
+    assert runner.aggregate_status(["pass", "timeout"]) == "timeout"
+    assert runner.aggregate_status(["timeout", "fail"]) == "fail"
+    assert runner.aggregate_status([]) == "skipped"
+
+
+# ---- .deb extraction and the private prefix -------------------------------------------------
+
+def _build_tiny_deb(tmp_path, compression):
+    pkg = tmp_path / "pkgroot"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text(
+        "Package: gact-tiny\nVersion: 1:2.3.4+ds-1\nArchitecture: all\nMaintainer: t <t@example.org>\n"
+        "Depends: libc6 (>= 2.34)\nDescription: tiny test package\n")
+    inc = pkg / "usr" / "include" / "tiny"
+    inc.mkdir(parents=True)
+    (inc / "tiny.h").write_text("#define TINY 42\n")
+    lib = pkg / "usr" / "lib" / deps.MULTIARCH
+    lib.mkdir(parents=True)
+    (lib / "libtiny.so.1.0").write_bytes(b"\x7fELF not really")
+    os.symlink("libtiny.so.1.0", lib / "libtiny.so")
+    deb = tmp_path / f"tiny-{compression}.deb"
+    subprocess.run(["dpkg-deb", f"-Z{compression}", "--root-owner-group", "--build", str(pkg), str(deb)],
+                   check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return deb
+
+
+@pytest.mark.skipif(not shutil.which("dpkg-deb"), reason="dpkg-deb is not installed: cannot build a test .deb")
+@pytest.mark.parametrize("compression", ["xz", "gzip", "none"])
+@pytest.mark.parametrize("use_dpkg", [True, False])
+def test_extract_deb(tmp_path, compression, use_dpkg):
+    deb = _build_tiny_deb(tmp_path, compression)
+    dest = tmp_path / "root"
+    method = deps.extract_deb(str(deb), str(dest), use_dpkg=use_dpkg)
+    assert method == ("dpkg-deb" if use_dpkg else "python")
+    assert (dest / "usr/include/tiny/tiny.h").read_text() == "#define TINY 42\n"
+    link = dest / "usr/lib" / deps.MULTIARCH / "libtiny.so"
+    assert link.is_symlink() and os.readlink(link) == "libtiny.so.1.0"
+    assert link.read_bytes() == b"\x7fELF not really"
+    ctl = deps.deb_control(str(deb))
+    assert ctl["Package"] == "gact-tiny" and ctl["Version"] == "1:2.3.4+ds-1"
+    assert deps.upstream_version(ctl["Version"]) == "2.3.4"
+
+
+def test_ar_parser_rejects_damaged_input(tmp_path):
+    with pytest.raises(ValueError, match="not an ar archive"):
+        deps.ar_members(b"PK\x03\x04 zip file")
+    with pytest.raises(ValueError, match="header"):
+        deps.ar_members(b"!<arch>\n" + b"x" * 60)
+    good_header = b"data.tar.gz/    " + b"0" * 32 + b"100       " + b"`\n"
+    with pytest.raises(ValueError, match="truncated"):
+        deps.ar_members(b"!<arch>\n" + good_header + b"short")
+
+
+def test_safe_rel_refuses_paths_leaving_the_prefix():
+    assert deps._safe_rel("./usr/include/a.h") == os.path.join("usr", "include", "a.h")
+    assert deps._safe_rel("../etc/passwd") is None
+    assert deps._safe_rel("usr/../../x") is None
+    assert deps._safe_rel("/abs/path") == os.path.join("abs", "path")
+    assert deps._safe_rel("./") is None
+
+
+def test_prefix_pc_files_read_by_the_stdlib_pkg_config(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "root"
+    pcdir = tmp_path / "pc"
+    versions = {"spdlog": "1.10.0", "fmt": "9.1.0", "doctest": "2.4.9"}
+    deps.write_prefix_pcs(str(root), str(pcdir), ["spdlog", "fmt", "doctest"], versions, header_only=False)
+    monkeypatch.setenv("PKG_CONFIG_PATH", str(pcdir))
+    monkeypatch.setenv("PKG_CONFIG_LIBDIR", str(tmp_path / "empty"))
+    inc, lib = f"-I{root}/usr/include", f"-L{root}/usr/lib/{deps.MULTIARCH}"
+
+    def pc(*args):
+        capsys.readouterr()
+        rc = pkg_config.main(list(args))
+        return rc, capsys.readouterr().out.strip()
+    assert pc("--modversion", "spdlog") == (0, "1.10.0")
+    rc, cflags = pc("--cflags", "spdlog")
+    assert rc == 0 and cflags.split().count(inc) == 1 and "-DSPDLOG_COMPILED_LIB" in cflags
+    rc, libs = pc("--libs", "spdlog")
+    assert rc == 0 and libs.index("-lspdlog") < libs.index("-lfmt") and lib in libs   # Requires: fmt followed
+    assert pc("--exists", "doctest")[0] == 0
+    assert pc("--exists", "nlohmann_json")[0] == 1
+    assert pc("--variable=pcfiledir", "fmt") == (0, str(pcdir))
+    deps.write_prefix_pcs(str(root), str(pcdir), ["spdlog", "fmt"], versions, header_only=True)
+    rc, cflags = pc("--cflags", "spdlog")
+    assert "-DFMT_HEADER_ONLY" in cflags and "-DSPDLOG_COMPILED_LIB" not in cflags
+    assert "-lspdlog" not in pc("--libs", "spdlog")[1]
+
+
+def test_pkg_config_expands_variables_and_drops_system_dirs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.pc").write_text("prefix=/usr\nincludedir=${prefix}/include/a\nlibdir=${prefix}/lib\n"
+                                   "Name: a\nDescription: d\nVersion: 1.2\nCflags: -I${includedir} -I/usr/include\n"
+                                   "Libs: -L${libdir} -la\nRequires.private: b >= 1.0\n")
+    (tmp_path / "b.pc").write_text("Name: b\nDescription: d\nVersion: 3\nCflags: -DB=1\nLibs: -lb\n")
+    monkeypatch.setenv("PKG_CONFIG_PATH", str(tmp_path))
+    monkeypatch.setenv("PKG_CONFIG_LIBDIR", str(tmp_path / "none"))
+    monkeypatch.delenv("PKG_CONFIG_ALLOW_SYSTEM_CFLAGS", raising=False)
+    monkeypatch.delenv("PKG_CONFIG_ALLOW_SYSTEM_LIBS", raising=False)
+    capsys.readouterr()
+    assert pkg_config.main(["--cflags", "a"]) == 0
+    assert capsys.readouterr().out.split() == ["-I/usr/include/a", "-DB=1"]    # private Requires: cflags only
+    assert pkg_config.main(["--libs", "a"]) == 0
+    assert capsys.readouterr().out.split() == ["-la"]
+    assert pkg_config.main(["--libs", "--static", "a"]) == 0
+    assert capsys.readouterr().out.split() == ["-la", "-lb"]
+    assert pkg_config.main(["--define-variable=prefix=/opt/x", "--variable=includedir", "a"]) == 0
+    assert capsys.readouterr().out.strip() == "/opt/x/include/a"
+
+
+# ---- stage helpers --------------------------------------------------------------------------
+
+def test_stats_dump_verdict(tmp_path):
+    good = {"schema_version": 1, "allocators": {"cuda:0": {"allocation.all.allocated": 12,
+                                                            "allocated_bytes.all.allocated": 4096,
+                                                            "errors": {"unknown_pointer": 0, "double_free": 0}}}}
+    p = tmp_path / "good.json"
+    p.write_text(json.dumps(good))
+    v = stages.check_stats_dump(str(p))
+    assert v["ok"] and v["allocations"] == 12 and v["errors"] == 0
+    bad = json.loads(json.dumps(good))
+    bad["allocators"]["cuda:0"]["errors"]["double_free"] = 2
+    p.write_text(json.dumps(bad))
+    v = stages.check_stats_dump(str(p))
+    assert not v["ok"] and any("error" in s for s in v["problems"])
+    empty = {"schema_version": 1, "allocators": {"cuda:0": {"allocation.all.allocated": 0}}}
+    p.write_text(json.dumps(empty))
+    assert not stages.check_stats_dump(str(p))["ok"]
+    assert "no stats dump" in stages.check_stats_dump(str(tmp_path / "missing.json"))["problems"][0]
+
+
+def test_meson_output_parsers():
+    text = "Ok:                 7\nExpected Fail:      0\nFail:               1\nSkipped:            2\nTimeout:            0\n"
+    assert stages._meson_test_counts(text) == {"ok": 7, "expected_fail": 0, "fail": 1, "skipped": 2, "timeout": 0}
+    summ = "gact\n    CUDA host code: YES\n    CUDA kernels  : YES\n    Python module : NO\n"
+    assert stages.parse_meson_summary(summ) == {"CUDA host code": "YES", "CUDA kernels": "YES", "Python module": "NO"}
+    figs = stages._bandwidth_figures({"encode": {"gbps": 500.0, "bits": 4}, "rows": [{"decode_GB/s": 700}]})
+    assert figs == {"encode.gbps": 500.0, "rows[0].decode_GB/s": 700.0}
+
+
+def test_sm_from_capability():
+    from gpu_check import env
+    assert env.sm_from_capability("9.0") == "90"
+    assert env.sm_from_capability("8.6") == "86"
+    assert env.sm_from_capability("") is None and env.sm_from_capability("nine") is None
+    g = env.describe_gpu({"gpus": [{"name": "NVIDIA H200", "driver": "570", "compute_cap": "9.0",
+                                    "memory_total_mib": 143771}]}, None)
+    assert g["present"] and g["sm"] == "90" and g["source"] == "nvidia-smi"
+    g = env.describe_gpu({"error": "nvidia-smi not found"}, {"version": "2.5", "cuda_available": False})
+    assert not g["present"] and "nvidia-smi not found" in g["note"]
