@@ -20,8 +20,10 @@ Skip rules, in order (the first that matches names the reason):
               runs, or sharing storage with a tensor given in ``exclude``
 ``dtype``     neither float32/float16/bfloat16 nor bool/uint8
 ``small``     fewer than ``min_bytes`` bytes
-``input``     a float leaf that does not require grad (an input batch, a constant):
-              the caller keeps it alive anyway, so a compressed copy would only add memory
+``input``     a float tensor passed to the model's forward that does not require grad (the
+              input batch): the caller keeps it alive anyway, so a compressed copy would only
+              add memory. (Other leaves that do not require grad, like torch 1.13's float
+              dropout masks on the CPU, are op-internal temporaries and are compressed.)
 
 Lifetime: a :class:`_Packed` releases its handle when it is garbage collected,
 which happens when autograd frees the graph (after ``backward()`` without
@@ -244,6 +246,7 @@ class Compressor:
         self._param_ptrs: frozenset[int] = frozenset()
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
+        self._input_ptrs: set[int] = set()
         self._local = threading.local()
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
@@ -299,12 +302,24 @@ class Compressor:
             s = self._local.stack = []
         return s
 
-    def _enter_module(self, m: torch.nn.Module, _inputs: Any) -> None:
+    def _enter_module(self, m: torch.nn.Module, inputs: Any) -> None:
         if self._depth == 0:
             return
         s = self._stack()
+        if not s and self.model is not None:
+            self._note_inputs(inputs)
         excluded = (bool(s) and s[-1][1]) or id(m) in self._excluded_modules
         s.append((self._names.get(id(m)) or type(m).__name__, excluded))
+
+    def _note_inputs(self, inputs: Any) -> None:
+        items = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        for a in items:
+            if isinstance(a, (tuple, list)):
+                self._note_inputs(a)
+            elif isinstance(a, dict):
+                self._note_inputs(tuple(a.values()))
+            elif isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
+                self._input_ptrs.add(_compat.storage_ptr(a))
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
         if self._depth == 0:
@@ -324,6 +339,8 @@ class Compressor:
     def __enter__(self) -> "Compressor":
         if self._depth == 0:
             self._stack().clear()
+            if not self._step_open:
+                self._open_step()
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._hook_ctx.append(ctx)
@@ -350,6 +367,7 @@ class Compressor:
         self._param_ptrs = frozenset(ptrs)
         self._excluded_ptrs = frozenset(_compat.storage_ptr(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
+        self._input_ptrs = set()
         _C.store_begin_step(self._step)
         self._step_open = True
 
@@ -406,7 +424,7 @@ class Compressor:
             return "dtype"
         if t.numel() * t.element_size() < self.min_bytes:
             return "small"
-        if t.dtype in _compat.FLOAT_DTYPES and t.is_leaf and not t.requires_grad:
+        if self._input_ptrs and not t.requires_grad and _compat.storage_ptr(t) in self._input_ptrs:
             return "input"
         return None
 

@@ -1,0 +1,295 @@
+"""gact.Compressor on small models: gradients, skip rules, keys, lifetime, stats.
+
+Thresholds: at 8 bits the per-element noise is at most range/255 per group, so the
+gradient of a small MLP stays within a cosine of 0.999 of fp32 (measured ~0.9997);
+the test asks for 0.99 as the task states.
+"""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import _gact as C
+import gact
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def grads(model, x, y, comp=None):
+    model.zero_grad()
+    if comp is not None:
+        with comp:
+            loss = F.cross_entropy(model(x), y)
+    else:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if comp is not None:
+        comp.step()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def store():
+    return gact.stats()["store"]
+
+
+def test_mlp_gradients_close_to_fp32_and_bytes_shrink():
+    model = mlp()
+    x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
+    g0 = grads(model, x, y)
+    before = store()
+    g8 = grads(model, x, y, gact.Compressor(model, bits=8))
+    after = store()
+    assert F.cosine_similarity(g0, g8, dim=0) > 0.99
+    bytes_in = after["bytes_in"] - before["bytes_in"]
+    stored = after["bytes_stored"] - before["bytes_stored"]
+    assert after["tensors_in"] > before["tensors_in"]
+    # 8 bits + 2 fp32 per 256-element group: about 3.9x smaller than fp32
+    assert 0 < stored < bytes_in / 3.5
+    g2 = grads(model, x, y, gact.Compressor(model, bits=2))
+    assert 0.5 < F.cosine_similarity(g0, g2, dim=0) < F.cosine_similarity(g0, g8, dim=0)
+
+
+def test_parameters_views_inputs_small_and_integers_are_skipped():
+    model = nn.Linear(256, 256)
+    comp = gact.Compressor(model, bits=4, min_bytes=4096)
+    inp = torch.randn(64, 256)  # the model's input: the caller holds it anyway
+    before = store()
+    with comp:
+        u = model(inp)  # saves inp (input)
+        x = torch.randn(64, 256, requires_grad=True) * 1.0  # an activation
+        h = model(x)  # saves x (compressed) and weight.t() (a parameter view)
+        z = torch.exp(h)  # saves its output: compressed
+        tiny = torch.randn(4, requires_grad=True) * 2
+        s = torch.sigmoid(tiny)  # saves a 16-byte output: small
+        idx = torch.randint(0, 64, (64,))
+        g = z.index_select(0, idx)  # saves the int64 index: dtype
+        loss = g.sum() + s.sum() + u.sum()
+    after = store()
+    loss.backward()
+    comp.step()
+    sk = {r: after["skipped"][r]["tensors"] - before["skipped"][r]["tensors"] for r in after["skipped"]}
+    assert sk["parameter"] >= 1 and sk["input"] >= 1 and sk["small"] >= 1 and sk["dtype"] >= 1, sk
+    assert after["tensors_in"] - before["tensors_in"] == 2
+
+
+def test_parameters_recognised_after_the_model_changes_storage():
+    model = nn.Linear(128, 128)
+    comp = gact.Compressor(model, bits=4, min_bytes=0)
+    model.double().float()  # new parameter storages after the Compressor was built
+    x = torch.randn(32, 128, requires_grad=True)
+    before = store()
+    with comp:
+        # mul saves w.detach() for x's gradient: neither a leaf that requires grad nor a view
+        # of one; only the storage check recognises it
+        out = (x * model.weight.detach()[:32]).sum()
+    after = store()
+    out.backward()
+    comp.step()
+    assert after["skipped"]["parameter"]["tensors"] - before["skipped"]["parameter"]["tensors"] == 1
+
+
+def test_excluded_modules_and_tensors():
+    model = mlp()
+    comp = gact.Compressor(model, bits=4, exclude=[model[2]])
+    x = torch.randn(64, 64)
+    before = store()
+    with comp:
+        loss = model(x).sum()
+    loss.backward()
+    comp.step()
+    mid = store()
+    assert mid["skipped"]["excluded"]["tensors"] > before["skipped"]["excluded"]["tensors"]
+
+    extra = torch.randn(64, 300, requires_grad=True)
+    e2 = extra * 1.0  # a non-leaf sharing nothing with `extra`'s storage
+    comp2 = gact.Compressor(None, bits=4, exclude=[extra])
+    with comp2:
+        out = (extra.exp() * 2).sum()  # exp saves its result (new storage): compressed
+        out2 = torch.sin(extra[:, :100]).sum()  # sin saves a view of `extra`... a leaf view: parameter
+    assert e2.requires_grad
+    (out + out2).backward()
+    comp2.step()
+    with pytest.raises(TypeError, match="exclude"):
+        gact.Compressor(model, exclude=[3])
+
+
+def test_bf16_and_unusual_ranks_are_compressed():
+    before = store()
+    comp = gact.Compressor(None, bits=4)
+    a = torch.randn(4096, requires_grad=True)  # 1-D
+    b = torch.randn(2, 2, 4, 8, 32, requires_grad=True)  # 5-D
+    c = torch.randn(64, 64, dtype=torch.bfloat16, requires_grad=True)
+    with comp:
+        loss = a.exp().sum() + b.exp().sum() + c.exp().float().sum()
+    loss.backward()
+    comp.step()
+    after = store()
+    assert after["tensors_in"] - before["tensors_in"] == 3
+    assert after["codecs"]["quant"]["tensors"] - before["codecs"]["quant"]["tensors"] == 3
+    # d/dc exp(c) = exp(c), read back from the 4-bit copy of exp's output
+    assert F.cosine_similarity(c.grad.float().flatten(), c.exp().float().flatten(), dim=0) > 0.98
+
+
+def test_dedup_and_dropout_masks():
+    before = store()
+    lin1, lin2 = nn.Linear(128, 128), nn.Linear(128, 128)
+    x = torch.randn(64, 128, requires_grad=True)
+    comp = gact.Compressor(None, bits=8)
+    with comp:
+        h = torch.relu(x * 2)  # relu output saved by relu and by dropout's consumers
+        d = F.dropout(h, 0.5, training=True)  # torch 1.13 CPU saves a float mask: quant
+        m = d.masked_fill(h > 0.5, 0.0)  # saves a bool mask: mask codec
+        loss = (lin1(m) + lin2(m)).sum()
+    loss.backward()
+    comp.step()
+    after = store()
+    assert after["dedup_hits"] > before["dedup_hits"]
+    assert after["codecs"]["mask"]["tensors"] > before["codecs"]["mask"]["tensors"]
+    assert after["live_handles"] == before["live_handles"]
+
+
+def test_no_growth_over_many_steps_and_retain_graph():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    comp = gact.Compressor(model, bits=4)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    alloc_before = None
+    live0 = store()["live_handles"]
+    for i in range(30):
+        with comp:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward(retain_graph=(i % 10 == 0))
+        if i % 10 == 0:
+            loss.backward()  # second unpack of the same handles
+        opt.step()
+        opt.zero_grad()
+        del loss
+        assert comp.step() == live0
+        assert C.store_live_handles() == live0
+        if i in (0, 29):
+            cur = gact.stats()["allocators"]["host"]["allocated_bytes.all.current"]
+            if alloc_before is None:
+                alloc_before = cur
+            assert cur == alloc_before
+
+
+def test_graph_kept_alive_is_a_leak_then_freed():
+    model = mlp()
+    comp = gact.Compressor(model, bits=4)
+    before = store()
+    with comp:
+        loss = model(torch.randn(16, 64)).sum()
+    assert comp.step() > before["live_handles"]  # no backward yet: the graph holds the handles
+    assert store()["leaks"] > before["leaks"]
+    del loss
+    gc.collect()
+    assert store()["live_handles"] == before["live_handles"]
+
+
+class RecordingPolicy:
+    def __init__(self):
+        self.calls = []
+
+    def bits_for(self, key, numel):
+        self.calls.append((key, numel))
+        return 2 if key.startswith("3:") else 8
+
+
+def test_keys_are_stable_and_policy_sets_bits():
+    model = mlp()
+    pol = RecordingPolicy()
+    comp = gact.Compressor(model, bits=4, policy=pol)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    before = store()["quant_bits"]
+    grads(model, x, y, comp)
+    first = list(pol.calls)
+    pol.calls.clear()
+    grads(model, x, y, comp)
+    assert first and first == pol.calls
+    names = [k for k, _ in first]
+    assert len(set(names)) == len(names)
+    assert all(":" in k for k in names) and any(k.startswith("3:") for k in names)
+    after = store()["quant_bits"]
+    assert after["2"] > before["2"] and after["8"] > before["8"]
+
+
+def test_noise_depends_on_seed_and_step_and_is_reproducible():
+    model = mlp()
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    a = grads(model, x, y, gact.Compressor(model, bits=2, seed=1))
+    b = grads(model, x, y, gact.Compressor(model, bits=2, seed=1))
+    c = grads(model, x, y, gact.Compressor(model, bits=2, seed=2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    comp = gact.Compressor(model, bits=2, seed=1)
+    s0 = grads(model, x, y, comp)
+    s1 = grads(model, x, y, comp)  # next step: new noise
+    assert torch.equal(s0, a) and not torch.equal(s0, s1)
+
+
+def test_bad_settings_are_rejected_by_name():
+    model = mlp()
+    for kw, match in [({"bits": 3}, "bits"), ({"bits": True}, "bits"), ({"group_size": 100}, "group_size"),
+                      ({"min_bytes": -1}, "min_bytes"), ({"budget": 9}, "budget"), ({"seed": -1}, "seed")]:
+        with pytest.raises(ValueError, match=match):
+            gact.Compressor(model, **kw)
+    with pytest.raises(TypeError, match="model"):
+        gact.Compressor("resnet")
+    with pytest.raises(ValueError, match="bits"):
+        gact.configure(bits=3)
+
+
+def test_options_table_and_stats_dump(tmp_path):
+    opts = gact.options()
+    assert opts["min_bytes"] == 4096 and opts["group_size"] == 256
+    assert any(r["env"] == "GACT_BITS" for r in opts.rows)
+    p = tmp_path / "stats.json"
+    gact.dump_stats(p)
+    import json
+
+    doc = json.loads(p.read_text())
+    assert doc["schema_version"] >= 1 and "store" in doc and "host" in doc["allocators"]
+
+
+def test_use_allocator_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        gact.use_allocator()
+
+
+def test_gact_run_compresses_an_unmodified_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.randn(64, 32)).pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+        print("done")
+    """))
+    stats = tmp_path / "stats.json"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tool = os.path.join(root, "tools", "gact-run")
+    r = subprocess.run([sys.executable, tool, "--bits", "2", "--stats", str(stats), "--",
+                        sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "done" in r.stdout
+    import json
+
+    doc = json.loads(stats.read_text())
+    assert doc["store"]["steps"] == 3
+    assert doc["store"]["quant_bits"]["2"] >= 3 and doc["store"]["leaks"] == 0
+    r = subprocess.run([sys.executable, tool, "--bits", "3", "--", sys.executable, "-c", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "--bits" in r.stderr

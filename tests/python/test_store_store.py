@@ -1,0 +1,213 @@
+"""The activation store through _gact: put/get/release per dtype and codec, dedup,
+strided input, NaN, leaks, stats keys and bad input.
+
+Each test reads the store's counters before and after, so tests do not depend on
+each other through the process-wide store.
+"""
+
+import pytest
+import torch
+
+import _gact as C
+
+from gact import _compat
+
+
+def put(t, bits=4, key=1, seed=0, version=None):
+    return C.store_put(
+        t.data_ptr(), _compat.DTYPE_NAMES[t.dtype], tuple(t.shape), tuple(t.stride()), -1,
+        t._version if version is None else version, key, bits, 256, seed, 0)
+
+
+def get(h, like):
+    out = torch.empty(like.shape, dtype=like.dtype)
+    C.store_get(h, out.data_ptr(), out.numel() * out.element_size(), 0)
+    return out
+
+
+def delta(before, after, key):
+    return after[key] - before[key]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_float_round_trip_is_quantized_within_one_step(dtype, bits):
+    x = torch.randn(4, 3, 1000).to(dtype)
+    h = put(x, bits=bits)
+    info = C.store_info(h)
+    assert info["codec"] == "quant" and info["bits"] == bits and info["shape"] == tuple(x.shape)
+    assert info["bytes_stored"] < info["bytes_in"]
+    y = get(h, x)
+    # one quantization step of the tensor's whole range bounds every group's step
+    step = (x.float().max() - x.float().min()) / (2**bits - 1)
+    ulp = {torch.float32: 2.0**-22, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    assert (y.float() - x.float()).abs().max() <= step * (1 + 1e-5) + x.float().abs().max() * ulp
+    assert C.store_release(h) == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1, 5, 9])
+def test_any_rank_is_compressed(rank):
+    shape = (2,) * rank if rank else ()
+    x = torch.randn(shape) if rank < 9 else torch.randn((2,) * 9)
+    h = put(x, bits=8)
+    assert C.store_info(h)["codec"] == "quant"
+    assert get(h, x).shape == x.shape
+    C.store_release(h)
+
+
+@pytest.mark.parametrize("bits", [16, 32])
+def test_wide_bits_store_raw_and_exact(bits):
+    x = torch.randn(100, 37)
+    h = put(x, bits=bits)
+    assert C.store_info(h)["codec"] == "raw"
+    assert torch.equal(get(h, x), x)
+    C.store_release(h)
+
+
+def test_masks_and_other_integers():
+    before = C.store_stats()
+    b = torch.rand(300, 300) > 0.3
+    u = (torch.rand(300, 300) > 0.3).to(torch.uint8)
+    v = torch.randint(0, 200, (300, 300), dtype=torch.uint8)
+    v[0, 0] = 2
+    i = torch.randint(-1000, 1000, (300, 300))
+    hs = [put(t) for t in (b, u, v, i)]
+    assert [C.store_info(h)["codec"] for h in hs] == ["mask", "mask", "raw", "raw"]
+    assert C.store_info(hs[0])["bytes_stored"] < b.numel() // 8 + 256
+    for h, t in zip(hs, (b, u, v, i)):
+        assert torch.equal(get(h, t), t)
+        C.store_release(h)
+    after = C.store_stats()
+    assert after["codecs"]["mask"]["tensors"] - before["codecs"]["mask"]["tensors"] == 2
+    assert after["codecs"]["raw"]["tensors"] - before["codecs"]["raw"]["tensors"] == 2
+
+
+def test_dedup_refcount_and_version():
+    before = C.store_stats()
+    x = torch.randn(64, 64)
+    h1 = put(x)
+    h2 = put(x)
+    assert h1 == h2 and C.store_info(h1)["refcount"] == 2
+    x.add_(1)  # in-place write: new version, new contents, new entry
+    h3 = put(x)
+    assert h3 != h1
+    after = C.store_stats()
+    assert delta(before, after, "dedup_hits") == 1
+    assert delta(before, after, "tensors_in") == 2
+    assert C.store_release(h1) == 1
+    assert C.store_release(h1) == 0
+    with pytest.raises(ValueError, match="unknown handle"):
+        get(h1, x)
+    assert C.store_release(h1) == -1
+    assert delta(before, C.store_stats(), "bad_releases") == 1
+    C.store_release(h3)
+
+
+def test_forget_stops_dedup():
+    x = torch.randn(64, 64)
+    h1 = put(x)
+    C.store_forget(h1)
+    h2 = put(x)
+    assert h2 != h1
+    C.store_release(h1)
+    C.store_release(h2)
+
+
+def test_new_step_stops_dedup():
+    x = torch.randn(64, 64)
+    h1 = put(x)
+    C.store_begin_step(1000)
+    h2 = put(x)
+    assert h2 != h1
+    C.store_release(h1)
+    C.store_release(h2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(300, 200).t(),
+    lambda: torch.randn(40, 50, 60)[:, ::3, 7:],
+    lambda: torch.randn(10, 1, 500).expand(10, 4, 500),
+    lambda: torch.randn(8, 3, 32, 32).permute(0, 2, 3, 1),
+])
+def test_strided_views_decode_contiguous(make):
+    x = make()
+    assert not x.is_contiguous()
+    before = C.store_stats()
+    h = put(x, bits=32)  # raw: exact, so the gather itself is checked
+    y = get(h, x)
+    assert y.is_contiguous() and torch.equal(y, x.contiguous())
+    C.store_release(h)
+    h = put(x, bits=8)
+    y = get(h, x)
+    step = (x.max() - x.min()) / 255
+    assert (y - x).abs().max() <= step * (1 + 1e-5)
+    C.store_release(h)
+    assert delta(before, C.store_stats(), "gathers") == 2
+
+
+def test_nonfinite_is_stored_raw_and_counted():
+    before = C.store_stats()
+    x = torch.randn(50, 100)
+    x[3, 4] = float("nan")
+    x[7, 1] = -float("inf")
+    h = put(x)
+    assert C.store_info(h)["codec"] == "raw"
+    y = get(h, x)
+    assert torch.equal(torch.isnan(y), torch.isnan(x))
+    assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(x))
+    C.store_release(h)
+    assert delta(before, C.store_stats(), "nonfinite_fallbacks") == 1
+
+
+def test_leaks_are_counted_at_end_of_step():
+    before = C.store_stats()
+    C.store_begin_step(1)
+    x = torch.randn(100, 100)
+    h = put(x)
+    assert C.store_end_step() == 1
+    mid = C.store_stats()
+    assert delta(before, mid, "leaks") == 1 and mid["leaks_last_step"] == 1
+    assert mid["bytes_stored_current"] >= C.store_info(h)["bytes_stored"]
+    C.store_release(h)  # the leaked handle stays valid until released
+    assert C.store_end_step() == 0
+    assert C.store_stats()["live_handles"] == 0
+
+
+def test_stats_keys():
+    s = C.store_stats()
+    for k in ("tensors_in", "bytes_in", "bytes_stored", "ratio", "codecs", "quant_bits", "skipped",
+              "skipped_tensors", "skipped_bytes", "dedup_hits", "nonfinite_fallbacks", "live_handles",
+              "bytes_stored_current", "bytes_stored_peak", "leaks", "leaks_last_step", "steps"):
+        assert k in s, k
+    assert set(s["codecs"]) == {"raw", "quant", "mask"}
+    assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device"}
+    doc = C.stats_document()
+    assert doc["store"].keys() == s.keys() and "schema_version" in doc
+
+
+def test_note_skip_counts_by_reason():
+    before = C.store_stats()["skipped"]["small"]
+    C.store_note_skip("small", 100)
+    after = C.store_stats()["skipped"]["small"]
+    assert after["tensors"] - before["tensors"] == 1 and after["bytes"] - before["bytes"] == 100
+    with pytest.raises(ValueError, match="skip reason"):
+        C.store_note_skip("tired", 1)
+
+
+def test_bad_input_is_rejected_by_name():
+    x = torch.randn(10, 10)
+    with pytest.raises(ValueError, match="bits=3"):
+        put(x, bits=3)
+    with pytest.raises(ValueError, match="dtype"):
+        C.store_put(x.data_ptr(), "complex64", (10, 10), (10, 1), -1, 0, 0, 4, 256, 0, 0)
+    with pytest.raises(ValueError, match="strides"):
+        C.store_put(x.data_ptr(), "float32", (10, 10), (1,), -1, 0, 0, 4, 256, 0, 0)
+    with pytest.raises(ValueError, match="null data"):
+        C.store_put(0, "float32", (10, 10), (10, 1), -1, 0, 0, 4, 256, 0, 0)
+    with pytest.raises(ValueError, match="group"):
+        put_bad_group = C.store_put(x.data_ptr(), "float32", (10, 10), (10, 1), -1, 0, 0, 4, 100, 0, 0)
+        C.store_release(put_bad_group)
+    h = put(x)
+    with pytest.raises(ValueError, match="destination"):
+        C.store_get(h, x.data_ptr(), 12, 0)
+    C.store_release(h)
