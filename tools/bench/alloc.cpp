@@ -258,6 +258,12 @@ struct options {
   bool run_cached = true;
   bool json = false;
   std::string stats_out;
+  // caching_allocator settings (0 = the allocator's default)
+  std::size_t small_size = 0;
+  std::size_t small_segment = 0;
+  std::size_t large_segment = 0;
+  std::size_t min_large = 0;
+  std::size_t round_large = 0;
 };
 
 constexpr char const* k_usage =
@@ -279,6 +285,8 @@ constexpr char const* k_usage =
     "  --sample-every K   time every K-th operation for the percentiles (default 8)\n"
     "  --json             also print the figures as one JSON line\n"
     "  --stats-out PATH   write gact's stats document (gact-stats show PATH) at the end\n"
+    "gact's caching_allocator settings (default: the allocator's own defaults):\n"
+    "  --small-size B  --small-segment B  --large-segment B  --min-large B  --round-large B\n"
     "Sizes take K, M, G suffixes (powers of 1024).\n";
 
 [[noreturn]] void usage_error(std::string const& msg) {
@@ -369,6 +377,16 @@ options parse_args(int argc, char** argv) {
       o.pair_bytes = count(value());
     } else if (a == "--sample-every") {
       o.sample_every = count(value());
+    } else if (a == "--small-size") {
+      o.small_size = count(value());
+    } else if (a == "--small-segment") {
+      o.small_segment = count(value());
+    } else if (a == "--large-segment") {
+      o.large_segment = count(value());
+    } else if (a == "--min-large") {
+      o.min_large = count(value());
+    } else if (a == "--round-large") {
+      o.round_large = count(value());
     } else if (a == "--json") {
       o.json = true;
     } else if (a == "--stats-out") {
@@ -450,6 +468,16 @@ int run(options const& o) {
   device::host_backend backend;
   alloc::allocator_options aopts;
   aopts.name = "bench";
+  if (o.small_size != 0) aopts.small_size = o.small_size;
+  if (o.small_segment != 0) aopts.small_segment_size = o.small_segment;
+  if (o.large_segment != 0) aopts.large_segment_size = o.large_segment;
+  if (o.min_large != 0) aopts.min_large_alloc = o.min_large;
+  if (o.round_large != 0) aopts.round_large = o.round_large;
+  js["gact_options"] = {{"small_size", aopts.small_size},
+                        {"small_segment_size", aopts.small_segment_size},
+                        {"large_segment_size", aopts.large_segment_size},
+                        {"min_large_alloc", aopts.min_large_alloc},
+                        {"round_large", aopts.round_large}};
   std::optional<alloc::caching_allocator> cache;
   cache.emplace(backend, aopts);
 #endif
