@@ -63,6 +63,24 @@ std::string human_bytes(std::size_t n) {
 
 enum class block_state : std::uint8_t { free, allocated, pending };
 
+struct block;
+
+/// Lookup key of a best-fit search: the smallest free block of `stream` with size >= `size`.
+struct fit_key {
+  device::stream_t stream;
+  std::size_t size;
+};
+
+/// Orders free blocks by (stream, size, address); transparent so that lower_bound takes a fit_key.
+struct block_less {
+  using is_transparent = void;
+  bool operator()(block const* a, block const* b) const noexcept;
+  bool operator()(block const* a, fit_key const& k) const noexcept;
+  bool operator()(fit_key const& k, block const* b) const noexcept;
+};
+
+using free_set = std::set<block*, block_less, detail::pool_allocator<block*>>;
+
 struct block {
   std::uintptr_t ptr = 0;
   std::size_t size = 0;        // rounded; a multiple of 512
@@ -70,6 +88,7 @@ struct block {
   device::stream_t stream = 0; // the stream of the segment
   block* prev = nullptr;       // address-order neighbours in the same segment
   block* next = nullptr;
+  free_set::iterator where{};  // position in its pool's free set while state == free
   std::vector<device::stream_t> stream_uses;  // other streams (record_stream); empty on the fast path
   int event_count = 0;         // pending events while state == pending
   tag_id tag = tag_other;
@@ -80,15 +99,17 @@ struct block {
   bool whole_segment() const noexcept { return prev == nullptr && next == nullptr; }
 };
 
-struct block_less {
-  bool operator()(block const* a, block const* b) const noexcept {
-    if (a->stream != b->stream) return a->stream < b->stream;
-    if (a->size != b->size) return a->size < b->size;
-    return a->ptr < b->ptr;
-  }
-};
-
-using free_set = std::set<block*, block_less, detail::pool_allocator<block*>>;
+inline bool block_less::operator()(block const* a, block const* b) const noexcept {
+  if (a->stream != b->stream) return a->stream < b->stream;
+  if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
+inline bool block_less::operator()(block const* a, fit_key const& k) const noexcept {
+  return a->stream != k.stream ? a->stream < k.stream : a->size < k.size;
+}
+inline bool block_less::operator()(fit_key const& k, block const* b) const noexcept {
+  return k.stream != b->stream ? k.stream < b->stream : k.size < b->size;
+}
 
 struct pending_event {
   device::event_t event;
@@ -143,30 +164,26 @@ struct caching_allocator::impl {
   // ---- free sets -----------------------------------------------------------
   void insert_free(block* b) {
     b->state = block_state::free;
-    pool_of(b->small).insert(b);
+    b->where = pool_of(b->small).insert(b).first;
     if (!b->whole_segment()) {
       b->counted_split = true;
-      update_stat(st.inactive_split, b->small, 1);
-      update_stat(st.inactive_split_bytes, b->small, static_cast<std::int64_t>(b->size));
+      stat_add(st.inactive_split, b->small, 1);
+      stat_add(st.inactive_split_bytes, b->small, static_cast<std::int64_t>(b->size));
     }
   }
 
   void erase_free(block* b) noexcept {
-    pool_of(b->small).erase(b);
+    pool_of(b->small).erase(b->where);  // by position: no search
     if (b->counted_split) {
       b->counted_split = false;
-      update_stat(st.inactive_split, b->small, -1);
-      update_stat(st.inactive_split_bytes, b->small, -static_cast<std::int64_t>(b->size));
+      stat_sub(st.inactive_split, b->small, 1);
+      stat_sub(st.inactive_split_bytes, b->small, static_cast<std::int64_t>(b->size));
     }
   }
 
   block* find_free(bool small, std::size_t size, device::stream_t stream) {
     free_set& pool = pool_of(small);
-    block key;
-    key.stream = stream;
-    key.size = size;
-    key.ptr = 0;
-    auto it = pool.lower_bound(&key);
+    auto it = pool.lower_bound(fit_key{stream, size});
     if (it == pool.end() || (*it)->stream != stream) return nullptr;
     return *it;
   }
@@ -196,8 +213,8 @@ struct caching_allocator::impl {
     b->size = seg_size;
     b->stream = stream;
     b->small = small;
-    update_stat(st.segment, small, 1);
-    update_stat(st.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
+    stat_add(st.segment, small, 1);
+    stat_add(st.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
     ++st.num_device_alloc;
     GACT_LOG_DEBUG("[segment+][{}][stream {:#x}][{}B][{}]", stats_name, stream, seg_size, p);
     return b;
@@ -205,8 +222,8 @@ struct caching_allocator::impl {
 
   void release_segment(block* b) noexcept {
     be.release(reinterpret_cast<void*>(b->ptr), b->size);
-    update_stat(st.segment, b->small, -1);
-    update_stat(st.reserved_bytes, b->small, -static_cast<std::int64_t>(b->size));
+    stat_sub(st.segment, b->small, 1);
+    stat_sub(st.reserved_bytes, b->small, static_cast<std::int64_t>(b->size));
     ++st.num_device_free;
     GACT_LOG_DEBUG("[segment-][{}][stream {:#x}][{}B][{:#x}]", stats_name, b->stream, b->size, b->ptr);
     records.destroy(b);
@@ -232,8 +249,8 @@ struct caching_allocator::impl {
   // ---- block life cycle --------------------------------------------------------
   /// Turn an allocated or pending block into a free one, coalescing with free neighbours.
   void free_block(block* b) {
-    update_stat(st.active, b->small, -1);
-    update_stat(st.active_bytes, b->small, -static_cast<std::int64_t>(b->size));
+    stat_sub(st.active, b->small, 1);
+    stat_sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
     if (block* p = b->prev; p != nullptr && p->state == block_state::free) {
       erase_free(p);
       b->ptr = p->ptr;
@@ -289,11 +306,11 @@ struct caching_allocator::impl {
 
   void count_alloc(block* b, std::size_t requested, tag_id tag) noexcept {
     auto const size = static_cast<std::int64_t>(b->size);
-    update_stat(st.allocation, b->small, 1);
-    update_stat(st.allocated_bytes, b->small, size);
-    update_stat(st.requested_bytes, b->small, static_cast<std::int64_t>(requested));
-    update_stat(st.active, b->small, 1);
-    update_stat(st.active_bytes, b->small, size);
+    stat_add(st.allocation, b->small, 1);
+    stat_add(st.allocated_bytes, b->small, size);
+    stat_add(st.requested_bytes, b->small, static_cast<std::int64_t>(requested));
+    stat_add(st.active, b->small, 1);
+    stat_add(st.active_bytes, b->small, size);
     tag_stat& t = tags[tag];
     t.current_bytes += size;
     t.peak_bytes = std::max(t.peak_bytes, t.current_bytes);
@@ -304,9 +321,9 @@ struct caching_allocator::impl {
 
   void count_free(block const* b) noexcept {
     auto const size = static_cast<std::int64_t>(b->size);
-    update_stat(st.allocation, b->small, -1);
-    update_stat(st.allocated_bytes, b->small, -size);
-    update_stat(st.requested_bytes, b->small, -static_cast<std::int64_t>(b->requested));
+    stat_sub(st.allocation, b->small, 1);
+    stat_sub(st.allocated_bytes, b->small, size);
+    stat_sub(st.requested_bytes, b->small, static_cast<std::int64_t>(b->requested));
     tag_stat& t = tags[b->tag];
     t.current_bytes -= size;
     --t.current_count;

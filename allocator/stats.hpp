@@ -43,15 +43,30 @@ struct stat {
 /// all, small_pool, large_pool. Invariant: [pool_all] == [pool_small] + [pool_large] field by field.
 using stat_array = std::array<stat, 3>;
 
+#if defined(__GNUC__)
+#define GACT_STATS_INLINE [[gnu::always_inline]] inline
+#else
+#define GACT_STATS_INLINE inline
+#endif
+
+/// Add `n` to the "all" entry and to the entry of one pool (fast path: always inlined).
+GACT_STATS_INLINE void stat_add(stat_array& a, bool small, std::int64_t n) noexcept {
+  a[pool_all].increase(n);
+  a[small ? pool_small : pool_large].increase(n);
+}
+
+/// Subtract `n` from the "all" entry and from the entry of one pool.
+GACT_STATS_INLINE void stat_sub(stat_array& a, bool small, std::int64_t n) noexcept {
+  a[pool_all].decrease(n);
+  a[small ? pool_small : pool_large].decrease(n);
+}
+
 /// Apply a signed change to the "all" entry and to the entry of one pool.
-inline void update_stat(stat_array& a, bool small, std::int64_t delta) noexcept {
-  int const pool = small ? pool_small : pool_large;
+GACT_STATS_INLINE void update_stat(stat_array& a, bool small, std::int64_t delta) noexcept {
   if (delta >= 0) {
-    a[pool_all].increase(delta);
-    a[pool].increase(delta);
+    stat_add(a, small, delta);
   } else {
-    a[pool_all].decrease(-delta);
-    a[pool].decrease(-delta);
+    stat_sub(a, small, -delta);
   }
 }
 
