@@ -1,0 +1,310 @@
+// gact/tests/store/test_activation_store.cpp
+//
+// The activation store's contract on the host backend: round trips per codec,
+// dedup with reference counts, strided views, NaN fallback, leak accounting,
+// out-of-memory without leaks, bad input, and (suite "threads") concurrent
+// put/get/release/stats with steps, which also runs under ThreadSanitizer.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "allocator/caching_allocator.hpp"
+#include "allocator/device/host_backend.hpp"
+#include "allocator/error.hpp"
+#include "allocator/store/activation_store.hpp"
+
+namespace {
+
+using gact::codec::codec_id;
+using gact::codec::dtype;
+using gact::store::activation_store;
+using gact::store::put_params;
+using gact::store::tensor_view;
+
+struct fixture {
+  gact::device::host_backend be;
+  gact::alloc::caching_allocator arena{be};
+  activation_store store{arena, gact::store::store_options{1, ""}};
+};
+
+std::vector<float> randn(std::size_t n, std::uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+tensor_view view(void const* p, dtype t, std::vector<std::int64_t> shape, std::vector<std::int64_t> strides = {}) {
+  tensor_view v;
+  v.data = p;
+  v.dtype = t;
+  v.shape = std::move(shape);
+  v.strides = std::move(strides);
+  return v;
+}
+
+put_params bits(int b, std::uint64_t key = 1) {
+  put_params p;
+  p.bits = b;
+  p.key = key;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("float32 round trip stays within one quantization step per group") {
+  fixture f;
+  for (int b : {1, 2, 4, 8}) {
+    auto x = randn(3000, 7);
+    auto h = f.store.put(view(x.data(), dtype::float32, {3, 1000}), bits(b));
+    auto info = f.store.info(h);
+    CHECK(info.codec == codec_id::quant);
+    CHECK(info.bits == b);
+    CHECK(info.bytes_stored < info.bytes_in);
+    std::vector<float> y(x.size());
+    f.store.get(h, y.data(), y.size() * 4);
+    for (std::size_t g0 = 0; g0 < x.size(); g0 += 256) {
+      std::size_t const g1 = std::min(x.size(), g0 + 256);
+      float lo = x[g0], hi = x[g0];
+      for (std::size_t i = g0; i < g1; ++i) {
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+      }
+      float const step = (hi - lo) / float((1 << b) - 1);
+      for (std::size_t i = g0; i < g1; ++i) REQUIRE(std::fabs(y[i] - x[i]) <= step * 1.0001f);
+    }
+    CHECK(f.store.release(h) == 0);
+  }
+  CHECK(f.store.live_handles() == 0);
+  CHECK(f.store.stored_bytes() == 0);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("dedup: same view and version share one entry; a new version does not") {
+  fixture f;
+  auto x = randn(4096, 1);
+  auto v = view(x.data(), dtype::float32, {64, 64});
+  auto h1 = f.store.put(v, bits(4));
+  auto h2 = f.store.put(v, bits(4));
+  CHECK(h1 == h2);
+  CHECK(f.store.info(h1).refcount == 2);
+  v.version = 1;
+  auto h3 = f.store.put(v, bits(4));
+  CHECK(h3 != h1);
+  auto other_shape = view(x.data(), dtype::float32, {4096});
+  auto h4 = f.store.put(other_shape, bits(4));
+  CHECK(h4 != h1);
+  auto s = f.store.stats_json();
+  CHECK(s["dedup_hits"] == 1);
+  CHECK(s["tensors_in"] == 3);
+  CHECK(f.store.release(h1) == 1);
+  CHECK(f.store.release(h1) == 0);
+  CHECK(f.store.release(h1) == -1);
+  CHECK(f.store.stats_json()["bad_releases"] == 1);
+  f.store.release(h3);
+  f.store.release(h4);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("forget and begin_step end dedup against an entry") {
+  fixture f;
+  auto x = randn(1024, 2);
+  auto v = view(x.data(), dtype::float32, {1024});
+  auto h1 = f.store.put(v, bits(4));
+  f.store.forget(h1);
+  auto h2 = f.store.put(v, bits(4));
+  CHECK(h2 != h1);
+  f.store.begin_step(5);
+  auto h3 = f.store.put(v, bits(4));
+  CHECK(h3 != h2);
+  for (auto h : {h1, h2, h3}) CHECK(f.store.release(h) == 0);
+}
+
+TEST_CASE("strided views are gathered and decode contiguous") {
+  fixture f;
+  // a 40x30 row-major matrix viewed transposed (30x40, strides {1, 30}) and sliced
+  auto x = randn(1200, 3);
+  auto t = view(x.data(), dtype::float32, {30, 40}, {1, 30});
+  auto h = f.store.put(t, bits(32));  // raw: exact
+  std::vector<float> y(1200);
+  f.store.get(h, y.data(), y.size() * 4);
+  for (int i = 0; i < 30; ++i)
+    for (int j = 0; j < 40; ++j) REQUIRE(y[std::size_t(i * 40 + j)] == x[std::size_t(j * 30 + i)]);
+  f.store.release(h);
+  // every other row of the matrix, last column dropped: shape {20, 29}, strides {60, 1}
+  auto s = view(x.data() + 1, dtype::float32, {20, 29}, {60, 1});
+  h = f.store.put(s, bits(32));
+  std::vector<float> z(20 * 29);
+  f.store.get(h, z.data(), z.size() * 4);
+  for (int i = 0; i < 20; ++i)
+    for (int j = 0; j < 29; ++j) REQUIRE(z[std::size_t(i * 29 + j)] == x[std::size_t(1 + i * 60 + j)]);
+  f.store.release(h);
+  CHECK(f.store.stats_json()["gathers"] == 2);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("NaN and Inf are stored raw and counted") {
+  fixture f;
+  auto x = randn(2000, 4);
+  x[10] = std::numeric_limits<float>::quiet_NaN();
+  x[11] = -std::numeric_limits<float>::infinity();
+  auto h = f.store.put(view(x.data(), dtype::float32, {2000}), bits(4));
+  CHECK(f.store.info(h).codec == codec_id::raw);
+  std::vector<float> y(2000);
+  f.store.get(h, y.data(), y.size() * 4);
+  CHECK(std::isnan(y[10]));
+  CHECK(y[11] == x[11]);
+  CHECK(std::memcmp(y.data(), x.data(), 10 * 4) == 0);
+  CHECK(f.store.stats_json()["nonfinite_fallbacks"] == 1);
+  f.store.release(h);
+}
+
+TEST_CASE("bool and 0/1 uint8 go to the mask codec; other integers raw") {
+  fixture f;
+  std::vector<std::uint8_t> m(5000), u(5000);
+  std::vector<std::int32_t> k(5000);
+  for (std::size_t i = 0; i < m.size(); ++i) {
+    m[i] = std::uint8_t((i * 7919) % 3 == 0);
+    u[i] = std::uint8_t(i % 5);
+    k[i] = std::int32_t(i) - 77;
+  }
+  auto hb = f.store.put(view(m.data(), dtype::boolean, {5000}), bits(4));
+  auto hm = f.store.put(view(m.data(), dtype::uint8, {50, 100}), bits(4));
+  auto hu = f.store.put(view(u.data(), dtype::uint8, {5000}), bits(4));
+  auto hk = f.store.put(view(k.data(), dtype::int32, {5000}), bits(4));
+  CHECK(f.store.info(hb).codec == codec_id::mask);
+  CHECK(f.store.info(hb).bytes_stored < 5000 / 8 + 256);
+  CHECK(f.store.info(hm).codec == codec_id::mask);
+  CHECK(f.store.info(hu).codec == codec_id::raw);
+  CHECK(f.store.info(hk).codec == codec_id::raw);
+  std::vector<std::uint8_t> out(5000);
+  f.store.get(hm, out.data(), out.size());
+  CHECK(out == m);
+  f.store.get(hu, out.data(), out.size());
+  CHECK(out == u);
+  std::vector<std::int32_t> ko(5000);
+  f.store.get(hk, ko.data(), ko.size() * 4);
+  CHECK(ko == k);
+  for (auto h : {hb, hm, hu, hk}) f.store.release(h);
+}
+
+TEST_CASE("handles alive at end_step are leaks; they stay valid") {
+  fixture f;
+  auto x = randn(4096, 5);
+  f.store.begin_step(0);
+  auto h = f.store.put(view(x.data(), dtype::float32, {4096}), bits(4));
+  CHECK(f.store.end_step() == 1);
+  auto s = f.store.stats_json();
+  CHECK(s["leaks"] == 1);
+  CHECK(s["leaks_last_step"] == 1);
+  std::vector<float> y(4096);
+  f.store.get(h, y.data(), y.size() * 4);
+  f.store.release(h);
+  f.store.begin_step(1);
+  CHECK(f.store.end_step() == 0);
+  CHECK(f.store.stats_json()["leaks_last_step"] == 0);
+}
+
+TEST_CASE("out of memory propagates and leaves nothing behind") {
+  gact::device::host_backend be(std::size_t{4} << 20);  // 4 MiB cap
+  gact::alloc::caching_allocator arena(be);
+  activation_store store(arena, gact::store::store_options{1, ""});
+  std::vector<float> big(std::size_t{3} << 20);  // 12 MiB: its raw blob cannot fit
+  CHECK_THROWS_AS(store.put(view(big.data(), dtype::float32, {std::int64_t(big.size())}), bits(32)),
+                  gact::out_of_memory);
+  CHECK(store.live_handles() == 0);
+  CHECK(arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("bad input is rejected with the reason") {
+  fixture f;
+  float x[16] = {};
+  CHECK_THROWS_AS(f.store.put(view(x, dtype::float32, {4, 4}), bits(3)), gact::invalid_argument);
+  CHECK_THROWS_AS(f.store.put(view(x, dtype::float32, {4, 4}, {1}), bits(4)), gact::invalid_argument);
+  CHECK_THROWS_AS(f.store.put(view(x, dtype::float32, {4, -4}), bits(4)), gact::invalid_argument);
+  CHECK_THROWS_AS(f.store.put(view(nullptr, dtype::float32, {4, 4}), bits(4)), gact::invalid_argument);
+  auto cuda = view(x, dtype::float32, {16});
+  cuda.device = 0;
+  CHECK_THROWS_AS(f.store.put(cuda, bits(4)), gact::invalid_argument);
+  CHECK_THROWS_AS(f.store.get(12345, x, sizeof x), gact::invalid_argument);
+  auto h = f.store.put(view(x, dtype::float32, {16}), bits(4));
+  CHECK_THROWS_AS(f.store.get(h, x, 4), gact::invalid_argument);
+  f.store.release(h);
+  CHECK_THROWS_AS(gact::store::parse_dtype("complex64"), gact::invalid_argument);
+  CHECK(gact::store::parse_dtype("torch.bfloat16") == dtype::bfloat16);
+  CHECK_THROWS_AS(gact::store::parse_skip_reason("tired"), gact::invalid_argument);
+  auto empty = f.store.put(view(nullptr, dtype::float32, {0, 5}), bits(4));
+  f.store.get(empty, nullptr, 0);
+  CHECK(f.store.release(empty) == 0);
+}
+
+TEST_CASE("a store destroyed with live handles frees their blobs") {
+  gact::device::host_backend be;
+  gact::alloc::caching_allocator arena(be);
+  {
+    activation_store store(arena, gact::store::store_options{1, ""});
+    auto x = randn(4096, 6);
+    store.put(view(x.data(), dtype::float32, {4096}), bits(4));
+  }
+  CHECK(arena.allocated_bytes() == 0);
+}
+
+TEST_SUITE("threads") {
+  TEST_CASE("concurrent put/get/release with steps and stats") {
+    fixture f;
+    constexpr int k_threads = 4;
+    constexpr int k_iters = 150;
+    auto shared = randn(2048, 99);  // every thread also saves this one: dedup under contention
+    std::atomic<bool> stop{false};
+    std::atomic<int> failures{0};
+    std::thread observer([&] {
+      std::uint64_t step = 0;
+      while (!stop.load()) {
+        auto s = f.store.stats_json();
+        if (s["bytes_stored_current"].get<std::uint64_t>() > s["bytes_stored_peak"].get<std::uint64_t>())
+          failures.fetch_add(1);
+        f.store.begin_step(++step);
+        f.store.end_step();
+      }
+    });
+    std::vector<std::thread> workers;
+    for (int t = 0; t < k_threads; ++t) {
+      workers.emplace_back([&, t] {
+        auto x = randn(3000, std::uint32_t(t));
+        std::vector<float> y(x.size()), z(shared.size());
+        auto const [mn, mx] = std::minmax_element(x.begin(), x.end());
+        float const step = (*mx - *mn) / 255.f * 1.0001f;  // bounds every group's step
+        for (int i = 0; i < k_iters; ++i) {
+          auto h = f.store.put(view(x.data(), dtype::float32, {3000}), bits(8, std::uint64_t(t)));
+          auto hs = f.store.put(view(shared.data(), dtype::float32, {2048}), bits(8));
+          f.store.get(h, y.data(), y.size() * 4);
+          f.store.get(hs, z.data(), z.size() * 4);
+          for (std::size_t j = 0; j < x.size(); j += 97)
+            if (std::fabs(y[j] - x[j]) > step) failures.fetch_add(1);
+          if (f.store.release(h) < 0) failures.fetch_add(1);
+          if (f.store.release(hs) < 0) failures.fetch_add(1);
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+    stop = true;
+    observer.join();
+    CHECK(failures.load() == 0);
+    CHECK(f.store.live_handles() == 0);
+    CHECK(f.store.stored_bytes() == 0);
+    CHECK(f.arena.allocated_bytes() == 0);
+    auto s = f.store.stats_json();
+    CHECK(s["gets"] == 2 * k_threads * k_iters);
+    CHECK(s["releases"] == 2 * k_threads * k_iters);
+  }
+}
