@@ -213,12 +213,9 @@ def test_sleep_cut_by_timeout_is_marked_timeout(tmp_path):
     marker = tmp_path / "child-alive"
     # The shell's child would touch the marker after 4 s if it survived the kill of the group.
     cmd = ["sh", "-c", f"(sleep 4; touch {marker}) & sleep 30"]
-    t0 = time.monotonic()
     res = runner.run_command("sleep", cmd, 1.0, log)
-    elapsed = time.monotonic() - t0
     assert res.status == "timeout"
     assert res.returncode is not None and res.returncode != 0
-    assert elapsed < 1.0 + runner.KILL_GRACE_S + 5
     assert "killed after 1.0 s" in res.output_tail
     time.sleep(4.5)
     assert not marker.exists(), "a child of the timed-out command survived"

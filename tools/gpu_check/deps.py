@@ -371,12 +371,16 @@ def meson_probe(meson_cmd: Sequence[str], workdir: str, env: Mapping[str, str],
     cmd = list(meson_cmd) + ["setup", os.path.join(workdir, "build"), src]
     if native_file:
         cmd += ["--native-file", native_file]
+    from .runner import run_command   # tracked, so a signal to gpu-check ends the probe too
+    log = os.path.join(workdir, "probe.log")
+    step = run_command("meson probe", cmd, timeout, log, env=env)
     try:
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                           env=dict(env), timeout=timeout, stdin=subprocess.DEVNULL)
-        out = r.stdout
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        out = f"meson probe could not run: {exc}"
+        with open(log, encoding="utf-8", errors="replace") as f:
+            out = f.read()
+    except OSError:
+        out = ""
+    if step.status != "pass":
+        out += f"\n[gpu-check] meson probe {step.status} (exit {step.returncode}) {step.note}"
     deps: Dict[str, Dict[str, object]] = {}
     links = None
     for line in out.splitlines():
@@ -452,7 +456,7 @@ def provide(meson_cmd: Sequence[str], prefix: str, deps_dir: str, base_env: Mapp
     result_deps: Dict[str, Dict[str, object]] = {}
     for n, d in found.items():
         if n not in missing:
-            src = "pip" if (n == "pybind11" and pip_pybind11) else "system"
+            src = "python package" if (n == "pybind11" and pip_pybind11) else "system"
             result_deps[n] = {"source": src, "version": d["version"], "method": d["method"]}
     if not missing:
         return {"ok": True, "env": env, "native_file": native, "deps": result_deps, "notes": notes,

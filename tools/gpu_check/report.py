@@ -69,7 +69,7 @@ def empty_stage(status: str = "pending", note: str = "") -> Dict[str, object]:
 def compute_overall(report: Mapping[str, object]) -> bool:
     """True when a GPU was present, and every stage passed or was skipped (at least one passed)."""
     gpu = report.get("gpu") or {}
-    if not isinstance(gpu, Mapping) or not gpu.get("present"):
+    if not isinstance(gpu, Mapping) or not gpu.get("present") or gpu.get("source") == "fake":
         return False
     stages = report.get("stages") or {}
     statuses = [s.get("status") for s in stages.values()] if isinstance(stages, Mapping) else []

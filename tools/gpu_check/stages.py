@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -49,6 +50,7 @@ class Context:
     build_ok: Optional[bool] = None
     meson_summary: Dict[str, str] = field(default_factory=dict)
     on_step: Optional[Callable[[], None]] = None
+    jobs: Optional[int] = None
 
     def log(self, name: str) -> str:
         return os.path.join(self.outdir, "logs", name + ".log")
@@ -135,7 +137,11 @@ def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
     opts = ["-Dbuildtype=release", "-Dcuda=enabled", f"-Dgpu_arch={ctx.sm}", f"-Dpython_exe={ctx.python}"]
     if ctx.native_file:
         opts += ["--native-file", ctx.native_file]
-    reconf = ["--reconfigure"] if os.path.isdir(os.path.join(ctx.build_dir, "meson-private")) else []
+    reconf = []
+    if os.path.isfile(os.path.join(ctx.build_dir, "meson-private", "coredata.dat")):
+        reconf = ["--reconfigure"]
+    elif os.path.isdir(ctx.build_dir):
+        shutil.rmtree(ctx.build_dir)      # left by a failed setup: meson would refuse it
     setup = out.add(run_command("meson setup", ctx.meson_cmd + ["setup", ctx.build_dir] + reconf + opts,
                                 b.take(), ctx.log("build-setup"), env=ctx.cmd_env, cwd=ctx.root), ctx)
     ctx.meson_summary = parse_meson_summary(read_tail(setup.log or "", 20000))
@@ -145,7 +151,8 @@ def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         out.add(_skip("compile", "meson setup failed"))
         return out
     ninja = ctx.env.tools.get("ninja") or "ninja"
-    comp = out.add(run_command("compile", [ninja, "-C", ctx.build_dir], b.take(), ctx.log("build-compile"),
+    jobs = ["-j", str(ctx.jobs)] if ctx.jobs else []
+    comp = out.add(run_command("compile", [ninja, "-C", ctx.build_dir] + jobs, b.take(), ctx.log("build-compile"),
                                env=ctx.cmd_env, cwd=ctx.root), ctx)
     m = re.findall(r"\[(\d+)/(\d+)\]", comp.output_tail)
     if m:
@@ -178,8 +185,10 @@ def count_suite(ctx: Context, suite: str) -> Optional[int]:
                            env=ctx.cmd_env, cwd=ctx.root, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    if "No suitable tests" in r.stdout or "No tests defined" in r.stdout:
+        return 0
     if r.returncode != 0:
-        return 0 if "No suitable tests" in r.stdout or "No tests defined" in r.stdout else None
+        return None
     return len([ln for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith(("WARNING", "ninja"))])
 
 
