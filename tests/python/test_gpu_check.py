@@ -379,3 +379,46 @@ def test_sm_from_capability():
     assert g["present"] and g["sm"] == "90" and g["source"] == "nvidia-smi"
     g = env.describe_gpu({"error": "nvidia-smi not found"}, {"version": "2.5", "cuda_available": False})
     assert not g["present"] and "nvidia-smi not found" in g["note"]
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this machine has a GPU")
+@pytest.mark.skipif(not (shutil.which("meson") and shutil.which("ninja")), reason="meson and ninja are needed")
+def test_sigterm_mid_stage_leaves_a_finished_report(tmp_path):
+    """The report is written as the run goes; a SIGTERM marks the running stage and finishes it."""
+    import signal
+    out = tmp_path / "rep"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["GACT_GPU_CHECK_FAKE_GPU"] = "90"    # let the stages start on a machine without a GPU
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(out), "--stages", "build", "--python", sys.executable,
+                             "--build-dir", str(tmp_path / "build-gpu"), "--deps-dir", str(tmp_path / "deps")],
+                            env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        doc = None
+        while time.monotonic() < deadline:
+            try:
+                doc = json.loads((out / "report.json").read_text())
+            except (OSError, ValueError):
+                doc = None
+            if doc and doc["stages"]["build"]["status"] == "running":
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        if doc is None or doc["stages"]["build"]["status"] != "running":
+            pytest.skip("the tools on this machine made the build stage end before it could be interrupted: "
+                        + (proc.communicate()[1].decode()[-500:] if proc.poll() is not None else ""))
+        assert doc["finished"] is False and doc["gpu"]["source"] == "fake"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 128 + signal.SIGTERM
+    doc = json.loads((out / "report.json").read_text())
+    assert report.validate(doc) == []
+    assert doc["finished"] is True and doc["exit_status"] == 128 + signal.SIGTERM
+    assert doc["stages"]["build"]["status"] == "timeout"
+    assert "interrupted by signal" in doc["stages"]["build"]["note"]
+    assert doc["overall_pass"] is False
