@@ -422,3 +422,25 @@ def test_sigterm_mid_stage_leaves_a_finished_report(tmp_path):
     assert doc["stages"]["build"]["status"] == "timeout"
     assert "interrupted by signal" in doc["stages"]["build"]["note"]
     assert doc["overall_pass"] is False
+
+
+def test_bench_figures_render_beside_their_references(tmp_path):
+    codec = {"rows": [{"dtype": "float32", "bits": 4, "encode_gbps": 800.0, "decode_gbps": 1200.0}]}
+    stages.add_copy_ratios(codec, 2000.0)
+    row = codec["rows"][0]
+    assert row["encode_vs_d2d_copy"] == pytest.approx(0.4) and row["decode_vs_d2d_copy"] == pytest.approx(0.6)
+    rep = _full_report()
+    rep["stage_order"].append("bench")
+    rep["stages"]["bench"] = report.empty_stage("pass")
+    rep["stages"]["bench"]["figures"] = {
+        "codec": codec, "memory_cap_mib": 4096,
+        "models": {"resnet50": {"arms": {
+            "baseline": {"status": "pass", "samples_per_s": 1000.0, "peak_mib": 4000.0, "max_batch": 64},
+            "bits2": {"status": "pass", "samples_per_s": 700.0, "throughput_vs_baseline": 0.7, "peak_mib": 1000.0,
+                      "peak_vs_baseline": 0.25, "store_ratio": 12.5, "max_batch": 320, "max_batch_vs_baseline": 5.0},
+            "auto_swap": {"status": "unavailable", "error": "NotImplementedError: swap"}}}}}
+    paths = report.write_report(rep, str(tmp_path))
+    md = open(paths["md"]).read()
+    assert "| float32 | 4 | 800 | 1,200 | 0.4 | 0.6 |" in md
+    assert "| resnet50 | bits2 | pass | 700 | 0.7 | 1,000 | 0.25 | 12.50 | 320 | 5.00 |" in md
+    assert "| resnet50 | auto_swap | unavailable |" in md

@@ -250,11 +250,20 @@ def render_markdown(report: Mapping[str, object]) -> str:
     codec = bench.get("codec")
     if isinstance(codec, Mapping) and codec:
         out.append("")
-        out.append("## Codec throughput (GPU) vs device-to-device copy")
+        out.append(f"## Codec throughput (gact-bench-codec) beside device-to-device copy "
+                   f"({_fmt(codec.get('d2d_copy_gbps'))} GB/s)")
         out.append("")
-        out.append("```")
-        out.append(json.dumps(codec, indent=1)[:3000])
-        out.append("```")
+        rows = codec.get("rows")
+        if isinstance(rows, list) and rows:
+            cols = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))][:14]
+            out.append("| " + " | ".join(cols) + " |")
+            out.append("|" + "---|" * len(cols))
+            for r in rows:
+                out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+        else:
+            out.append("```")
+            out.append(json.dumps({k: v for k, v in codec.items() if k != "rows"}, indent=1)[:3000])
+            out.append("```")
     models = bench.get("models")
     if isinstance(models, Mapping) and models:
         out.append("")

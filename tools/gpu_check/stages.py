@@ -363,6 +363,18 @@ def _bandwidth_figures(doc: object, prefix: str = "") -> Dict[str, float]:
     return found
 
 
+def add_copy_ratios(codec: Dict[str, object], copy_gbps: float) -> None:
+    """Put each codec GB/s figure beside the device-to-device copy bandwidth: '<x>_vs_d2d_copy'."""
+    codec["d2d_copy_gbps"] = copy_gbps
+    for row in codec.get("rows") or []:  # type: ignore[union-attr]
+        for k, v in list(row.items()):
+            if k.endswith("_gbps") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                row[k[:-len("_gbps")] + "_vs_d2d_copy"] = round(v / copy_gbps, 3)
+    bw = codec.get("bandwidths_gbps")
+    if isinstance(bw, dict):
+        codec["vs_d2d_copy"] = {k: round(v / copy_gbps, 3) for k, v in bw.items()}
+
+
 def stage_bench(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
     if not ctx.build_ok:
         out.note = "skipped: no successful build"
@@ -392,7 +404,12 @@ def stage_bench(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         if doc is not None:
             with open(os.path.join(res_dir, "bench_codec.json"), "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
-            codec["bandwidths_gbps"] = _bandwidth_figures(doc)
+            rows = doc.get("results") if isinstance(doc, dict) else None
+            if isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
+                codec["rows"] = rows[:96]
+                codec.update({k: doc[k] for k in ("device", "numel", "memcpy_gbps") if k in doc})
+            else:
+                codec["bandwidths_gbps"] = _bandwidth_figures(doc)
         out.add(step, ctx)
     t = b.take()
     if not ctx.env.torch:
@@ -410,9 +427,7 @@ def stage_bench(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
             out.figures["cap_accounting"] = figs.get("cap_accounting")
             copy = figs.get("d2d_copy_gbps")
             if copy:
-                codec["d2d_copy_gbps"] = copy
-                codec["vs_copy"] = {k: round(v / copy, 3) for k, v in
-                                    (codec.get("bandwidths_gbps") or {}).items()}  # type: ignore[union-attr]
+                add_copy_ratios(codec, copy)
         step.figures = {k: v for k, v in step.figures.items() if k != "models"}
         out.add(step, ctx)
     out.figures["codec"] = codec
