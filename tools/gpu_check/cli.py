@@ -197,6 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run.finish(EXIT_NO_GPU)
     print(f"gpu-check: GPU {gpu.get('model')} (sm_{gpu.get('sm')}), driver {gpu.get('driver')}, "
           f"CUDA {rep['cuda_version']}, torch {rep['torch_version']} ({e.python})")
+    print("gpu-check: tools: " + ", ".join(f"{k} {'ok' if v else 'MISSING'}" for k, v in e.tools.items()))
+    print(f"gpu-check: bundled .debs in {args.deps_dir}: {len(envj['deps_bundled'])} "
+          f"({'used only for what the host lacks' if envj['deps_bundled'] else 'none: run --prepare on a Debian 12 machine'})")
     if e.missing_required:
         for name in args.stages:
             rep["stages"][name]["note"] = "required tool missing"
@@ -212,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("gpu-check: cannot read the GPU's compute capability; pass --gpu-arch", file=sys.stderr)
         return run.finish(EXIT_ENV)
 
-    meson_cmd = [e.tools["meson"]] if e.tools.get("meson") else [e.python, "-m", "mesonbuild.mesonmain"]
+    meson_cmd = e.meson_cmd
     cmd_env = dict(os.environ, PATH=e.path)
     if e.cuda_home:
         cmd_env.setdefault("CUDA_HOME", e.cuda_home)

@@ -67,6 +67,7 @@ class Environment:
     cuda_home: Optional[str] = None
     gpu: Dict[str, object] = field(default_factory=dict)
     path: str = ""
+    meson_cmd: List[str] = field(default_factory=list)
 
     @property
     def missing_required(self) -> List[str]:
@@ -266,6 +267,11 @@ def discover(python: Optional[str] = None) -> Environment:
         "compute-sanitizer": find_compute_sanitizer(env.path, env.cuda_home),
         "python": py if "error" not in info else None,
     }
+    if env.tools["meson"]:
+        env.meson_cmd = [env.tools["meson"]]
+    elif info.get("meson_module"):      # pip's meson without its script on PATH
+        env.meson_cmd = [py, "-m", "mesonbuild.mesonmain"]
+        env.tools["meson"] = " ".join(env.meson_cmd)
     if env.tools["nvcc"] and not env.cuda_home:
         env.cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(env.tools["nvcc"])))
     env.nvcc_version = nvcc_release(env.tools["nvcc"])

@@ -25,8 +25,9 @@ from .runner import Budget, StepResult, aggregate_status, read_tail, run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: relative weights of the stages in the global budget (build is the critical path)
-STAGE_WEIGHTS = {"build": 4.0, "tests": 2.0, "torch": 1.5, "bench": 2.5}
+#: relative weights of the stages in the global budget: the build may use half of it, since
+#: nothing else runs without it; what a stage leaves unused goes to the later ones
+STAGE_WEIGHTS = {"build": 6.0, "tests": 2.0, "torch": 1.5, "bench": 2.5}
 STAGES = list(STAGE_WEIGHTS)
 
 
@@ -196,7 +197,7 @@ def stage_tests(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
     if not ctx.build_ok:
         out.note = "skipped: no successful build"
         return out
-    b = budget.child(budget.remaining(), [2.0, 3.0, 3.0])
+    b = budget.child(budget.remaining(), [5.0, 2.0, 2.0])   # the suites first; the sanitizers share the rest
     n_gpu = count_suite(ctx, "gpu")
     out.figures["gpu_suite_tests"] = n_gpu
     step = out.add(_meson_test(ctx, "meson test (gpu + unit)", ["--suite", "gpu", "--suite", "unit"], b.take(),
