@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--build-dir", default=os.path.join(ROOT, "build-gpu"), metavar="DIR",
                    help="CUDA release build directory (default build-gpu/)")
     p.add_argument("--gpu-arch", type=_sm, metavar="SM", help="override the SM version read from the GPU")
-    p.add_argument("--memory-cap-gib", type=_positive(float, 0.5), default=8.0, metavar="GIB",
-                   help="memory cap for the largest-batch search (default 8)")
+    p.add_argument("--memory-cap-gib", type=_positive(float, 0.5), default=4.0, metavar="GIB",
+                   help="GPU memory cap for the largest-batch search (default 4)")
     p.add_argument("--jobs", type=_positive(int, 1), metavar="N", help="parallel compile jobs (default: ninja's)")
     p.add_argument("--codec-bench-args", default="--json", metavar="ARGS",
                    help="arguments for gact-bench-codec (default --json)")

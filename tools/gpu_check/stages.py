@@ -44,7 +44,7 @@ class Context:
     meson_cmd: List[str]
     python: str
     sm: str
-    memory_cap_gib: float = 8.0
+    memory_cap_gib: float = 4.0
     codec_bench_args: List[str] = field(default_factory=lambda: ["--json"])
     cmd_env: Dict[str, str] = field(default_factory=dict)
     native_file: Optional[str] = None
