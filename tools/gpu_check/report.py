@@ -238,14 +238,17 @@ def render_markdown(report: Mapping[str, object]) -> str:
         st = stages.get(name) or {}
         out.append(f"| {name} | {st.get('status')} | {_fmt(st.get('seconds'))} | {_fmt(st.get('budget_s'))} | "
                    f"{_key_figures(st.get('figures') or {}) or _fmt(st.get('note') or '')} |")
-    out.append("")
-    out.append("| stage | step | status | seconds | note |")
-    out.append("|---|---|---|---|---|")
+    step_rows = []
     for name in report.get("stage_order") or []:
         for step in (stages.get(name) or {}).get("steps") or []:
             note = step.get("note") or _key_figures(step.get("figures") or {}, 4)
-            out.append(f"| {name} | {step.get('name')} | {step.get('status')} | {_fmt(step.get('seconds'))} | "
-                       f"{_fmt(note)} |")
+            step_rows.append(f"| {name} | {step.get('name')} | {step.get('status')} | {_fmt(step.get('seconds'))} | "
+                             f"{_fmt(note)} |")
+    if step_rows:
+        out.append("")
+        out.append("| stage | step | status | seconds | note |")
+        out.append("|---|---|---|---|---|")
+        out.extend(step_rows)
     bench = (stages.get("bench") or {}).get("figures") or {}
     codec = bench.get("codec")
     if isinstance(codec, Mapping) and codec:

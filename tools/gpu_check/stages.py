@@ -136,6 +136,10 @@ def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         out.add(_skip("compile", "dependencies missing"))
         return out
     opts = ["-Dbuildtype=release", "-Dcuda=enabled", f"-Dgpu_arch={ctx.sm}", f"-Dpython_exe={ctx.python}"]
+    if ctx.env.python_info.get("has_python_h") is False:
+        # Without Python.h the extension cannot build; the C++ suites still can.
+        opts.append("-Dpython=disabled")
+        out.note = f"{ctx.python} has no Python.h: the Python module is not built (torch stage will fail)"
     if ctx.native_file:
         opts += ["--native-file", ctx.native_file]
     reconf = []
