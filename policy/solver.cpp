@@ -25,6 +25,8 @@ struct option {
 /// Check the options; @throws gact::invalid_argument.
 void validate_options(solver_options const& opts) {
   opts.storage.validate();
+  GACT_EXPECTS(std::isfinite(opts.target_rel_gap) && opts.target_rel_gap >= 0.0,
+               "solver_options.target_rel_gap must be finite and >= 0");
   std::vector<int> seen;
   for (int b : opts.code_bits) {
     GACT_EXPECTS(is_code_bits(b), "solver_options.code_bits: " + std::to_string(b) +
@@ -118,64 +120,68 @@ solution infeasible_solution(std::vector<std::vector<option>> const& fronts, std
   return s;
 }
 
-}  // namespace
+/// The greedy's working data for one instance.
+struct greedy_problem {
+  std::vector<solver_item> const& items;
+  std::vector<std::size_t> const& rank;
+  std::vector<std::vector<option>> fronts;        // Pareto options per item
+  std::vector<std::vector<std::size_t>> hulls;    // hull vertices (indices into fronts)
+  std::uint64_t budget_bytes;
+};
 
-double variance_factor(int bits) {
-  if (is_full_bits(bits)) return 0.0;
-  GACT_EXPECTS(is_code_bits(bits), "variance_factor: bits must be 1, 2, 4, 8, 16 or 32, got " +
-                                       std::to_string(bits));
-  double const levels = static_cast<double>((1u << bits) - 1u);
-  return 1.0 / (levels * levels);
-}
-
-std::uint64_t budget_bytes_for(double avg_bits, std::uint64_t total_numel) {
-  GACT_EXPECTS(std::isfinite(avg_bits) && avg_bits > 0.0,
-               "budget: average bits per element must be finite and > 0, got " + std::to_string(avg_bits));
-  long double const bytes = static_cast<long double>(avg_bits) * static_cast<long double>(total_numel) / 8.0L;
-  GACT_EXPECTS(bytes < 1.8e19L, "budget: byte budget overflows 64 bits");
-  return static_cast<std::uint64_t>(std::floor(bytes));
-}
-
-solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budget_bytes,
-                      solver_options const& opts) {
-  validate_options(opts);
-  std::vector<std::size_t> const rank = validate_items(items);
-  std::size_t const n = items.size();
-
-  std::vector<std::vector<option>> fronts(n);
-  std::vector<std::vector<std::size_t>> hulls(n);
-  std::uint64_t min_total = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    fronts[i] = pareto_options(items[i], opts);
-    hulls[i] = hull_of(fronts[i]);
-    min_total = checked_add(min_total, fronts[i].front().bytes);
-  }
-  if (min_total > budget_bytes) return infeasible_solution(fronts, budget_bytes);
-
-  // Start every tensor at its most precise option (the last hull vertex).
-  std::vector<std::size_t> pos(n);  // index into hulls[i]
+/// A candidate assignment: option index (into the Pareto front) per item.
+struct greedy_state {
+  std::vector<std::size_t> cur;
   std::uint64_t total = 0;
+  double lower_bound = 0.0;
+  std::uint64_t steps = 0;
+  std::uint64_t refills = 0;
+  std::uint64_t exchanges = 0;
+
+  double objective(greedy_problem const& P) const {
+    double o = 0.0;
+    for (std::size_t i = 0; i < cur.size(); ++i) o += P.fronts[i][cur[i]].var;
+    return o;
+  }
+};
+
+constexpr std::size_t k_no_pin = SIZE_MAX;
+
+/// Hull steps from the most precise options until the budget holds. Item `pin` (if any) is
+/// held at front option `pin_opt`. Returns false if the budget cannot be met that way.
+bool greedy_core(greedy_problem const& P, greedy_state& st, std::size_t pin = k_no_pin, std::size_t pin_opt = 0) {
+  auto const& fronts = P.fronts;
+  auto const& hulls = P.hulls;
+  std::size_t const n = fronts.size();
+  std::uint64_t const budget_bytes = P.budget_bytes;
+  std::vector<std::size_t> pos(n);  // index into hulls[i]
+  std::uint64_t total = 0, min_total = 0;
   double obj = 0.0;
   for (std::size_t i = 0; i < n; ++i) {
+    if (i == pin) {
+      total += fronts[i][pin_opt].bytes;
+      min_total += fronts[i][pin_opt].bytes;
+      obj += fronts[i][pin_opt].var;
+      continue;
+    }
     pos[i] = hulls[i].size() - 1;
     option const& o = fronts[i][hulls[i][pos[i]]];
     total = checked_add(total, o.bytes);
+    min_total += fronts[i].front().bytes;
     obj += o.var;
   }
-
-  solution s;
-  s.budget_bytes = budget_bytes;
-  s.lower_bound = obj;  // if nothing has to move, every tensor is at its minimum variance
+  if (min_total > budget_bytes) return false;
+  st.lower_bound = obj;  // if nothing has to move, every tensor is at its minimum variance
 
   // Down-steps along the hulls, least variance increase per byte saved first; ties by key.
   using entry = std::tuple<double, std::size_t, std::size_t>;  // slope, key rank, item
   std::priority_queue<entry, std::vector<entry>, std::greater<>> heap;
   auto push_step = [&](std::size_t i) {
-    if (pos[i] == 0) return;
+    if (i == pin || pos[i] == 0) return;
     option const& cur = fronts[i][hulls[i][pos[i]]];
     option const& nxt = fronts[i][hulls[i][pos[i] - 1]];
     double const slope = (nxt.var - cur.var) / static_cast<double>(cur.bytes - nxt.bytes);
-    heap.emplace(slope, rank[i], i);
+    heap.emplace(slope, P.rank[i], i);
   };
   for (std::size_t i = 0; i < n; ++i) push_step(i);
 
@@ -192,27 +198,35 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
     total -= cur.bytes - nxt.bytes;
     obj += nxt.var - cur.var;
     --pos[i];
-    ++s.greedy_steps;
+    ++st.steps;
     push_step(i);
     if (total <= budget_bytes) {
       // Lagrangian certificate at λ = slope: any feasible x has
-      // obj(x) >= obj_before + λ·(total_before − budget).
-      s.lower_bound = obj_before + slope * static_cast<double>(total_before - budget_bytes);
+      // obj(x) >= obj_before + λ·(total_before − budget). (Valid only without a pin.)
+      st.lower_bound = obj_before + slope * static_cast<double>(total_before - budget_bytes);
     }
   }
+  st.cur.assign(n, 0);
+  for (std::size_t i = 0; i < n; ++i) st.cur[i] = (i == pin) ? pin_opt : hulls[i][pos[i]];
+  st.total = total;
+  return true;
+}
 
-  // Current option per item, as an index into its Pareto front.
-  std::vector<std::size_t> cur(n);
-  for (std::size_t i = 0; i < n; ++i) cur[i] = hulls[i][pos[i]];
-
-  // Local improvement. The last greedy step can free far more bytes than needed (a big
-  // tensor's step), and the greedy never revisits earlier steps. Two moves repair this:
-  //  refill:   the upgrade (any Pareto option, hull vertex or not) with the largest variance
-  //            reduction that fits in the slack; ties by fewer bytes, then key;
-  //  exchange: an upgrade of one tensor paid for by a downgrade of another, the pair with the
-  //            largest net reduction, when no refill fits.
-  // Each applied move lowers the objective by more than a relative 1e-12, so this terminates;
-  // the count is capped as well. The budget holds after every move.
+/// Local improvement. The last greedy step can free far more bytes than needed (a big
+/// tensor's step), and the greedy never revisits earlier steps. Two moves repair this:
+///  refill:   the upgrade (any Pareto option, hull vertex or not) with the largest variance
+///            reduction that fits in the slack; ties by fewer bytes, then key;
+///  exchange: an upgrade of one tensor paid for by a downgrade of another, the pair with the
+///            largest net reduction, when no refill fits (skipped if `exchanges` is false).
+/// Each applied move lowers the objective by more than a relative 1e-12, so this terminates;
+/// the count is capped as well. The budget holds after every move.
+void local_search(greedy_problem const& P, greedy_state& st, bool exchanges) {
+  auto const& fronts = P.fronts;
+  auto const& rank = P.rank;
+  std::size_t const n = fronts.size();
+  std::uint64_t const budget_bytes = P.budget_bytes;
+  std::vector<std::size_t>& cur = st.cur;
+  std::uint64_t& total = st.total;
   auto refill_once = [&]() -> bool {
     std::uint64_t const slack = budget_bytes - total;
     bool found = false;
@@ -313,17 +327,95 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
     return true;
   };
 
-  std::uint64_t const max_moves = 16 + 8 * static_cast<std::uint64_t>(n) * (opts.code_bits.size() + 1);
+  std::uint64_t const max_moves = 16 + 8 * static_cast<std::uint64_t>(n) * 5;
   for (std::uint64_t moves = 0; moves < max_moves; ++moves) {
     if (refill_once()) {
-      ++s.refill_steps;
+      ++st.refills;
       continue;
     }
-    double cur_obj = 0.0;
-    for (std::size_t i = 0; i < n; ++i) cur_obj += fronts[i][cur[i]].var;
-    if (!exchange_once(1e-12 * cur_obj)) break;
-    ++s.exchange_steps;
+    if (!exchanges || !exchange_once(1e-12 * st.objective(P))) break;
+    ++st.exchanges;
   }
+}
+
+}  // namespace
+
+double variance_factor(int bits) {
+  if (is_full_bits(bits)) return 0.0;
+  GACT_EXPECTS(is_code_bits(bits), "variance_factor: bits must be 1, 2, 4, 8, 16 or 32, got " +
+                                       std::to_string(bits));
+  double const levels = static_cast<double>((1u << bits) - 1u);
+  return 1.0 / (levels * levels);
+}
+
+std::uint64_t budget_bytes_for(double avg_bits, std::uint64_t total_numel) {
+  GACT_EXPECTS(std::isfinite(avg_bits) && avg_bits > 0.0,
+               "budget: average bits per element must be finite and > 0, got " + std::to_string(avg_bits));
+  long double const bytes = static_cast<long double>(avg_bits) * static_cast<long double>(total_numel) / 8.0L;
+  GACT_EXPECTS(bytes < 1.8e19L, "budget: byte budget overflows 64 bits");
+  return static_cast<std::uint64_t>(std::floor(bytes));
+}
+
+solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budget_bytes,
+                      solver_options const& opts) {
+  validate_options(opts);
+  std::vector<std::size_t> const rank = validate_items(items);
+  std::size_t const n = items.size();
+
+  greedy_problem P{items, rank, std::vector<std::vector<option>>(n), std::vector<std::vector<std::size_t>>(n),
+                   budget_bytes};
+  std::uint64_t min_total = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    P.fronts[i] = pareto_options(items[i], opts);
+    P.hulls[i] = hull_of(P.fronts[i]);
+    min_total = checked_add(min_total, P.fronts[i].front().bytes);
+  }
+  if (min_total > budget_bytes) return infeasible_solution(P.fronts, budget_bytes);
+  auto const& fronts = P.fronts;
+
+  greedy_state best;
+  bool const ok = greedy_core(P, best);
+  GACT_ASSERT_INTERNAL(ok);
+  double const lower_bound = best.lower_bound;
+  std::uint64_t const greedy_steps = best.steps;
+  local_search(P, best, true);
+  double best_obj = best.objective(P);
+
+  // Pinned re-solves: the greedy commits to cheap steps early and a single exchange cannot
+  // undo several of them. For instances up to `pinned_trials_limit` options, try each item at
+  // each option more precise than its current one, re-run the greedy for the others, and keep
+  // the best; stop once the certificate shows a relative gap within target_rel_gap.
+  // Deterministic: trials in item order, strict improvement only.
+  std::size_t options_total = 0;
+  for (auto const& f : fronts) options_total += f.size();
+  std::uint64_t pinned_improvements = 0;
+  auto const certified = [&] { return best_obj - lower_bound <= opts.target_rel_gap * best_obj; };
+  if (options_total <= opts.pinned_trials_limit && !certified()) {
+    greedy_state const base = best;
+    for (std::size_t i = 0; i < n && !certified(); ++i) {
+      for (std::size_t k = base.cur[i] + 1; k < fronts[i].size(); ++k) {
+        greedy_state trial;
+        if (!greedy_core(P, trial, i, k)) continue;
+        local_search(P, trial, true);
+        double const o = trial.objective(P);
+        if (o < best_obj - 1e-12 * best_obj) {
+          best = std::move(trial);
+          best_obj = o;
+          ++pinned_improvements;
+        }
+      }
+    }
+    if (pinned_improvements > 0) local_search(P, best, true);
+  }
+
+  solution s;
+  s.budget_bytes = budget_bytes;
+  s.greedy_steps = greedy_steps;
+  s.refill_steps = best.refills;
+  s.exchange_steps = best.exchanges;
+  s.pinned_improvements = pinned_improvements;
+  std::vector<std::size_t>& cur = best.cur;
+  std::uint64_t const total = best.total;
 
   // Rearrangement: items with the same (numel, full_bits) have identical option sets, so
   // handing their chosen options out in order of C (least C gets the least precise)
@@ -366,13 +458,9 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
   s.status = solve_status::ok;
   s.stored_bytes = total;
   s.bits.resize(n);
-  double exact_obj = 0.0;  // re-summed, so that the reported value has no drift from the updates
-  for (std::size_t i = 0; i < n; ++i) {
-    s.bits[i] = fronts[i][cur[i]].bits;
-    exact_obj += fronts[i][cur[i]].var;
-  }
-  s.objective = exact_obj;
-  s.lower_bound = std::min(s.lower_bound, s.objective);
+  for (std::size_t i = 0; i < n; ++i) s.bits[i] = fronts[i][cur[i]].bits;
+  s.objective = best.objective(P);
+  s.lower_bound = std::min(lower_bound, s.objective);
   GACT_ASSERT_INTERNAL(s.stored_bytes <= s.budget_bytes);
   return s;
 }

@@ -47,6 +47,11 @@ struct solver_options {
   storage_model storage{};          ///< blob size model (metadata counted)
   bool allow_full_precision = true; ///< may keep a tensor uncompressed (variance 0)
   std::vector<int> code_bits{8, 4, 2, 1};  ///< subset of {1,2,4,8}, non-empty
+  /// The greedy re-solves with one tensor pinned at each more precise option when the
+  /// instance has at most this many options in all (cost O(options² log)); 0 disables.
+  std::size_t pinned_trials_limit = 512;
+  /// Pinned re-solves are skipped (or stopped) once objective − lower_bound ≤ this · objective.
+  double target_rel_gap = 1e-3;
 };
 
 /// Outcome of a solve.
@@ -69,6 +74,7 @@ struct solution {
   std::uint64_t greedy_steps = 0;   ///< down-steps applied (greedy only)
   std::uint64_t refill_steps = 0;   ///< upgrades into the slack after the greedy (greedy only)
   std::uint64_t exchange_steps = 0; ///< upgrade+downgrade pairs applied after the greedy (greedy only)
+  std::uint64_t pinned_improvements = 0;  ///< pinned re-solves that improved the result (greedy only)
 };
 
 /// v(b) = 1/(2^b−1)² for a code width, 0 for full precision (16/32).
