@@ -6,6 +6,7 @@
 // versioned schema:
 //
 //   { "schema_version": 1, "gact_version": "...", "pid": ..., "time_unix_ms": ...,
+//     "tags": { "names": [...], "underflows": n, "overflows": n },  // the process-wide tag table
 //     "allocators": { "<name>": {...} },        // one per caching_allocator
 //     "<section>": {...}, ... }                 // "store", "codecs", "swap", "policy", ...
 //
