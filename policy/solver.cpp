@@ -67,7 +67,7 @@ std::vector<std::size_t> validate_items(std::vector<solver_item> const& items) {
 std::vector<option> pareto_options(solver_item const& it, solver_options const& opts) {
   std::vector<option> all;
   for (int b : opts.code_bits) {
-    all.push_back({b, opts.storage.compressed_bytes(it.numel, b), it.sensitivity * variance_factor(b)});
+    all.push_back({b, opts.storage.compressed_bytes(it.numel, b, it.full_bits), it.sensitivity * variance_factor(b)});
   }
   if (opts.allow_full_precision) {
     all.push_back({it.full_bits, opts.storage.full_bytes(it.numel, it.full_bits), 0.0});
@@ -382,18 +382,16 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
   double best_obj = best.objective(P);
 
   // Pinned re-solves: the greedy commits to cheap steps early and a single exchange cannot
-  // undo several of them. For instances up to `pinned_trials_limit` options, try each item at
-  // each option more precise than its current one, re-run the greedy for the others, and keep
-  // the best; stop once the certificate shows a relative gap within target_rel_gap.
+  // undo several of them. For instances up to `pinned_trials_limit` options in all, try each
+  // item at each of its other options, re-run the greedy and local search for the rest, and
+  // keep the best; stop once the certificate shows a relative gap within target_rel_gap.
   // Deterministic: trials in item order, strict improvement only.
-  std::size_t options_total = 0;
-  for (auto const& f : fronts) options_total += f.size();
-  std::uint64_t pinned_improvements = 0;
   auto const certified = [&] { return best_obj - lower_bound <= opts.target_rel_gap * best_obj; };
   if (options_total <= opts.pinned_trials_limit && !certified()) {
     greedy_state const base = best;
     for (std::size_t i = 0; i < n && !certified(); ++i) {
-      for (std::size_t k = base.cur[i] + 1; k < fronts[i].size(); ++k) {
+      for (std::size_t k = 0; k < fronts[i].size(); ++k) {
+        if (k == base.cur[i]) continue;
         greedy_state trial;
         if (!greedy_core(P, trial, i, k)) continue;
         local_search(P, trial, true);

@@ -47,7 +47,7 @@ struct solver_options {
   storage_model storage{};          ///< blob size model (metadata counted)
   bool allow_full_precision = true; ///< may keep a tensor uncompressed (variance 0)
   std::vector<int> code_bits{8, 4, 2, 1};  ///< subset of {1,2,4,8}, non-empty
-  /// The greedy re-solves with one tensor pinned at each more precise option when the
+  /// The greedy re-solves with one tensor pinned at each of its other options when the
   /// instance has at most this many options in all (cost O(options² log)); 0 disables.
   std::size_t pinned_trials_limit = 512;
   /// Pinned re-solves are skipped (or stopped) once objective − lower_bound ≤ this · objective.

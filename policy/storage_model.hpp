@@ -6,15 +6,19 @@
 // scale of every group) and the packed codes. GACT counted only b·numel and so
 // exceeded its budget by the metadata (0.25 bit/element at 8 B per 256
 // elements, 12.5 % of a 2-bit budget). This model counts everything, with the
-// layout given as parameters so that it can follow the codec's blob format
-// (codecs/README.md: group size, metadata bytes per group, header bytes,
-// alignment).
+// layout given as parameters. The defaults match gact's blob format
+// (codecs/format.hpp, compute_layout) for a 4-D tensor:
+//   header   align16(64 + 8·ndim) bytes = 96 for ndim 4 (also for raw pass-through blobs)
+//   metadata (min, max) per group in the input dtype: 8 B (fp32) or 4 B (fp16/bf16) per group
+//   codes    ceil(numel / 8) · b bytes (8-element chunks, no padding to the group)
+// `for_codec(ndim)` gives the header of another rank; a larger ndim over-counts by at
+// most 16 B per dims pair and is safe (the budget then holds with margin).
 //
 // Invariants (checked by `validate`):
-//   group_size > 0 and group_size % 8 == 0   (a padded group of 1-bit codes is whole bytes)
+//   group_size > 0; code_chunk > 0 and code_chunk % 8 == 0 (chunks of codes are whole bytes)
 //   blob_align >= 1
-//   compressed_bytes(n, b) = align(header + groups(n)·meta + payload(n, b))
-//   payload(n, b) = groups(n)·group_size·b/8 if pad_last_group else ceil(n·b/8)
+//   meta(f)  = meta_bytes_per_group · (meta_scales_with_dtype ? f/32 : 1)
+//   compressed_bytes(n, b, f) = align(header + groups(n)·meta(f) + ceil(n/code_chunk)·code_chunk·b/8)
 //   full_bytes(n, f) = align(passthrough_header + n·f/8)       (f = 16 or 32)
 #pragma once
 
@@ -38,18 +42,31 @@ constexpr bool is_full_bits(int bits) noexcept { return bits == 16 || bits == 32
 
 /// The stored size of one saved tensor as a function of its bit width.
 struct storage_model {
-  std::uint32_t group_size = 256;           ///< elements per quantization group
-  std::uint32_t meta_bytes_per_group = 8;   ///< per-group metadata (e.g. fp32 min + fp32 scale)
-  std::uint32_t header_bytes = 0;           ///< fixed bytes per compressed blob
-  std::uint32_t passthrough_header_bytes = 0;  ///< fixed bytes for a tensor kept at full precision
-  std::uint32_t blob_align = 1;             ///< blob sizes are rounded up to a multiple of this
-  bool pad_last_group = true;               ///< codes of the zero-padded last group are stored
+  std::uint32_t group_size = 256;              ///< elements per quantization group
+  std::uint32_t meta_bytes_per_group = 8;      ///< per-group metadata of an fp32 tensor
+  bool meta_scales_with_dtype = true;          ///< metadata is stored in the input dtype (halved for 16-bit)
+  std::uint32_t code_chunk = 8;                ///< codes are stored for numel rounded up to this (8: gact; 256: GACT)
+  std::uint32_t header_bytes = 96;             ///< fixed bytes per compressed blob
+  std::uint32_t passthrough_header_bytes = 96; ///< fixed bytes for a tensor kept at full precision
+  std::uint32_t blob_align = 1;                ///< blob sizes are rounded up to a multiple of this
+
+  /// The layout of gact's codecs (codecs/format.hpp) for tensors of up to `ndim` dims.
+  /// @throws gact::invalid_argument if ndim is not in [0, 8].
+  static storage_model for_codec(int ndim, std::uint32_t group_size = 256) {
+    GACT_EXPECTS(ndim >= 0 && ndim <= 8, "storage_model::for_codec: ndim must be in [0, 8], got " +
+                                             std::to_string(ndim));
+    storage_model m;
+    m.group_size = group_size;
+    m.header_bytes = (64u + 8u * static_cast<std::uint32_t>(ndim) + 15u) & ~15u;
+    m.passthrough_header_bytes = m.header_bytes;
+    return m;
+  }
 
   /// Check the invariants above. @throws gact::invalid_argument naming the bad field.
   void validate() const {
-    GACT_EXPECTS(group_size > 0 && group_size % 8 == 0,
-                 "storage_model.group_size must be a positive multiple of 8, got " +
-                     std::to_string(group_size));
+    GACT_EXPECTS(group_size > 0, "storage_model.group_size must be positive");
+    GACT_EXPECTS(code_chunk > 0 && code_chunk % 8 == 0,
+                 "storage_model.code_chunk must be a positive multiple of 8, got " + std::to_string(code_chunk));
     GACT_EXPECTS(blob_align >= 1, "storage_model.blob_align must be >= 1");
   }
 
@@ -58,15 +75,21 @@ struct storage_model {
     return (numel + group_size - 1) / group_size;
   }
 
-  /// Bytes of a compressed blob at `bits` ∈ {1,2,4,8}, header and metadata included.
-  /// @throws gact::invalid_argument if `bits` is not a code width.
-  std::uint64_t compressed_bytes(std::uint64_t numel, int bits) const {
+  /// Bytes of a compressed blob at `bits` ∈ {1,2,4,8} of a tensor whose own precision is
+  /// `full_bits` (16 or 32), header and metadata included.
+  /// @throws gact::invalid_argument if `bits` is not a code width or full_bits not 16/32.
+  std::uint64_t compressed_bytes(std::uint64_t numel, int bits, int full_bits = 32) const {
     GACT_EXPECTS(is_code_bits(bits), "compressed_bytes: bits must be 1, 2, 4 or 8, got " +
                                          std::to_string(bits));
+    GACT_EXPECTS(is_full_bits(full_bits), "compressed_bytes: full precision must be 16 or 32 bits, got " +
+                                              std::to_string(full_bits));
     std::uint64_t const g = groups(numel);
-    std::uint64_t const b = static_cast<std::uint64_t>(bits);
-    std::uint64_t const payload = pad_last_group ? g * group_size * b / 8 : (numel * b + 7) / 8;
-    return align(std::uint64_t{header_bytes} + g * meta_bytes_per_group + payload);
+    std::uint64_t const meta =
+        meta_scales_with_dtype ? std::uint64_t{meta_bytes_per_group} * static_cast<std::uint64_t>(full_bits) / 32
+                               : std::uint64_t{meta_bytes_per_group};
+    std::uint64_t const chunks = (numel + code_chunk - 1) / code_chunk;
+    std::uint64_t const payload = chunks * code_chunk / 8 * static_cast<std::uint64_t>(bits);
+    return align(std::uint64_t{header_bytes} + g * meta + payload);
   }
 
   /// Bytes of a tensor kept at full precision (`full_bits` 16 or 32).
@@ -81,7 +104,7 @@ struct storage_model {
   /// Bytes at `bits`, which is either a code width or the tensor's own `full_bits`.
   /// @throws gact::invalid_argument if `bits` is neither.
   std::uint64_t stored_bytes(std::uint64_t numel, int bits, int full_bits) const {
-    if (is_code_bits(bits)) return compressed_bytes(numel, bits);
+    if (is_code_bits(bits)) return compressed_bytes(numel, bits, full_bits);
     GACT_EXPECTS(bits == full_bits, "stored_bytes: bits " + std::to_string(bits) +
                                         " is neither a code width (1,2,4,8) nor the tensor's "
                                         "full precision " + std::to_string(full_bits));

@@ -7,6 +7,8 @@
 // in C, infeasible budgets, determinism and input validation.
 #include "policy/solver.hpp"
 
+#include "codecs/format.hpp"
+
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -104,25 +106,62 @@ std::vector<int> gact_greedy(std::vector<solver_item> const& items, double avg_b
 }  // namespace
 
 TEST_CASE("storage model counts header, metadata and padding") {
-  storage_model m;  // 256 per group, 8 B metadata
+  storage_model m;  // gact's blob format for a 4-D tensor: 96 B header, (min,max) per 256, 8-element chunks
   CHECK(m.groups(1) == 1);
   CHECK(m.groups(256) == 1);
   CHECK(m.groups(257) == 2);
-  CHECK(m.compressed_bytes(256, 2) == 8 + 64);
-  CHECK(m.compressed_bytes(300, 2) == 2 * 8 + 2 * 256 * 2 / 8);
-  CHECK(m.compressed_bytes(256, 8) == 8 + 256);
-  CHECK(m.full_bytes(300, 32) == 1200);
-  CHECK(m.full_bytes(300, 16) == 600);
-  m.pad_last_group = false;
-  CHECK(m.compressed_bytes(300, 1) == 2 * 8 + 38);
-  m.header_bytes = 40;
-  m.blob_align = 16;
-  CHECK(m.compressed_bytes(300, 1) == 96);  // 40 + 16 + 38 = 94 → 96
+  CHECK(m.compressed_bytes(256, 2) == 96 + 8 + 64);
+  CHECK(m.compressed_bytes(300, 2) == 96 + 2 * 8 + 38 * 2);
+  CHECK(m.compressed_bytes(300, 2, 16) == 96 + 2 * 4 + 38 * 2);  // fp16 metadata is half the size
+  CHECK(m.compressed_bytes(256, 8) == 96 + 8 + 256);
+  CHECK(m.full_bytes(300, 32) == 96 + 1200);
+  CHECK(m.full_bytes(300, 16) == 96 + 600);
+  CHECK(m.stored_bytes(300, 32, 32) == m.full_bytes(300, 32));
+  CHECK_THROWS_AS((void)m.stored_bytes(300, 16, 32), gact::invalid_argument);
+  // GACT's own accounting: codes padded to the group, fp32 metadata, no header.
+  storage_model g;
+  g.code_chunk = 256;
+  g.header_bytes = g.passthrough_header_bytes = 0;
+  g.meta_scales_with_dtype = false;
+  CHECK(g.compressed_bytes(300, 2) == 2 * 8 + 2 * 256 * 2 / 8);
+  g.blob_align = 16;
+  CHECK(g.compressed_bytes(300, 1) == 80);  // 2·8 + 2·256/8 = 80, already aligned
+  CHECK(g.compressed_bytes(10, 1) == 48);   // 8 + 32 = 40 → 48
   CHECK_THROWS_AS((void)m.compressed_bytes(10, 3), gact::invalid_argument);
   CHECK_THROWS_AS((void)m.full_bytes(10, 8), gact::invalid_argument);
+  CHECK(storage_model::for_codec(2).header_bytes == 80);
+  CHECK(storage_model::for_codec(0).header_bytes == 64);
+  CHECK_THROWS_AS((void)storage_model::for_codec(9), gact::invalid_argument);
   storage_model bad;
-  bad.group_size = 12;
+  bad.code_chunk = 12;
   CHECK_THROWS_AS(bad.validate(), gact::invalid_argument);
+}
+
+TEST_CASE("storage model equals the codecs' blob layout") {
+  namespace cf = gact::codec;
+  std::mt19937_64 rng(3);
+  int checked = 0;
+  for (int ndim = 0; ndim <= 8; ++ndim) {
+    for (int gs : {64, 128, 256, 512, 1024}) {
+      storage_model const m = storage_model::for_codec(ndim, static_cast<std::uint32_t>(gs));
+      for (int rep = 0; rep < 20; ++rep) {
+        std::uint64_t const numel = std::uniform_int_distribution<std::uint64_t>(1, 1u << 20)(rng);
+        for (auto [dt, full] : {std::pair{cf::dtype::float32, 32}, std::pair{cf::dtype::float16, 16},
+                                std::pair{cf::dtype::bfloat16, 16}}) {
+          for (int b : {1, 2, 4, 8}) {
+            auto const l = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::quant),
+                                                  static_cast<std::uint8_t>(dt), ndim, numel, b, gs);
+            CHECK(m.compressed_bytes(numel, b, full) == l.total);
+            ++checked;
+          }
+          auto const raw = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::raw),
+                                                  static_cast<std::uint8_t>(dt), ndim, numel, 0, 0);
+          CHECK(m.full_bytes(numel, full) == raw.total);
+        }
+      }
+    }
+  }
+  CHECK(checked == 9 * 5 * 20 * 3 * 4);
 }
 
 TEST_CASE("variance factor and budget") {
@@ -259,11 +298,11 @@ TEST_CASE("bits are monotone in C among tensors of equal size") {
   std::mt19937_64 rng(99);
   for (int trial = 0; trial < 200; ++trial) {
     std::size_t const n = 25;
-    std::uint64_t const numel = 256 * std::uniform_int_distribution<std::uint64_t>(1, 40)(rng);
+    std::uint64_t const numel = 256 * std::uniform_int_distribution<std::uint64_t>(8, 40)(rng);
     std::vector<solver_item> items;
     std::uniform_real_distribution<double> logc(-4.0, 4.0);
     for (std::size_t i = 0; i < n; ++i) items.push_back({"k" + std::to_string(i), numel, std::pow(10.0, logc(rng)), 32});
-    double const avg = std::uniform_real_distribution<double>(1.3, 10.0)(rng);
+    double const avg = std::uniform_real_distribution<double>(2.0, 10.0)(rng);  // 1 bit needs <= 1.625
     solver_options o;
     solution const s = solve_greedy(items, budget_bytes_for(avg, numel * n), o);
     REQUIRE(s.status == solve_status::ok);
@@ -282,8 +321,9 @@ TEST_CASE("bits are monotone in C among tensors of equal size") {
 TEST_CASE("infeasible budget is flagged and the smallest widths are returned") {
   std::vector<solver_item> items{{"a", 1000, 1.0, 32}, {"b", 5000, 2.0, 32}};
   solver_options o;
-  // 1 bit everywhere: 1000 → 4 groups: 32 + 128 = 160; 5000 → 20 groups: 160 + 640 = 800.
-  std::uint64_t const min_bytes = 160 + 800;
+  // 1 bit everywhere: 96 + 4·8 + 125 = 253 and 96 + 20·8 + 625 = 881.
+  std::uint64_t const min_bytes = 253 + 881;
+  CHECK(min_bytes == o.storage.compressed_bytes(1000, 1) + o.storage.compressed_bytes(5000, 1));
   solution const s = solve_greedy(items, min_bytes - 1, o);
   CHECK(s.status == solve_status::infeasible);
   CHECK(s.bits == std::vector<int>{1, 1});
@@ -303,7 +343,7 @@ TEST_CASE("infeasible budget is flagged and the smallest widths are returned") {
 
 TEST_CASE("zero sensitivity goes to the cheapest option; tiny tensors may stay full") {
   solver_options o;
-  // 16 elements: full precision is 64 B, a 1-bit blob is 8 + 32 = 40 B (padded group).
+  // 16 elements: full precision is 96 + 64 B, a 1-bit blob 96 + 8 + 2 B.
   std::vector<solver_item> items{{"zero", 4096, 0.0, 32}, {"tiny", 16, 5.0, 32}, {"big", 4096, 1.0, 32}};
   solution const s = solve_greedy(items, budget_bytes_for(3.0, 4096 * 2 + 16), o);
   REQUIRE(s.status == solve_status::ok);
