@@ -386,6 +386,9 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
   // item at each of its other options, re-run the greedy and local search for the rest, and
   // keep the best; stop once the certificate shows a relative gap within target_rel_gap.
   // Deterministic: trials in item order, strict improvement only.
+  std::size_t options_total = 0;
+  for (auto const& f : fronts) options_total += f.size();
+  std::uint64_t pinned_improvements = 0;
   auto const certified = [&] { return best_obj - lower_bound <= opts.target_rel_gap * best_obj; };
   if (options_total <= opts.pinned_trials_limit && !certified()) {
     greedy_state const base = best;
