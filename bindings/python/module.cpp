@@ -29,6 +29,7 @@
 #include "allocator/store/activation_store.hpp"
 #include "allocator/tags.hpp"
 #include "codecs/codec.hpp"
+#include "policy/controller.hpp"
 
 #if defined(GACT_HAVE_KERNELS)
 #include "allocator/device/cuda_backend.hpp"
@@ -264,6 +265,66 @@ PYBIND11_MODULE(_gact, m) {
         gact::codec::decode_cpu(b.data(), b.size(), reinterpret_cast<void*>(dst), dst_bytes, threads);
       },
       py::arg("blob"), py::arg("dst"), py::arg("dst_bytes"), "Decode a blob into contiguous host memory.");
+
+  // ---- policy ------------------------------------------------------------------------
+  // The per-tensor bit controller (policy/controller.hpp), for the Python policy driver.
+  py::class_<gact::policy::controller>(m, "PolicyController",
+                                        "Per-tensor bit allocation under an average-bit budget (thread-safe).")
+      .def(py::init([](double budget, int default_bits, double ema_weight, std::int64_t stale_after,
+                       std::uint32_t group_size, bool allow_full_precision) {
+             gact::policy::controller_options o;
+             o.budget_avg_bits = budget;
+             o.default_bits = default_bits;
+             o.ema_weight = ema_weight;
+             o.stale_after = stale_after;
+             o.storage.group_size = group_size;
+             o.allow_full_precision = allow_full_precision;
+             return std::make_unique<gact::policy::controller>(o);
+           }),
+           py::arg("budget") = 2.0, py::arg("default_bits") = 4, py::arg("ema_weight") = 0.5,
+           py::arg("stale_after") = 2, py::arg("group_size") = 256, py::arg("allow_full_precision") = true)
+      .def("set_step", &gact::policy::controller::set_step, py::arg("step"))
+      .def("step", &gact::policy::controller::step)
+      .def(
+          "on_save",
+          [](gact::policy::controller& c, std::string const& key, std::uint64_t numel, int full_bits) {
+            return c.on_save(key, numel, full_bits);
+          },
+          py::arg("key"), py::arg("numel"), py::arg("full_bits") = 32,
+          "Record that key is saved now; returns the bits to encode it with (16/32 = keep raw).")
+      .def(
+          "bits_for", [](gact::policy::controller const& c, std::string const& key) { return c.bits_for(key); },
+          py::arg("key"))
+      .def(
+          "add_estimate",
+          [](gact::policy::controller& c, std::string const& key, double sensitivity) {
+            c.add_estimate(key, sensitivity);
+          },
+          py::arg("key"), py::arg("sensitivity"))
+      .def(
+          "add_online_sample",
+          [](gact::policy::controller& c, std::string const& key, double sum_sq_ranges, std::uint64_t numel,
+             std::uint32_t group_size, double grad_sq_norm, double fan_in) {
+            gact::policy::online_sample smp;
+            smp.sum_sq_ranges = sum_sq_ranges;
+            smp.numel = numel;
+            smp.group_size = group_size;
+            smp.grad_sq_norm = grad_sq_norm;
+            smp.fan_in = fan_in;
+            c.add_online_sample(key, smp);
+          },
+          py::arg("key"), py::arg("sum_sq_ranges"), py::arg("numel"), py::arg("group_size"),
+          py::arg("grad_sq_norm"), py::arg("fan_in") = 1.0)
+      .def("apply_online_estimates", &gact::policy::controller::apply_online_estimates)
+      .def("decide",
+           [](gact::policy::controller& c) {
+             c.decide();
+             return json_loads(c.stats().dump());
+           },
+           "Re-solve the allocation; returns the policy stats section.")
+      .def("set_budget", &gact::policy::controller::set_budget, py::arg("avg_bits"))
+      .def("stats", [](gact::policy::controller const& c) { return json_loads(c.stats().dump()); })
+      .def("register_stats", &gact::policy::controller::register_stats, py::arg("name") = "policy");
 
   // ---- tags ----------------------------------------------------------------------------
   m.def("push_tag", [](std::string const& name) { gact::alloc::push_tag(gact::alloc::intern_tag(name)); },
