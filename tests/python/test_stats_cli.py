@@ -216,6 +216,7 @@ MALFORMED = {
     "store-ratio-string": (_mutate(lambda d: d["store"].update(ratio="8x")), "store.ratio"),
     "section-list": (_mutate(lambda d: d.update(swap=[1, 2])), "section 'swap'"),
     "nan": (VALID.replace('"ratio": 8.0', '"ratio": NaN'), "NaN"),
+    "infinite": ('{"schema_version": 1, "allocators": {"h": {"num_ooms": 1e999}}}', "not a finite number"),
     "trailing-garbage": (VALID + "}", "not valid JSON"),
     "deep-nesting": ("[" * 100000 + "]" * 100000, ""),
 }
