@@ -95,7 +95,7 @@ struct state {
   std::size_t capacity = std::size_t{8} << 30;
   int devices = 2;
   unsigned delay_us = 0;
-  std::unordered_map<fake_stream*, std::unique_ptr<fake_stream>> streams;
+  std::unordered_map<fake_stream*, std::shared_ptr<fake_stream>> streams;  ///< shared: drain_all may hold one
   std::vector<fake_stream*> default_streams;  ///< per device, created lazily
   std::unordered_map<fake_event*, std::shared_ptr<fake_event>> events;
   std::atomic<int> capturing{0};  ///< number of streams in capture
@@ -188,7 +188,7 @@ void worker_loop(fake_stream* s, unsigned delay_us) {
 }
 
 fake_stream* new_stream(int device) {
-  auto owned = std::make_unique<fake_stream>();
+  auto owned = std::make_shared<fake_stream>();
   owned->device = device;
   owned->worker = std::thread(worker_loop, owned.get(), st().delay_us);
   fake_stream* raw = owned.get();
@@ -229,16 +229,18 @@ void drain(fake_stream* s) {
 }
 
 void drain_all() {
-  std::vector<fake_stream*> all;
+  // Shared references: a stream destroyed meanwhile by another thread stays valid
+  // until its drain here returns (its destroy finished all its work anyway).
+  std::vector<std::shared_ptr<fake_stream>> all;
   {
     state& s = st();
     std::lock_guard lk(s.mu);
     for (auto& [raw, owned] : s.streams) {
-      all.push_back(raw);
+      all.push_back(owned);
     }
   }
-  for (fake_stream* s : all) {
-    drain(s);
+  for (auto const& s : all) {
+    drain(s.get());
   }
 }
 
@@ -713,7 +715,7 @@ cudaError_t CUDARTAPI cudaStreamCreate(cudaStream_t* pStream) {
 
 cudaError_t CUDARTAPI cudaStreamDestroy(cudaStream_t stream) {
   count(__func__);
-  std::unique_ptr<fake_stream> owned;
+  std::shared_ptr<fake_stream> owned;
   {
     state& s = st();
     std::lock_guard lk(s.mu);
