@@ -132,6 +132,21 @@ int main() {
     check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
   }
 
+  // cudaFree then cudaMalloc of the same size: does the second get the first's address?
+  // (The shim must not hand a cudaFree'd block out before a device synchronization.)
+  bool immediate_reuse = false;
+  {
+    void* a = nullptr;
+    void* b = nullptr;
+    check(cudaMalloc(&a, 8192), "cudaMalloc");
+    check(cudaFree(a), "cudaFree");
+    check(cudaMalloc(&b, 8192), "cudaMalloc");
+    immediate_reuse = a == b;
+    check(cudaFree(b), "cudaFree");
+    malloc_calls += 2;
+    malloc_bytes += 2 * 8192;
+  }
+
   for (void* p : blocks) check(cudaFree(p), "cudaFree");
   check(cudaFree(nullptr), "cudaFree(nullptr)");
   check(cudaStreamDestroy(s), "cudaStreamDestroy");
@@ -140,10 +155,11 @@ int main() {
 
   std::printf("{\"ok\": %s, \"hooks\": %s, \"malloc_calls\": %zu, \"malloc_bytes\": %zu, "
               "\"malloc_async_calls\": %zu, \"malloc_async_bytes\": %zu, \"foreign_frees\": %zu, "
-              "\"captured\": %zu, \"fake_async_delta_under_capture\": %zu, "
+              "\"captured\": %zu, \"fake_async_delta_under_capture\": %zu, \"immediate_reuse\": %s, "
               "\"free0\": %zu, \"free1\": %zu, \"free2\": %zu, \"total\": %zu",
               g_failures == 0 ? "true" : "false", hooks ? "true" : "false", malloc_calls, malloc_bytes,
-              async_calls, async_bytes, foreign_frees, captured, fake_async_delta, free0, free1, free2, total);
+              async_calls, async_bytes, foreign_frees, captured, fake_async_delta,
+              immediate_reuse ? "true" : "false", free0, free1, free2, total);
   if (hooks) {
     std::printf(", \"fake_counts\": {\"cudaMalloc\": %zu, \"cudaFree\": %zu, \"cudaMallocAsync\": %zu, "
                 "\"cudaFreeAsync\": %zu, \"cudaDeviceSynchronize\": %zu}",
