@@ -116,6 +116,11 @@ def test_show_accepts_a_dump_with_only_allocators_and_derives_a_missing_ratio(tm
     doc["allocators"]["cuda:0"]["backend"] = {"name": "cuda", "kind": 1, "free_bytes": 5, "total_bytes": 9}
     r = run_cli("show", write(tmp_path, "d.json", doc))
     assert "allocator cuda:0 (backend cuda)" in r.stdout
+    # top-level keys outside the documented sections (a later timeline, say) are tolerated
+    doc["timeline"] = [{"action": "alloc", "size": 512}]
+    doc["hostname"] = "node1"
+    r = run_cli("show", write(tmp_path, "e.json", doc))
+    assert r.returncode == 0, r.stderr
     r = run_cli("show", write(tmp_path, "c.json", {"schema_version": 1, "allocators": {}}))
     assert r.returncode == 0 and "no allocators" in r.stdout
 
