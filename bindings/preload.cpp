@@ -34,6 +34,12 @@
 // reports any global capture), so graph memory nodes stay the runtime's;
 // allocations on cudaStreamPerThread (a different stream for every thread);
 // size 0 and null output pointers (the runtime gives its usual answer).
+// A gact pointer freed with cudaFreeAsync on a capturing stream (or on
+// cudaStreamPerThread) is parked like a cudaFree. Limitation: a graph that frees
+// memory allocated outside it expects the free to happen when the graph runs;
+// the shim recycles the block after the next device synchronization instead.
+// PyTorch never does this (its cudaMallocAsync backend defers such frees until
+// no capture is underway).
 //
 // Failures never crash the program: an allocation gact cannot serve returns
 // cudaErrorMemoryAllocation after a rate-limited log line. Stats: the allocators
