@@ -235,13 +235,12 @@ def test_malformed_dump_is_one_line_error_with_status_2(tmp_path, case):
         p.write_bytes(content)
     else:
         p.write_text(content)
-    assert_clean_error(run_cli("show", p), fragment)
     assert_clean_error(run_cli("show", "--json", p), fragment)
     # the second side of a diff (the first is read by the same code as `show`)
     assert_clean_error(run_cli("diff", write(tmp_path, "good.json", make_doc()), p), fragment)
 
 
-@pytest.mark.parametrize("cut", [1, 2, 17, 100, 250, 500, len(VALID) // 2, len(VALID) - 2, len(VALID) - 1])
+@pytest.mark.parametrize("cut", [1, 17, 250, len(VALID) // 2, len(VALID) - 1])
 def test_truncated_dump_is_reported_as_truncated(tmp_path, cut):
     p = write(tmp_path, "cut.json", VALID[:cut])
     assert_clean_error(run_cli("show", p), "truncated")
