@@ -536,8 +536,8 @@ int run(options const& o) {
     double const peak_res = static_cast<double>(st.reserved_bytes[alloc::pool_all].peak);
     double const frag = peak_res > 0 ? 1.0 - peak_alloc / peak_res : 0.0;
     double const overhead = peak_res > 0 ? 1.0 - static_cast<double>(w.peak_live_bytes) / peak_res : 0.0;
-    wj["gact"] = {{"peak_allocated_bytes", peak_alloc},
-                  {"peak_reserved_bytes", peak_res},
+    wj["gact"] = {{"peak_allocated_bytes", st.allocated_bytes[alloc::pool_all].peak},
+                  {"peak_reserved_bytes", st.reserved_bytes[alloc::pool_all].peak},
                   {"fragmentation", frag},
                   {"overhead_vs_requested", overhead},
                   {"num_device_alloc", st.num_device_alloc}};
