@@ -305,17 +305,35 @@ def test_real_dump_from_the_caching_allocator(tmp_path):
 
 def test_real_dump_from_the_python_package(tmp_path):
     try:
-        import gact  # noqa: F401
+        import gact
+        import torch
     except ImportError as exc:
         pytest.skip("the gact Python package is not importable here: %s" % exc)
-    stats = getattr(gact, "stats", None)
-    if not callable(stats):
-        pytest.skip("the gact package has no module-level stats() yet")
-    doc = stats()
-    if isinstance(doc, str):
-        doc = json.loads(doc)
-    p = write(tmp_path, "py.json", doc)
-    _check_real_dump(tmp_path, p)
+    if not callable(getattr(gact, "stats", None)) or not hasattr(gact, "Compressor"):
+        pytest.skip("the gact package has no module-level stats() or Compressor yet")
+
+    def dump(name):
+        doc = gact.stats()
+        return write(tmp_path, name, json.loads(doc) if isinstance(doc, str) else doc)
+
+    before = dump("before.json")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    comp = gact.Compressor(model, bits=4)
+    try:
+        with comp:
+            loss = model(torch.randn(64, 256)).square().mean()
+        loss.backward()
+        comp.step()
+        after = dump("after.json")
+    finally:
+        comp.close()
+    _check_real_dump(tmp_path, before)
+    s = _check_real_dump(tmp_path, after)
+    assert "store" in s and s["store"]["bytes_in"] > 0
+    d = json.loads(run_cli("diff", before, after, "--json").stdout)
+    grew = {tuple(c["key"]): c for c in d["changes"]}
+    assert ("store", "bytes_in") in grew and grew[("store", "bytes_in")]["delta"] > 0
 
 
 def test_cli_uses_only_the_standard_library():
