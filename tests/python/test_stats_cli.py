@@ -91,6 +91,25 @@ def test_show_prints_key_figures_per_allocator_tag_and_store(tmp_path):
     assert "swap" in lines and "bytes_out" in lines
 
 
+def test_show_hides_zero_figures_of_other_sections_unless_all(tmp_path):
+    doc = make_doc()
+    doc["swap"]["failures"] = 0
+    doc["store"]["leaks"] = 0
+    doc["policy"] = {"solves": 0}
+    p = write(tmp_path, "a.json", doc)
+    out = run_cli("show", p).stdout
+    assert "failures" not in out and "leaks" not in out and "solves" not in out
+    assert "bytes_out" in out
+    assert "(1 other figure is 0; --all shows it)" in out      # store.leaks, swap.failures
+    assert "(1 figure is 0; --all shows it)" in out            # policy: nothing else
+    doc["policy"]["retries"] = 0
+    assert "(all 2 figures are 0; --all shows them)" in run_cli("show", write(tmp_path, "b.json", doc)).stdout
+    out_all = run_cli("show", "--all", p).stdout
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out_all.splitlines() if ln.strip()}
+    assert rows["failures"] == ["0"] and rows["leaks"] == ["0"] and rows["solves"] == ["0"]
+    assert "--all shows" not in out_all
+
+
 def test_show_json_carries_the_dump_figures(tmp_path):
     doc = make_doc()
     r = run_cli("show", "--json", write(tmp_path, "a.json", doc))
