@@ -157,8 +157,8 @@ extern "C" {
 
 /// Begin recording blocks of at least `min_bytes` (earlier recordings are discarded) made
 /// through the entry points in `sources`: bit 0 malloc/calloc/realloc, bit 1
-/// posix_memalign/memalign/aligned_alloc/valloc (PyTorch's CPU tensor storage and oneDNN
-/// buffers come from posix_memalign). Frees are recorded for every recorded block.
+/// posix_memalign/memalign/aligned_alloc/valloc (PyTorch's CPU tensor storage comes from
+/// posix_memalign). Frees are recorded for every recorded block.
 /// @returns 0; -1 when the tracer's memory could not be mapped; -2 for sources == 0.
 __attribute__((visibility("default"))) int gact_tracer_start(std::size_t min_bytes, unsigned sources) {
   if ((sources & 3u) == 0) return -2;

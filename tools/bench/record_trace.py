@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--min-bytes", type=int, default=512, help="smallest block recorded (default 512)")
     ap.add_argument("--sources", default="aligned", choices=["aligned", "plain", "all"],
                     help="entry points recorded: aligned = posix_memalign & co. (PyTorch's CPU tensor "
-                         "storage and oneDNN buffers; default), plain = malloc/calloc/realloc, all = both")
+                         "storage; default), plain = malloc/calloc/realloc, all = both")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=96, help="image side in pixels")
     args = ap.parse_args()
