@@ -12,10 +12,12 @@ no addresses (neither `prof.profiler.kineto_results.events()` nor `prof.events()
 expose one, and the chrome-trace export carries no memory events), so its frees
 cannot be paired with its allocations. Instead the process runs under
 libgact_malloc_tracer.so (tools/bench/malloc_tracer.cpp, LD_PRELOAD), which pairs
-malloc/free exactly by address and records every block of at least --min-bytes
-(512) made during the step; the script re-executes itself with LD_PRELOAD set when
-needed. The profiler's own allocation count and byte sum for the same step are
-written into the trace header as a cross-check.
+frees with allocations exactly by address and records every block of at least
+--min-bytes (512) made during the step through the entry points --sources selects
+(default: the posix_memalign family, where PyTorch's CPU tensor storage comes from);
+the script re-executes itself with LD_PRELOAD set when needed. The profiler's
+allocations for the same step are matched by size against the trace, and the
+result written into the trace header as a cross-check.
 
 Output format (gzip text; tools/bench/README.md):
     # comment lines
