@@ -425,7 +425,7 @@ def test_sigterm_mid_stage_leaves_a_finished_report(tmp_path):
 
 
 def test_bench_figures_render_beside_their_references(tmp_path):
-    codec = {"rows": [{"dtype": "float32", "bits": 4, "encode_gbps": 800.0, "decode_gbps": 1200.0}]}
+    codec = {"rows": [{"bits": 4, "decode_gbps": 1200.0, "dtype": "float32", "encode_gbps": 800.0}]}
     stages.add_copy_ratios(codec, 2000.0)
     row = codec["rows"][0]
     assert row["encode_vs_d2d_copy"] == pytest.approx(0.4) and row["decode_vs_d2d_copy"] == pytest.approx(0.6)
@@ -441,6 +441,7 @@ def test_bench_figures_render_beside_their_references(tmp_path):
             "auto_swap": {"status": "unavailable", "error": "NotImplementedError: swap"}}}}}
     paths = report.write_report(rep, str(tmp_path))
     md = open(paths["md"]).read()
-    assert "| float32 | 4 | 800 | 1,200 | 0.4 | 0.6 |" in md
+    assert "| dtype | bits | decode_gbps | encode_gbps | decode_vs_d2d_copy | encode_vs_d2d_copy |" in md
+    assert "| float32 | 4 | 1,200 | 800 | 0.6 | 0.4 |" in md
     assert "| resnet50 | bits2 | pass | 700 | 0.7 | 1,000 | 0.25 | 12.50 | 320 | 5.00 |" in md
     assert "| resnet50 | auto_swap | unavailable |" in md

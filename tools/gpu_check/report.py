@@ -189,6 +189,19 @@ def _key_figures(figures: Mapping[str, object], limit: int = 6) -> str:
     return ", ".join(parts)
 
 
+_CODEC_ID_COLUMNS = ("device", "dtype", "codec", "bits", "group_size", "threads", "numel")
+
+
+def _codec_columns(row: Mapping[str, object], limit: int = 12) -> List[str]:
+    """Identity columns first, then GB/s figures, then ratios (to references), then the rest."""
+    keys = [k for k in row if not isinstance(row[k], (dict, list))]
+    ident = [k for k in _CODEC_ID_COLUMNS if k in keys]
+    gbps = [k for k in keys if k.endswith("_gbps")]
+    ratios = [k for k in keys if "_vs_" in k]
+    rest = [k for k in keys if k not in ident and k not in gbps and k not in ratios]
+    return (ident + gbps + ratios + rest)[:limit]
+
+
 def _model_table(models: Mapping[str, object]) -> List[str]:
     lines = ["| model | arm | status | samples/s | vs baseline | peak MiB (torch) | vs baseline | "
              "store ratio | max batch @ cap | vs baseline |",
@@ -258,7 +271,7 @@ def render_markdown(report: Mapping[str, object]) -> str:
         out.append("")
         rows = codec.get("rows")
         if isinstance(rows, list) and rows:
-            cols = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))][:14]
+            cols = _codec_columns(rows[0])
             out.append("| " + " | ".join(cols) + " |")
             out.append("|" + "---|" * len(cols))
             for r in rows:

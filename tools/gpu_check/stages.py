@@ -297,12 +297,15 @@ def _python_step(ctx: Context, name: str, script: str, args: Sequence[str], time
     except OSError:
         pass
     step = run_command(name, cmd, timeout, ctx.log(logname), env=env, cwd=ctx.root)
+    # Shown with the variables this step adds, so the command can be rerun by hand.
+    step.command = [f"{k}={v}" for k, v in (extra_env or {}).items()] + list(step.command or cmd)
     res = _read_json(result)
     if isinstance(res, dict):
         step.figures.update(res.get("figures", {}))
-        if step.status == "pass" and not res.get("ok", False):
-            step.status = "fail"
-            step.note = res.get("error", "the workload reported failure")
+        if not res.get("ok", False):
+            if step.status == "pass":
+                step.status = "fail"
+            step.note = str(res.get("error") or "the workload reported failure")[:500]
     elif step.status == "pass":
         step.status = "fail"
         step.note = "the workload wrote no result"
