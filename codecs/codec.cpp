@@ -381,6 +381,7 @@ nlohmann::json stats_json() {
   j["nonfinite_groups_decoded"] = rd(k.nonfinite_groups_decoded);
   j["mask_rejections"] = rd(k.mask_rejections);
   j["corrupt_blobs"] = rd(k.corrupt_blobs);
+  j["cpu_executor_isa"] = detail::quant_cpu_isa();
   return j;
 }
 

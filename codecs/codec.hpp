@@ -141,6 +141,11 @@ bool quant_encode_cpu(void const* src, dtype dt, std::uint64_t numel, int bits, 
                       int threads);
 void quant_decode_cpu(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel,
                       int bits, int group_size, void* dst, int threads);
+/// Name of the build of the per-group loops in use ("avx2" or "generic").
+char const* quant_cpu_isa() noexcept;
+/// Tests and benchmarks: use the baseline build of the loops (true) or the best one (false).
+/// Returns whether a faster build than the baseline exists on this CPU.
+bool force_generic_quant_cpu(bool generic) noexcept;
 }  // namespace detail
 
 }  // namespace gact::codec

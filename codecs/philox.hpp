@@ -29,25 +29,36 @@ inline constexpr std::uint32_t k_philox_m1 = 0xCD9E8D57u;
 inline constexpr std::uint32_t k_philox_w0 = 0x9E3779B9u;
 inline constexpr std::uint32_t k_philox_w1 = 0xBB67AE85u;
 
+/// One Philox4x32 round: c <- (hi(M1*c2) ^ c1 ^ k0, lo(M1*c2), hi(M0*c0) ^ c3 ^ k1, lo(M0*c0)).
+GACT_HD void philox_round(std::uint32_t& c0, std::uint32_t& c1, std::uint32_t& c2, std::uint32_t& c3,
+                          std::uint32_t k0, std::uint32_t k1) {
+  std::uint64_t const p0 = std::uint64_t{k_philox_m0} * c0;
+  std::uint64_t const p1 = std::uint64_t{k_philox_m1} * c2;
+  std::uint32_t const n0 = std::uint32_t(p1 >> 32) ^ c1 ^ k0;
+  std::uint32_t const n2 = std::uint32_t(p0 >> 32) ^ c3 ^ k1;
+  c1 = std::uint32_t(p1);
+  c3 = std::uint32_t(p0);
+  c0 = n0;
+  c2 = n2;
+}
+
 /// Philox4x32 with 10 rounds, as in Random123's philox4x32_10 (the known-answer
-/// vectors of Random123 are checked in tests/codecs).
+/// vectors of Random123 are checked in tests/codecs). Written out round by round
+/// (no loop) so that a loop calling it over many counters is straight-line code
+/// the host compiler can vectorize across counters.
 GACT_HD philox_block philox4x32_10(philox_block c, std::uint32_t k0, std::uint32_t k1) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int round = 0; round < 10; ++round) {
-    std::uint64_t const p0 = std::uint64_t{k_philox_m0} * c.v[0];
-    std::uint64_t const p1 = std::uint64_t{k_philox_m1} * c.v[2];
-    std::uint32_t const hi0 = std::uint32_t(p0 >> 32), lo0 = std::uint32_t(p0);
-    std::uint32_t const hi1 = std::uint32_t(p1 >> 32), lo1 = std::uint32_t(p1);
-    c.v[0] = hi1 ^ c.v[1] ^ k0;
-    c.v[1] = lo1;
-    c.v[2] = hi0 ^ c.v[3] ^ k1;
-    c.v[3] = lo0;
-    k0 += k_philox_w0;
-    k1 += k_philox_w1;
-  }
-  return c;
+  std::uint32_t a = c.v[0], b = c.v[1], d = c.v[2], e = c.v[3];
+  philox_round(a, b, d, e, k0, k1);
+  philox_round(a, b, d, e, k0 + 1u * k_philox_w0, k1 + 1u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 2u * k_philox_w0, k1 + 2u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 3u * k_philox_w0, k1 + 3u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 4u * k_philox_w0, k1 + 4u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 5u * k_philox_w0, k1 + 5u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 6u * k_philox_w0, k1 + 6u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 7u * k_philox_w0, k1 + 7u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 8u * k_philox_w0, k1 + 8u * k_philox_w1);
+  philox_round(a, b, d, e, k0 + 9u * k_philox_w0, k1 + 9u * k_philox_w1);
+  return philox_block{{a, b, d, e}};
 }
 
 /// The 128 random bits that serve elements 8*c .. 8*c+7 of a tensor (see the file comment).

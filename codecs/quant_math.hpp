@@ -66,18 +66,23 @@ GACT_HD float noise_uniform(std::uint32_t r16) {
   return add_rn(mul_rn(float(r16), 1.52587890625e-05f), 7.62939453125e-06f);
 }
 
-/// Code of x (finite, lo <= x <= hi) for a group with step > 0, given 16 random bits.
-GACT_HD std::uint32_t quantize(float x, group_params const& p, std::uint32_t r16) {
+/// Code of x (finite, lo <= x <= hi) for a group with step > 0, given the uniform u = noise_uniform(r).
+GACT_HD std::int32_t quantize_u(float x, group_params const& p, float u) {
   float v = div_rn(sub_rn(mul_rn(x, p.s), p.lo_s), p.step);
   v = v > 0.0f ? v : 0.0f;
   v = v < p.levels ? v : p.levels;
   std::int32_t const k = std::int32_t(v);  // v >= 0, so truncation is floor
   float const frac = sub_rn(v, float(k));
-  return std::uint32_t(k) + (noise_uniform(r16) < frac ? 1u : 0u);
+  return k + (u < frac ? 1 : 0);
+}
+
+/// Code of x given 16 random bits r16 (see quantize_u).
+GACT_HD std::int32_t quantize(float x, group_params const& p, std::uint32_t r16) {
+  return quantize_u(x, p, noise_uniform(r16));
 }
 
 /// Value of code q (NaN metadata propagates to NaN).
-GACT_HD float dequantize(std::uint32_t q, group_params const& p) {
+GACT_HD float dequantize(std::int32_t q, group_params const& p) {
   float xs = add_rn(p.lo_s, mul_rn(float(q), p.step));
   xs = xs < p.hi_s ? xs : p.hi_s;  // NaN < NaN is false: NaN metadata gives NaN
   return mul_rn(xs, p.unscale);

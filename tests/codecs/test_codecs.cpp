@@ -361,6 +361,49 @@ TEST_CASE("quant: thread count does not change the bytes" * doctest::test_suite(
   }
 }
 
+TEST_CASE("quant: the baseline and the vectorized (avx2) builds of the CPU loops give the same bytes") {
+  bool const has_faster = detail::force_generic_quant_cpu(false);
+  MESSAGE("CPU executor build in use: " << std::string(detail::quant_cpu_isa()));
+  if (!has_faster) return;  // only the baseline build exists on this CPU
+  for (dtype dt : k_float_dtypes) {
+    for (int bits : k_bits) {
+      for (int G : k_groups) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(bits);
+        CAPTURE(G);
+        std::size_t const n = std::size_t(7 * G + 61);
+        auto x = normal_values(n, std::uint32_t(G + bits), 1.f, 3.f);
+        x[n / 2] = -0.0f;
+        auto const t = make_tensor(dt, x);
+        encode_params p;
+        p.bits = bits;
+        p.group_size = G;
+        p.seed = 0xFEEDFACECAFEBEEFull;
+        p.key = 0x123456789ull << 20;
+        detail::force_generic_quant_cpu(true);
+        CHECK(std::string(detail::quant_cpu_isa()) == "generic");
+        auto const a = encode(t, dt, {std::int64_t(n)}, p);
+        auto const ya = decode_values(a);
+        detail::force_generic_quant_cpu(false);
+        auto const b = encode(t, dt, {std::int64_t(n)}, p);
+        CHECK(a == b);
+        CHECK(decode_values(b) == ya);
+      }
+    }
+  }
+  // Non-finite detection must agree too.
+  auto x = normal_values(5000, 3);
+  x[4321] = std::numeric_limits<float>::infinity();
+  auto const t = make_tensor(dtype::float32, x);
+  encode_params p;
+  std::vector<std::int64_t> const shape{5000};
+  bytes b(blob_size(dtype::float32, shape, p));
+  for (bool generic : {true, false}) {
+    detail::force_generic_quant_cpu(generic);
+    CHECK(encode_cpu(t.data(), dtype::float32, shape, p, b.data(), b.size(), 1).nonfinite);
+  }
+}
+
 TEST_CASE("quant: edge cases") {
   encode_params p;
   p.bits = 4;

@@ -1,0 +1,397 @@
+// gact/codecs/quant_groups.cpp
+//
+// The per-group loops of the quant CPU executor, compiled once per instruction
+// set: GACT_CODEC_ISA names the namespace (generic: the x86-64/aarch64 baseline;
+// avx2: -mavx2, chosen at run time by quant_cpu.cpp when the CPU has it). The
+// arithmetic is hd:: math from quant_math.hpp either way, without FMA contraction
+// (-ffp-contract=off), so both builds produce the same bytes.
+//
+// Inside a group every step is a plain loop over a fixed-size stack buffer,
+// written for the auto-vectorizer (see codecs/README.md, "Vectorization"):
+//
+//   encode:  load (+ widen 16-bit input) -> min/max + finiteness over 8 lanes
+//            -> Philox noise for the group (one call per 8 elements)
+//            -> quantize (hd::quantize_u) -> pack b-bit codes into bytes
+//   decode:  unpack codes -> hd::dequantize -> narrow to the dtype -> store
+//
+// This file uses no C++ library code beyond <cstdint>/<cstring>: an inline
+// library function compiled here with -mavx2 could otherwise be picked by the
+// linker for the generic path too.
+#include "codecs/float16.hpp"
+#include "codecs/format.hpp"
+#include "codecs/philox.hpp"
+#include "codecs/quant_math.hpp"
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef GACT_CODEC_ISA
+#define GACT_CODEC_ISA generic
+#endif
+
+namespace gact::codec::detail::GACT_CODEC_ISA {
+namespace {
+
+using hd::group_params;
+
+constexpr int k_buf = k_max_group;
+
+// ---- loads and stores by dtype --------------------------------------------------------------
+
+template <dtype Dt>
+struct io;
+template <>
+struct io<dtype::float32> {
+  using storage = float;
+  static float load(storage v) { return v; }
+  static storage store(float v) { return v; }
+};
+template <>
+struct io<dtype::float16> {
+  using storage = std::uint16_t;
+  static float load(storage v) { return hd::half_to_float(v); }
+  static storage store(float v) { return hd::float_to_half(v); }
+};
+template <>
+struct io<dtype::bfloat16> {
+  using storage = std::uint16_t;
+  static float load(storage v) { return hd::bf16_to_float(v); }
+  static storage store(float v) { return hd::float_to_bf16(v); }
+};
+
+// ---- encode ---------------------------------------------------------------------------------
+
+/// min/max over n >= 1 values, 8 independent lanes; returns false if any value is NaN/±Inf.
+[[maybe_unused]] bool group_minmax_portable(float const* x, int n, float& lo, float& hi) {
+  float mn[8], mx[8];
+  std::uint32_t bad[8];
+  for (int j = 0; j < 8; ++j) {
+    mn[j] = x[0];
+    mx[j] = x[0];
+    bad[j] = 0;
+  }
+  int const n8 = n & ~7;
+  for (int i = 0; i < n8; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      float const v = x[i + j];
+      mn[j] = v < mn[j] ? v : mn[j];
+      mx[j] = v > mx[j] ? v : mx[j];
+      bad[j] |= std::uint32_t((hd::float_bits(v) & 0x7F800000u) == 0x7F800000u);
+    }
+  }
+  for (int i = n8; i < n; ++i) {
+    float const v = x[i];
+    mn[0] = v < mn[0] ? v : mn[0];
+    mx[0] = v > mx[0] ? v : mx[0];
+    bad[0] |= std::uint32_t((hd::float_bits(v) & 0x7F800000u) == 0x7F800000u);
+  }
+  float l = mn[0], h = mx[0];
+  std::uint32_t b = bad[0];
+  for (int j = 1; j < 8; ++j) {
+    l = mn[j] < l ? mn[j] : l;
+    h = mx[j] > h ? mx[j] : h;
+    b |= bad[j];
+  }
+  lo = hd::canonical_zero(l);
+  hi = hd::canonical_zero(h);
+  return b == 0;
+}
+
+// The per-group loops are kept out of line: compiled on their own they vectorize, while
+// inlined into the group loop, jump threading on the group parameters blocks that.
+#define GACT_LOOP __attribute__((noipa))
+
+/// Noise uniforms u[0, 8*nchunks) for the chunks c0 .. c0+nchunks-1 (one Philox call per chunk).
+[[maybe_unused]] GACT_LOOP void group_noise_portable(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
+  std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
+  std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
+  for (int k = 0; k < nchunks; ++k) {
+    std::uint64_t const c = c0 + std::uint64_t(k);
+    hd::philox_block const b = hd::philox4x32_10(hd::philox_block{{std::uint32_t(c), std::uint32_t(c >> 32), t0, t1}}, k0, k1);
+    for (int w = 0; w < 4; ++w) {
+      u[8 * k + 2 * w] = hd::noise_uniform(b.v[w] & 0xFFFFu);
+      u[8 * k + 2 * w + 1] = hd::noise_uniform(b.v[w] >> 16);
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// Explicit AVX2 versions of the two steps the auto-vectorizer handles poorly: a float
+// min/max reduction (it will not reorder one without -ffast-math, although min/max are
+// exact in any order once -0 is canonicalised) and Philox, whose 32x32->64-bit products
+// it widens lane by lane. Both compute exactly what the portable loops compute (the
+// tests compare the two builds byte for byte).
+
+bool group_minmax(float const* x, int n, float& lo, float& hi) {
+  if (n < 8) return group_minmax_portable(x, n, lo, hi);
+  __m256 mn = _mm256_loadu_ps(x), mx = mn;
+  __m256i const expmask = _mm256_set1_epi32(0x7F800000);
+  __m256i bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(mn), expmask), expmask);
+  int i = 8;
+  for (; i + 8 <= n; i += 8) {
+    __m256 const v = _mm256_loadu_ps(x + i);
+    mn = _mm256_min_ps(v, mn);
+    mx = _mm256_max_ps(v, mx);
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), expmask), expmask));
+  }
+  alignas(32) float m0[8], m1[8];
+  _mm256_store_ps(m0, mn);
+  _mm256_store_ps(m1, mx);
+  float l = m0[0], h = m1[0];
+  for (int j = 1; j < 8; ++j) {
+    l = m0[j] < l ? m0[j] : l;
+    h = m1[j] > h ? m1[j] : h;
+  }
+  bool ok = _mm256_testz_si256(bad, bad) != 0;
+  for (; i < n; ++i) {
+    float const v = x[i];
+    l = v < l ? v : l;
+    h = v > h ? v : h;
+    ok = ok && hd::is_finite_bits(v);
+  }
+  lo = hd::canonical_zero(l);
+  hi = hd::canonical_zero(h);
+  return ok;
+}
+
+/// hi and lo 32-bit halves of the products a * m for 8 lanes.
+inline void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  __m256i const pe = _mm256_mul_epu32(a, m);                         // lanes 0,2,4,6
+  __m256i const po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // lanes 1,3,5,7
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+  lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+}
+
+/// Noise for 8 consecutive chunks c0 .. c0+7: Philox4x32-10 on 8 counters at once, then the
+/// 16-bit halves turned into uniforms and transposed to element order u[8k + 2w + h].
+inline void noise8(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
+                   float* __restrict u) {
+  alignas(32) std::uint32_t lo[8], hi[8];
+  for (int k = 0; k < 8; ++k) {
+    lo[k] = std::uint32_t(c0 + std::uint64_t(k));
+    hi[k] = std::uint32_t((c0 + std::uint64_t(k)) >> 32);
+  }
+  __m256i a = _mm256_load_si256(reinterpret_cast<__m256i const*>(lo));
+  __m256i b = _mm256_load_si256(reinterpret_cast<__m256i const*>(hi));
+  __m256i d = _mm256_set1_epi32(int(t0)), e = _mm256_set1_epi32(int(t1));
+  __m256i const m0 = _mm256_set1_epi32(int(hd::k_philox_m0)), m1 = _mm256_set1_epi32(int(hd::k_philox_m1));
+  for (int r = 0; r < 10; ++r) {
+    __m256i const kk0 = _mm256_set1_epi32(int(k0 + std::uint32_t(r) * hd::k_philox_w0));
+    __m256i const kk1 = _mm256_set1_epi32(int(k1 + std::uint32_t(r) * hd::k_philox_w1));
+    __m256i h0, l0, h1, l1;
+    mulhilo8(a, m0, h0, l0);
+    mulhilo8(d, m1, h1, l1);
+    __m256i const na = _mm256_xor_si256(_mm256_xor_si256(h1, b), kk0);
+    __m256i const nd = _mm256_xor_si256(_mm256_xor_si256(h0, e), kk1);
+    b = l1;
+    e = l0;
+    a = na;
+    d = nd;
+  }
+  // rows: (word w, half h) -> uniforms of the 8 chunks
+  __m256i const mask16 = _mm256_set1_epi32(0xFFFF);
+  __m256 const scale = _mm256_set1_ps(1.52587890625e-05f), half = _mm256_set1_ps(7.62939453125e-06f);
+  auto uni = [&](__m256i v) { return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), half); };
+  __m256i const words[4] = {a, b, d, e};
+  __m256 rows[8];
+  for (int w = 0; w < 4; ++w) {
+    rows[2 * w] = uni(_mm256_and_si256(words[w], mask16));
+    rows[2 * w + 1] = uni(_mm256_srli_epi32(words[w], 16));
+  }
+  // 8x8 transpose: column k (chunk k) becomes u[8k .. 8k+7].
+  __m256 const t0a = _mm256_unpacklo_ps(rows[0], rows[1]), t1a = _mm256_unpackhi_ps(rows[0], rows[1]);
+  __m256 const t2a = _mm256_unpacklo_ps(rows[2], rows[3]), t3a = _mm256_unpackhi_ps(rows[2], rows[3]);
+  __m256 const t4a = _mm256_unpacklo_ps(rows[4], rows[5]), t5a = _mm256_unpackhi_ps(rows[4], rows[5]);
+  __m256 const t6a = _mm256_unpacklo_ps(rows[6], rows[7]), t7a = _mm256_unpackhi_ps(rows[6], rows[7]);
+  __m256 const s0 = _mm256_shuffle_ps(t0a, t2a, 0x44), s1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
+  __m256 const s2 = _mm256_shuffle_ps(t1a, t3a, 0x44), s3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
+  __m256 const s4 = _mm256_shuffle_ps(t4a, t6a, 0x44), s5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
+  __m256 const s6 = _mm256_shuffle_ps(t5a, t7a, 0x44), s7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
+  _mm256_storeu_ps(u + 0, _mm256_permute2f128_ps(s0, s4, 0x20));
+  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
+  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
+  _mm256_storeu_ps(u + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
+  _mm256_storeu_ps(u + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
+  _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
+  _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+
+GACT_LOOP void group_noise(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
+  std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
+  std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
+  int k = 0;
+  for (; k + 8 <= nchunks; k += 8) noise8(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+  if (k < nchunks) group_noise_portable(seed, key, c0 + std::uint64_t(k), nchunks - k, u + 8 * k);
+}
+#else
+bool group_minmax(float const* x, int n, float& lo, float& hi) { return group_minmax_portable(x, n, lo, hi); }
+GACT_LOOP void group_noise(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
+  group_noise_portable(seed, key, c0, nchunks, u);
+}
+#endif
+
+GACT_LOOP void quantize_group(float const* __restrict x, float const* __restrict u, int n, group_params const p,
+                    std::int32_t* __restrict q) {
+  for (int i = 0; i < n; ++i) q[i] = hd::quantize_u(x[i], p, u[i]);
+}
+
+/// Pack codes q[0, 8*nchunks) (zero past the group's end) into nchunks*Bits bytes, element e at bit e*Bits.
+template <int Bits>
+void pack_codes(std::int32_t const* __restrict q, int nchunks, std::uint8_t* __restrict out) {
+  constexpr int per = 8 / Bits;
+  int const nbytes = nchunks * Bits;
+  for (int m = 0; m < nbytes; ++m) {
+    std::int32_t v = 0;
+    for (int j = 0; j < per; ++j) v |= q[m * per + j] << (j * Bits);
+    out[m] = std::uint8_t(v);
+  }
+}
+
+template <int Bits>
+void unpack_codes(std::uint8_t const* __restrict in, int nchunks, std::int32_t* __restrict q) {
+  constexpr int per = 8 / Bits;
+  constexpr std::int32_t mask = (1 << Bits) - 1;
+  int const nbytes = nchunks * Bits;
+  for (int m = 0; m < nbytes; ++m) {
+    std::int32_t const v = in[m];
+    for (int j = 0; j < per; ++j) q[m * per + j] = (v >> (j * Bits)) & mask;
+  }
+}
+
+template <dtype Dt>
+GACT_LOOP void widen(typename io<Dt>::storage const* __restrict in, int n, float* __restrict out) {
+  for (int i = 0; i < n; ++i) out[i] = io<Dt>::load(in[i]);
+}
+
+template <dtype Dt>
+GACT_LOOP void dequantize_group(std::int32_t const* __restrict q, int n, group_params const p,
+                      typename io<Dt>::storage* __restrict out) {
+  for (int i = 0; i < n; ++i) out[i] = io<Dt>::store(hd::dequantize(q[i], p));
+}
+
+template <dtype Dt>
+void store_meta(unsigned char* meta, std::uint64_t g, float lo, float hi) {
+  using S = typename io<Dt>::storage;
+  S const v[2] = {io<Dt>::store(lo), io<Dt>::store(hi)};
+  std::memcpy(meta + g * sizeof v, v, sizeof v);
+}
+
+template <dtype Dt>
+void load_meta(unsigned char const* meta, std::uint64_t g, float& lo, float& hi) {
+  using S = typename io<Dt>::storage;
+  S v[2];
+  std::memcpy(v, meta + g * sizeof v, sizeof v);
+  lo = io<Dt>::load(v[0]);
+  hi = io<Dt>::load(v[1]);
+}
+
+template <dtype Dt, int Bits>
+bool encode_groups(void const* src, std::uint64_t numel, int G, std::uint64_t seed, std::uint64_t key,
+                   unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
+                   int* failed) {
+  using S = typename io<Dt>::storage;
+  alignas(64) float xbuf[k_buf];
+  alignas(64) float u[k_buf];
+  alignas(64) std::int32_t q[k_buf];
+  S const* in = static_cast<S const*>(src);
+  for (std::uint64_t g = g0; g < g1; ++g) {
+    if ((g & 63) == 0 && __atomic_load_n(failed, __ATOMIC_RELAXED) != 0) return false;
+    std::uint64_t const e0 = g * std::uint64_t(G);
+    int const n = int(numel - e0 < std::uint64_t(G) ? numel - e0 : std::uint64_t(G));
+    int const nchunks = (n + 7) / 8;
+    float const* x;
+    if constexpr (Dt == dtype::float32) {
+      x = in + e0;
+    } else {
+      widen<Dt>(in + e0, n, xbuf);
+      x = xbuf;
+    }
+    float lo, hi;
+    if (!group_minmax(x, n, lo, hi)) {
+      __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
+      return false;
+    }
+    store_meta<Dt>(meta, g, lo, hi);
+    group_params const p = hd::make_params(lo, hi, Bits);
+    std::uint8_t* out = codes + (e0 / 8) * std::uint64_t(Bits);
+    if (p.step > 0.0f) {
+      group_noise(seed, key, e0 / 8, nchunks, u);
+      quantize_group(x, u, n, p, q);
+      for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
+      pack_codes<Bits>(q, nchunks, out);
+    } else {
+      std::memset(out, 0, std::size_t(nchunks) * Bits);  // constant group: every code is 0
+    }
+  }
+  return true;
+}
+
+template <dtype Dt, int Bits>
+void decode_groups(unsigned char const* meta, unsigned char const* codes, std::uint64_t numel, int G,
+                   void* dst, std::uint64_t g0, std::uint64_t g1) {
+  using S = typename io<Dt>::storage;
+  alignas(64) std::int32_t q[k_buf];
+  S* out = static_cast<S*>(dst);
+  for (std::uint64_t g = g0; g < g1; ++g) {
+    std::uint64_t const e0 = g * std::uint64_t(G);
+    int const n = int(numel - e0 < std::uint64_t(G) ? numel - e0 : std::uint64_t(G));
+    int const nchunks = (n + 7) / 8;
+    float lo, hi;
+    load_meta<Dt>(meta, g, lo, hi);
+    group_params const p = hd::make_params(lo, hi, Bits);
+    unpack_codes<Bits>(codes + (e0 / 8) * std::uint64_t(Bits), nchunks, q);
+    dequantize_group<Dt>(q, n, p, out + e0);
+  }
+}
+
+template <dtype Dt>
+bool encode_bits(void const* src, std::uint64_t numel, int bits, int G, std::uint64_t seed, std::uint64_t key,
+                 unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1, int* failed) {
+  switch (bits) {
+    case 1: return encode_groups<Dt, 1>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
+    case 2: return encode_groups<Dt, 2>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
+    case 4: return encode_groups<Dt, 4>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
+    default: return encode_groups<Dt, 8>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
+  }
+}
+
+template <dtype Dt>
+void decode_bits(unsigned char const* meta, unsigned char const* codes, std::uint64_t numel, int bits, int G,
+                 void* dst, std::uint64_t g0, std::uint64_t g1) {
+  switch (bits) {
+    case 1: decode_groups<Dt, 1>(meta, codes, numel, G, dst, g0, g1); break;
+    case 2: decode_groups<Dt, 2>(meta, codes, numel, G, dst, g0, g1); break;
+    case 4: decode_groups<Dt, 4>(meta, codes, numel, G, dst, g0, g1); break;
+    default: decode_groups<Dt, 8>(meta, codes, numel, G, dst, g0, g1); break;
+  }
+}
+
+}  // namespace
+
+/// Encode groups [g0, g1); false (and *failed set) if a value is NaN/±Inf, or if another range failed.
+bool encode_range(void const* src, dtype dt, std::uint64_t numel, int bits, int G, std::uint64_t seed,
+                  std::uint64_t key, unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
+                  int* failed) {
+  switch (dt) {
+    case dtype::float32: return encode_bits<dtype::float32>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
+    case dtype::float16: return encode_bits<dtype::float16>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
+    default: return encode_bits<dtype::bfloat16>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
+  }
+}
+
+/// Decode groups [g0, g1) (metadata already validated by parse).
+void decode_range(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel, int bits,
+                  int G, void* dst, std::uint64_t g0, std::uint64_t g1) {
+  switch (dt) {
+    case dtype::float32: decode_bits<dtype::float32>(meta, codes, numel, bits, G, dst, g0, g1); break;
+    case dtype::float16: decode_bits<dtype::float16>(meta, codes, numel, bits, G, dst, g0, g1); break;
+    default: decode_bits<dtype::bfloat16>(meta, codes, numel, bits, G, dst, g0, g1); break;
+  }
+}
+
+}  // namespace gact::codec::detail::GACT_CODEC_ISA

@@ -1,0 +1,228 @@
+// tests/codecs/test_codecs_gpu.cu
+//
+// The CUDA executor against the CPU executor, on a real GPU (suite 'gpu'; run
+// through tools/gpu-check on a lent machine, never in CI). For every dtype x
+// bit width x group size, with tail groups and unaligned sources, the device
+// blob must equal the host blob byte for byte, and the device decode must equal
+// the host decode bit for bit. It also checks the mask and raw codecs, the
+// non-finite marker (a NaN group encodes to NaN metadata and decodes to NaN on
+// both executors), and decodes corrupted and truncated blobs on the device:
+// the status word must be set exactly when decode_cpu throws corrupt_blob, and
+// a blob that the host accepts must decode to the same bits on the device.
+// Exit status 0 when every check passed; each failure prints one line.
+#include "codecs/codec.hpp"
+#include "codecs/float16.hpp"
+
+#include "allocator/error.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace gact::codec;
+
+namespace {
+
+int g_checks = 0, g_failures = 0;
+
+#define CHECK_GPU(cond, ...)                          \
+  do {                                                \
+    ++g_checks;                                       \
+    if (!(cond)) {                                    \
+      ++g_failures;                                   \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::printf(__VA_ARGS__);                       \
+      std::printf("\n");                              \
+    }                                                 \
+  } while (0)
+
+void cuda_ok(cudaError_t e, char const* what) {
+  if (e != cudaSuccess) {
+    std::printf("CUDA error in %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(2);
+  }
+}
+
+struct dev_buf {
+  void* p = nullptr;
+  explicit dev_buf(std::size_t n) { cuda_ok(cudaMalloc(&p, n == 0 ? 1 : n), "cudaMalloc"); }
+  ~dev_buf() { cudaFree(p); }
+  dev_buf(dev_buf const&) = delete;
+  dev_buf& operator=(dev_buf const&) = delete;
+};
+
+std::vector<unsigned char> make_input(dtype dt, std::size_t n, std::uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.3f, scale);
+  std::vector<unsigned char> t(n * dtype_size(dt));
+  for (std::size_t i = 0; i < n; ++i) {
+    float const v = d(rng);
+    if (dt == dtype::float32) std::memcpy(t.data() + 4 * i, &v, 4);
+    else {
+      std::uint16_t const h = dt == dtype::float16 ? hd::float_to_half(v) : hd::float_to_bf16(v);
+      std::memcpy(t.data() + 2 * i, &h, 2);
+    }
+  }
+  return t;
+}
+
+/// Encode on both executors (src copied to the device at byte offset `offset`); compare blobs and decodes.
+void compare(std::vector<unsigned char> const& host, dtype dt, std::vector<std::int64_t> const& shape,
+             encode_params const& p, std::size_t offset, char const* what) {
+  std::size_t const bs = blob_size(dt, shape, p);
+  std::vector<unsigned char> cpu_blob(bs), gpu_blob(bs);
+  auto r = encode_cpu(host.data(), dt, shape, p, cpu_blob.data(), bs, 1);
+  CHECK_GPU(!r.nonfinite, "%s: CPU refused finite input", what);
+  dev_buf src(host.size() + offset), blob(bs), out(host.size());
+  auto* s = static_cast<unsigned char*>(src.p) + offset;
+  cuda_ok(cudaMemcpy(s, host.data(), host.size(), cudaMemcpyHostToDevice), "H2D");
+  encode_cuda(s, dt, shape, p, blob.p, bs, nullptr);
+  cuda_ok(cudaMemcpy(gpu_blob.data(), blob.p, bs, cudaMemcpyDeviceToHost), "D2H");
+  std::size_t diff = 0;
+  while (diff < bs && cpu_blob[diff] == gpu_blob[diff]) ++diff;
+  CHECK_GPU(diff == bs, "%s: blobs differ first at byte %zu of %zu", what, diff, bs);
+
+  std::vector<unsigned char> cpu_out(host.size()), gpu_out(host.size());
+  decode_cpu(cpu_blob.data(), bs, cpu_out.data(), cpu_out.size(), 1);
+  dev_buf status(4);
+  decode_cuda(blob.p, bs, out.p, host.size(), nullptr, static_cast<std::uint32_t*>(status.p));
+  std::uint32_t st = 99;
+  cuda_ok(cudaMemcpy(gpu_out.data(), out.p, host.size(), cudaMemcpyDeviceToHost), "D2H");
+  cuda_ok(cudaMemcpy(&st, status.p, 4, cudaMemcpyDeviceToHost), "D2H");
+  CHECK_GPU(st == 0, "%s: device decode status %u", what, st);
+  CHECK_GPU(cpu_out == gpu_out, "%s: decodes differ", what);
+}
+
+}  // namespace
+
+int main() {
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    std::printf("no CUDA device: nothing to check\n");
+    return 77;  // meson's "skipped"
+  }
+  char what[160];
+  // 1. Every dtype x bits x group size, sizes with tails, aligned and unaligned sources.
+  for (dtype dt : {dtype::float32, dtype::float16, dtype::bfloat16}) {
+    for (int bits : {1, 2, 4, 8}) {
+      for (int G : {64, 128, 256, 512, 1024}) {
+        for (std::size_t n : {std::size_t(1), std::size_t(G - 3), std::size_t(5 * G + 13), std::size_t(100003)}) {
+          for (std::size_t offset : {std::size_t(0), dtype_size(dt)}) {
+            encode_params p;
+            p.bits = bits;
+            p.group_size = G;
+            p.seed = 0x1234 + n;
+            p.key = 77;
+            std::snprintf(what, sizeof what, "%s bits=%d G=%d n=%zu offset=%zu", dtype_name(dt), bits, G, n, offset);
+            compare(make_input(dt, n, std::uint32_t(n + bits), 2.f), dt, {std::int64_t(n)}, p, offset, what);
+          }
+        }
+      }
+    }
+  }
+  // Edge values: constant groups, huge ranges, denormals, empty tensors.
+  {
+    encode_params p;
+    std::vector<float> x(3000, 1.25f);
+    for (std::size_t i = 1000; i < 2000; ++i) x[i] = (i % 2 ? 3.0e38f : -3.0e38f);
+    for (std::size_t i = 2000; i < 3000; ++i) x[i] = float(i % 97) * 1e-42f;
+    std::vector<unsigned char> t(x.size() * 4);
+    std::memcpy(t.data(), x.data(), t.size());
+    for (int bits : {1, 2, 4, 8}) {
+      p.bits = bits;
+      std::snprintf(what, sizeof what, "edge values bits=%d", bits);
+      compare(t, dtype::float32, {3, 1000}, p, 0, what);
+    }
+    compare({}, dtype::float32, {0, 7}, p, 0, "numel 0");
+  }
+  // 2. mask (bool) and raw.
+  {
+    std::vector<unsigned char> m(10007);
+    std::mt19937 rng(3);
+    for (auto& v : m) v = std::uint8_t(rng() & 1);
+    encode_params p;
+    p.codec = codec_id::mask;
+    compare(m, dtype::boolean, {std::int64_t(m.size())}, p, 0, "mask");
+    p.codec = codec_id::raw;
+    compare(m, dtype::int8, {std::int64_t(m.size())}, p, 0, "raw int8");
+    compare(m, dtype::uint8, {std::int64_t(m.size())}, p, 1, "raw uint8 unaligned");
+  }
+  // 3. Non-finite groups: NaN metadata, NaN decode on both executors.
+  for (dtype dt : {dtype::float32, dtype::float16, dtype::bfloat16}) {
+    std::size_t const n = 1000;
+    auto host = make_input(dt, n, 5, 1.f);
+    float const nan = std::nanf("");
+    if (dt == dtype::float32) std::memcpy(host.data() + 4 * 300, &nan, 4);
+    else {
+      std::uint16_t const h = 0x7C00;  // +Inf in float16; a large finite value... use NaN for bf16
+      std::uint16_t const b = 0x7FC0;
+      std::memcpy(host.data() + 2 * 300, dt == dtype::float16 ? &h : &b, 2);
+    }
+    encode_params p;
+    std::vector<std::int64_t> const shape{std::int64_t(n)};
+    std::size_t const bs = blob_size(dt, shape, p);
+    dev_buf src(host.size()), blob(bs);
+    cuda_ok(cudaMemcpy(src.p, host.data(), host.size(), cudaMemcpyHostToDevice), "H2D");
+    encode_cuda(src.p, dt, shape, p, blob.p, bs, nullptr);
+    std::vector<unsigned char> gb(bs);
+    cuda_ok(cudaMemcpy(gb.data(), blob.p, bs, cudaMemcpyDeviceToHost), "D2H");
+    auto info = parse(gb.data(), bs);
+    CHECK_GPU(info.nonfinite_groups == 1, "%s: nonfinite_groups %llu", dtype_name(dt),
+              (unsigned long long)info.nonfinite_groups);
+    std::vector<unsigned char> out(host.size());
+    decode_cpu(gb.data(), bs, out.data(), out.size(), 1);
+    for (std::size_t i = 0; i < n; ++i) {
+      float v;
+      if (dt == dtype::float32) std::memcpy(&v, out.data() + 4 * i, 4);
+      else {
+        std::uint16_t h;
+        std::memcpy(&h, out.data() + 2 * i, 2);
+        v = dt == dtype::float16 ? hd::half_to_float(h) : hd::bf16_to_float(h);
+      }
+      CHECK_GPU(std::isnan(v) == (i >= 256 && i < 512), "%s: element %zu nan=%d", dtype_name(dt), i, int(std::isnan(v)));
+    }
+  }
+  // 4. Corrupt and truncated blobs decoded on the device.
+  {
+    std::mt19937 rng(11);
+    auto host = make_input(dtype::float32, 3000, 9, 1.f);
+    encode_params p;
+    p.bits = 2;
+    std::vector<std::int64_t> const shape{3000};
+    std::size_t const bs = blob_size(dtype::float32, shape, p);
+    std::vector<unsigned char> good(bs);
+    encode_cpu(host.data(), dtype::float32, shape, p, good.data(), bs, 1);
+    dev_buf blob(bs), out(host.size()), status(4);
+    int agree = 0;
+    for (int it = 0; it < 2000; ++it) {
+      std::vector<unsigned char> b = good;
+      std::size_t len = bs;
+      if (it % 2 == 0) len = rng() % bs;
+      else for (int f = 0; f < 3; ++f) b[rng() % bs] ^= std::uint8_t(1u << (rng() % 8));
+      bool cpu_ok = true;
+      std::vector<unsigned char> cpu_out(host.size());
+      try {
+        decode_cpu(b.data(), len, cpu_out.data(), cpu_out.size(), 1);
+      } catch (gact::corrupt_blob const&) {
+        cpu_ok = false;
+      }
+      cuda_ok(cudaMemcpy(blob.p, b.data(), bs, cudaMemcpyHostToDevice), "H2D");
+      decode_cuda(blob.p, len, out.p, host.size(), nullptr, static_cast<std::uint32_t*>(status.p));
+      std::uint32_t st = 0;
+      std::vector<unsigned char> gpu_out(host.size());
+      cuda_ok(cudaMemcpy(gpu_out.data(), out.p, host.size(), cudaMemcpyDeviceToHost), "D2H");
+      cuda_ok(cudaMemcpy(&st, status.p, 4, cudaMemcpyDeviceToHost), "D2H");
+      bool const same = cpu_ok ? (st == 0 && gpu_out == cpu_out) : st != 0;
+      CHECK_GPU(same, "corrupt blob %d: cpu_ok=%d device status=%u", it, int(cpu_ok), st);
+      agree += same;
+    }
+    std::printf("corrupt blobs: %d/2000 agree\n", agree);
+  }
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+  std::printf("%d checks, %d failures\n", g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
