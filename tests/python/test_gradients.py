@@ -1,0 +1,203 @@
+"""Gradients under compression: unbiased in expectation, and close to fp32 in one step.
+
+Unbiasedness. gact quantizes each saved activation with stochastic rounding, so a
+gradient that is linear in the saved activations is an unbiased estimate of the fp32
+gradient. The test uses a network where every gradient is exactly linear in one
+saved tensor (a deep linear network under a loss linear in its output), draws n
+gradients with n different seeds, and checks per coordinate that
+|mean - g| <= k * s / sqrt(n), with s the sample std. Under the null hypothesis
+(unbiased) (mean - g)/(s/sqrt(n)) follows Student's t with n-1 degrees of freedom, and
+k is its quantile for a family-wise false-failure rate of 1e-3 over all coordinates
+(Bonferroni, valid whatever the correlation between coordinates). A negative control
+runs the same test on a deliberately biased quantizer (stochastic rounding with
+u ~ U[0, 0.8), a bias of 0.1 quantization step) and requires it to be rejected, which
+shows the test has the power to catch a bias that small.
+
+Fidelity. One compressed backward pass against the fp32 one on the same weights and
+inputs: cosine similarity of the full gradient vectors, per bit width, on an MLP,
+torchvision's resnet18 (32x32, batch 4), nn.TransformerEncoder and a 2-layer GCN.
+Thresholds sit below the values measured with gact (written beside them) with margin.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from scipy import stats as sps
+
+import evalkit as k
+import gact
+
+FAMILY_FALSE_FAILURE = 1e-3
+
+
+def _deep_linear(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 10))
+    x = torch.randn(32, 64)
+    c = torch.randn(32, 10)
+    # Loss linear in the output: every weight gradient is (constant)^T (one saved tensor).
+    return model, (lambda m: (m(x) * c).sum())
+
+
+def _t_statistic_check(samples, g, label):
+    """Per-coordinate t test of mean(samples) == g, Bonferroni over coordinates.
+
+    Returns (passed, worst |t|, k). Coordinates with zero sample variance (gradients
+    no compression touches, such as biases here) must match g to rounding error.
+    """
+    n, d = samples.shape
+    mean = samples.mean(0)
+    s = samples.std(0, unbiased=True)
+    kq = float(sps.t.isf(FAMILY_FALSE_FAILURE / (2 * d), n - 1))
+    noisy = s > 1e-12 * g.abs().max()
+    t = (mean[noisy] - g[noisy]).abs() / (s[noisy] / math.sqrt(n))
+    exact_ok = bool(((mean[~noisy] - g[~noisy]).abs() <= 1e-9 * g.abs().max()).all())
+    worst = float(t.max()) if t.numel() else 0.0
+    print(f"{label}: n={n} d={d} noisy coords={int(noisy.sum())} worst |t|={worst:.2f} k={kq:.2f}")
+    return exact_ok and worst <= kq, worst, kq, int(noisy.sum())
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_compressed_gradient_is_unbiased(bits):
+    model, loss_of = _deep_linear()
+    g = k.compute_grad(model, loss_of)
+    n = 100
+    samples = []
+    before = gact.stats()
+    for seed in range(n):
+        comp = k.make_compressor(model, bits, seed=seed)
+        samples.append(k.compute_grad(model, loss_of, comp))
+        comp.close()
+    samples = torch.stack(samples)
+    # Two hidden activations per pass (the input batch is the caller's and stays as is).
+    assert k.store_delta(before, gact.stats(), "tensors_in") >= 2 * n, "hidden activations were not compressed"
+    ok, worst, kq, noisy = _t_statistic_check(samples, g, f"{bits}-bit")
+    # Compression must actually perturb the weight gradients (else the test is vacuous)
+    # and the seed must change the noise.
+    assert noisy >= 64 * 128, f"only {noisy} gradient coordinates vary across seeds"
+    assert ok, f"{bits}-bit mean gradient is biased: worst |t| = {worst:.2f} > k = {kq:.2f}"
+    # The error of the mean shrinks like 1/sqrt(n): with n samples it is about
+    # sqrt(sum var / n); allow 3x that (a loose, distribution-free sanity bound).
+    err = float((samples.mean(0) - g).norm())
+    expected = float(samples.var(0, unbiased=True).sum().div(n).sqrt())
+    assert err <= 3 * expected, f"|mean - g| = {err:.3g} vs expected {expected:.3g}"
+
+
+def test_unbiasedness_check_rejects_a_biased_quantizer():
+    """Negative control: the same statistics on stochastic rounding with u ~ U[0, 0.8)
+    (2 bits, groups of 256, a mean bias of -0.1 step) must fail."""
+    model, loss_of = _deep_linear()
+    g = k.compute_grad(model, loss_of)
+    gen = torch.Generator().manual_seed(1)
+
+    def pack(t):
+        if any(t is p or t.data_ptr() == p.data_ptr() for p in model.parameters()):
+            return t
+        flat = t.detach().reshape(-1)
+        pad = (-flat.numel()) % 256
+        x = torch.cat([flat, flat[-1:].expand(pad)]).reshape(-1, 256)
+        lo, hi = x.min(1, keepdim=True).values, x.max(1, keepdim=True).values
+        step = (hi - lo).clamp_min(1e-12) / 3
+        q = torch.floor((x - lo) / step + 0.8 * torch.rand(x.shape, generator=gen)).clamp(0, 3)
+        return (q * step + lo).reshape(-1)[:flat.numel()].reshape(t.shape)
+
+    samples = []
+    for _ in range(100):
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(model)
+        loss.backward()
+        samples.append(k.flat_grad(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    ok, worst, kq, _ = _t_statistic_check(torch.stack(samples), g, "biased control")
+    assert not ok, f"a 0.1-step bias went undetected (worst |t| {worst:.2f} <= {kq:.2f})"
+
+
+# --------------------------------------------------------------------------------------
+# Fidelity
+
+
+def _mlp_case():
+    torch.manual_seed(0)
+    model = k.mlp(64, 256, 10)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    return model, lambda m: F.cross_entropy(m(x), y)
+
+
+def _resnet_case():
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    return model, lambda m: F.cross_entropy(m(x), y)
+
+
+def _transformer_case():
+    torch.manual_seed(0)
+    model = k.EncoderClassifier(d_in=16, d_model=64, heads=4, layers=2, classes=10)
+    x, y = torch.randn(8, 32, 16), torch.randint(0, 10, (8,))
+    return model, lambda m: F.cross_entropy(m(x), y)
+
+
+def _gcn_case():
+    graph = k.sbm_graph()
+    torch.manual_seed(0)
+    model = k.GCN(graph.x.shape[1], 64, 4, dropout=0.0)
+    return model, lambda m: F.cross_entropy(m(graph.a_hat, graph.x)[graph.train], graph.y[graph.train])
+
+
+CASES = {"mlp": _mlp_case, "resnet18": _resnet_case, "transformer": _transformer_case, "gcn": _gcn_case}
+
+# Minimum cosine(fp32 gradient, compressed gradient), mean over seeds 0 and 1, per model
+# and bit width. The noise is a function of (seed, step, tensor key), so these values are
+# reproducible; the margins allow for changes in the codec's arithmetic, not for luck.
+# Measured with gact (groups of 256, fp32 metadata) on 2026-12-02, in parentheses.
+COSINE_MIN = {
+    "mlp":         {8: 0.9995, 4: 0.985, 2: 0.85},   # (0.99973, 0.99253, 0.87994)
+    "transformer": {8: 0.9999, 4: 0.999, 2: 0.98},   # (0.99999, 0.99956, 0.99197)
+    "gcn":         {8: 0.9999, 4: 0.997, 2: 0.96},   # (0.99996, 0.99862, 0.97672)
+    # resnet18, 32x32, batch 4, train-mode BatchNorm, fresh initialisation: (0.978, 0.105, -0.027).
+    # The 4- and 2-bit values are what a useful gradient needs, not what gact reaches: see
+    # RESNET_GAP.
+    "resnet18":    {8: 0.95, 4: 0.9, 2: 0.5},
+}
+
+RESNET_GAP = (
+    "confirmed, reported: at 32x32 the late resnet18 stages are 2x2 and 1x1 spatially, so a "
+    "row-major group of 256 elements spans 64-256 channels; its min/max range is set by the "
+    "spread between channel means, far larger than a channel's spread over a batch of 4, and "
+    "train-mode BatchNorm's backward (which renormalises the decoded input) amplifies that "
+    "noise into every earlier layer. Measured cosine 0.10 at 4 bits, -0.03 at 2 bits (0.85 and "
+    "0.49 with BatchNorm in eval mode; 0.70 at 4 bits with batch 16). Needs per-channel or "
+    "per-sample groups for BatchNorm inputs.")
+
+
+def _cases():
+    for name in CASES:
+        for bits in (8, 4, 2):
+            marks = []
+            if name == "resnet18" and bits in (4, 2):
+                marks = [pytest.mark.xfail(strict=True, reason=RESNET_GAP)]
+            yield pytest.param(name, bits, marks=marks, id=f"{name}-{bits}bit")
+
+
+@pytest.mark.parametrize("name,bits", list(_cases()))
+def test_gradient_fidelity(name, bits):
+    model, loss_of = CASES[name]()
+    g = k.compute_grad(model, loss_of)
+    cos = []
+    for seed in (0, 1):
+        before = gact.stats()
+        comp = k.make_compressor(model, bits, seed=seed)
+        gq = k.compute_grad(model, loss_of, comp)
+        comp.close()
+        assert k.store_delta(before, gact.stats(), "tensors_in") > 0, f"{name}: nothing was compressed"
+        assert not torch.equal(g, gq), f"{name}: compression left the gradient bit-identical"
+        cos.append(k.cosine(g, gq))
+    mean_cos = sum(cos) / len(cos)
+    print(f"{name} {bits}-bit: cosine mean {mean_cos:.5f} (seeds: {', '.join(f'{c:.5f}' for c in cos)})")
+    assert mean_cos >= COSINE_MIN[name][bits], (
+        f"{name} {bits}-bit: cosine {mean_cos:.5f} < {COSINE_MIN[name][bits]}")
