@@ -354,6 +354,21 @@ def test_stats_dump_verdict(tmp_path):
     p.write_text(json.dumps(bad))
     v = stages.check_stats_dump(str(p))
     assert not v["ok"] and any("error" in s for s in v["problems"])
+    benign = json.loads(json.dumps(good))
+    benign["allocators"]["cuda:0"]["errors"]["zero_size"] = 3       # nullptr for 0 bytes, as cudaMalloc
+    p.write_text(json.dumps(benign))
+    v = stages.check_stats_dump(str(p))
+    assert v["ok"] and v["error_counters"]["zero_size"] == 3
+    pre = dict(good, preload={"malloc_calls": 0, "malloc_async_calls": 40, "failed_allocs": 0})
+    p.write_text(json.dumps(pre))
+    assert stages.check_stats_dump(str(p), expect_calls="malloc_async_calls")["ok"]
+    v = stages.check_stats_dump(str(p), expect_calls="malloc_calls")
+    assert not v["ok"] and "preload.malloc_calls" in v["problems"][0]
+    pre["preload"]["failed_allocs"] = 1
+    p.write_text(json.dumps(pre))
+    assert not stages.check_stats_dump(str(p), expect_calls="malloc_async_calls")["ok"]
+    p.write_text(json.dumps(good))
+    assert "no preload section" in stages.check_stats_dump(str(p), expect_calls="malloc_calls")["problems"][0]
     empty = {"schema_version": 1, "allocators": {"cuda:0": {"allocation.all.allocated": 0}}}
     p.write_text(json.dumps(empty))
     assert not stages.check_stats_dump(str(p))["ok"]

@@ -244,12 +244,20 @@ def find_file(build_dir: str, name: str, preferred: Sequence[str] = ()) -> Optio
     return None
 
 
-def check_stats_dump(path: str) -> Dict[str, object]:
+#: allocator counters under "errors" that are not failures: a 0-byte request is answered with
+#: nullptr, as cudaMalloc does, and torch may legitimately make one
+BENIGN_ERROR_COUNTERS = ("zero_size",)
+
+
+def check_stats_dump(path: str, expect_calls: Optional[str] = None) -> Dict[str, object]:
     """Read a GACT_STATS_PATH dump and judge it.
 
-    @returns {'ok': bool, 'problems': [...], 'allocations': int, 'errors': int, ...}: ok when the
-             document parses, has schema_version, counts at least one allocation across its
-             allocators and reports zero errors.
+    ok when the document parses, has schema_version, counts at least one allocation across
+    its allocators, has zero error counters (invalid_free, double_free, invalid_size,
+    tag_underflow, ...; zero_size is reported apart), and, for a preload dump, the shim took
+    calls of the kind `expect_calls` names ("malloc_calls" or "malloc_async_calls") and none
+    of its allocations failed.
+    @returns {'ok', 'problems', 'allocations', 'errors', 'error_counters', 'preload', ...}.
     """
     doc = _read_json(path)
     res: Dict[str, object] = {"path": path, "ok": False, "problems": []}
@@ -265,22 +273,37 @@ def check_stats_dump(path: str) -> Dict[str, object]:
         problems.append("stats dump has no allocators section")
         allocators = {}
     allocs, bytes_alloc, errors = 0, 0, 0
+    counters: Dict[str, int] = {}
+    peaks: Dict[str, object] = {}
     for name, a in allocators.items():
         if not isinstance(a, dict):
             continue
         allocs += int(a.get("allocation.all.allocated", 0) or 0)
         bytes_alloc += int(a.get("allocated_bytes.all.allocated", 0) or 0)
         e = a.get("errors", 0)
-        if isinstance(e, dict):
-            errors += sum(int(v) for v in e.values() if isinstance(v, (int, float)))
-        elif isinstance(e, (int, float)):
-            errors += int(e)
-        res.setdefault("peak_bytes", {})[name] = a.get("allocated_bytes.all.peak")  # type: ignore[union-attr]
-    res.update(allocations=allocs, allocated_bytes_total=bytes_alloc, errors=errors, allocators=sorted(allocators))
+        items = e.items() if isinstance(e, dict) else [("errors", e)]
+        for k, v in items:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                counters[k] = counters.get(k, 0) + int(v)
+                if k not in BENIGN_ERROR_COUNTERS:
+                    errors += int(v)
+        peaks[name] = a.get("allocated_bytes.all.peak")
+    res.update(allocations=allocs, allocated_bytes_total=bytes_alloc, errors=errors, error_counters=counters,
+               peak_bytes=peaks, allocators=sorted(allocators))
     if allocs <= 0 and bytes_alloc <= 0:
         problems.append("no allocation counted (allocation.all.allocated and allocated_bytes.all.allocated are 0)")
     if errors:
-        problems.append(f"{errors} allocator error(s) counted")
+        problems.append(f"{errors} allocator error(s) counted: {counters}")
+    if expect_calls is not None:
+        pre = doc.get("preload")
+        if not isinstance(pre, dict):
+            problems.append("stats dump has no preload section (the shim did not run)")
+        else:
+            res["preload"] = {k: v for k, v in pre.items() if isinstance(v, (int, float))}
+            if int(pre.get(expect_calls, 0) or 0) <= 0:
+                problems.append(f"the shim intercepted no call counted in preload.{expect_calls}")
+            if int(pre.get("failed_allocs", 0) or 0) > 0:
+                problems.append(f"{pre.get('failed_allocs')} allocation(s) failed in the shim")
     res["ok"] = not problems
     return res
 
@@ -326,8 +349,9 @@ def stage_torch(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
     out.add(_python_step(ctx, "use_allocator training step", "torch_allocator_step.py", [], b.take(),
                          "torch-use-allocator", os.path.join(res_dir, "torch_use_allocator.json"), devenv=True), ctx)
     shim = find_file(ctx.build_dir, "libgact_preload.so", ["bindings/libgact_preload.so"])
-    for label, extra in (("no caching", {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}),
-                         ("cudaMallocAsync", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})):
+    for label, extra, calls in (("no caching", {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "malloc_calls"),
+                                ("cudaMallocAsync", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+                                 "malloc_async_calls")):
         slug = "nocache" if label == "no caching" else "async"
         t_s = b.take()
         name = f"LD_PRELOAD shim ({label})"
@@ -342,7 +366,7 @@ def stage_torch(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         env = dict(extra, LD_PRELOAD=shim, GACT_STATS_PATH=dump)
         step = _python_step(ctx, name, "preload_train.py", [], t_s, f"torch-preload-{slug}",
                             os.path.join(res_dir, f"preload_{slug}.json"), devenv=False, extra_env=env)
-        verdict = check_stats_dump(dump)
+        verdict = check_stats_dump(dump, expect_calls=calls)
         step.figures["stats_dump"] = verdict
         if step.status == "pass" and not verdict["ok"]:
             step.status = "fail"

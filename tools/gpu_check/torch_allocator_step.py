@@ -37,7 +37,9 @@ def _allocator_counts(doc: dict) -> dict:
         allocs += int(a.get("allocation.all.allocated", 0) or 0)
         peak = max(peak, int(a.get("allocated_bytes.all.peak", 0) or 0))
         e = a.get("errors", 0)
-        errors += sum(int(v) for v in e.values() if isinstance(v, (int, float))) if isinstance(e, dict) else int(e or 0)
+        items = e.items() if isinstance(e, dict) else [("errors", e)]
+        # zero_size: a 0-byte request answered with nullptr (as cudaMalloc does), not a failure
+        errors += sum(int(v) for k, v in items if isinstance(v, (int, float)) and k != "zero_size")
     return {"allocators": names, "allocations": allocs, "errors": errors, "peak_bytes": peak}
 
 
