@@ -378,7 +378,7 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
   GACT_ASSERT_INTERNAL(ok);
   double const lower_bound = best.lower_bound;
   std::uint64_t const greedy_steps = best.steps;
-  local_search(P, best, true);
+  if (opts.improve) local_search(P, best, true);
   double best_obj = best.objective(P);
 
   // Pinned re-solves: the greedy commits to cheap steps early and a single exchange cannot
@@ -390,7 +390,7 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
   for (auto const& f : fronts) options_total += f.size();
   std::uint64_t pinned_improvements = 0;
   auto const certified = [&] { return best_obj - lower_bound <= opts.target_rel_gap * best_obj; };
-  if (options_total <= opts.pinned_trials_limit && !certified()) {
+  if (opts.improve && options_total <= opts.pinned_trials_limit && !certified()) {
     greedy_state const base = best;
     for (std::size_t i = 0; i < n && !certified(); ++i) {
       for (std::size_t k = 0; k < fronts[i].size(); ++k) {

@@ -50,6 +50,9 @@ struct solver_options {
   /// The greedy re-solves with one tensor pinned at each of its other options when the
   /// instance has at most this many options in all (cost O(options² log)); 0 disables.
   std::size_t pinned_trials_limit = 512;
+  /// Run the local search and pinned re-solves after the greedy (false: the plain hull greedy,
+  /// for comparisons; the budget still holds).
+  bool improve = true;
   /// Pinned re-solves are skipped (or stopped) once objective − lower_bound ≤ this · objective.
   double target_rel_gap = 1e-3;
 };

@@ -199,7 +199,8 @@ TEST_CASE("exact solver agrees with brute force") {
 
 TEST_CASE("greedy versus exact on random small instances: budget, certificate, gap") {
   std::mt19937_64 rng(42);
-  double max_rel_gap = 0.0, sum_rel_gap = 0.0;
+  double max_rel_gap = 0.0, sum_rel_gap = 0.0, plain_sum = 0.0;
+  int plain_optimal = 0;
   std::string worst;
   int ok = 0, optimal = 0, infeasible = 0;
   for (int trial = 0; trial < 3000; ++trial) {
@@ -212,8 +213,18 @@ TEST_CASE("greedy versus exact on random small instances: budget, certificate, g
     std::uint64_t const budget = budget_bytes_for(avg, total_numel(items));
     solution const g = solve_greedy(items, budget, o);
     solution const e = solve_exact(items, budget, o);
+    solver_options plain_opts = o;
+    plain_opts.improve = false;
+    solution const plain = solve_greedy(items, budget, plain_opts);
     CAPTURE(trial);
     REQUIRE(g.status == e.status);
+    REQUIRE(plain.status == e.status);
+    if (plain.status == solve_status::ok) {
+      CHECK(plain.stored_bytes <= budget);
+      double const prel = (plain.objective - e.objective) / std::max(e.objective, 1e-300);
+      plain_sum += prel;
+      if (prel <= 1e-9) ++plain_optimal;
+    }
     REQUIRE(g.bits.size() == n);
     CHECK(g.stored_bytes == stored_bytes_of(items, g.bits, o.storage));
     CHECK(g.objective == doctest::Approx(objective_of(items, g.bits)).epsilon(1e-12));
@@ -241,7 +252,8 @@ TEST_CASE("greedy versus exact on random small instances: budget, certificate, g
   }
   MESSAGE("greedy vs exact over " << ok << " feasible instances (" << infeasible << " infeasible): "
           << optimal << " optimal, mean relative gap " << sum_rel_gap / ok << ", max " << max_rel_gap
-          << "; worst: " << worst);
+          << "; plain hull greedy without local search: " << plain_optimal << " optimal, mean relative gap "
+          << plain_sum / ok << "; worst: " << worst);
   CHECK(ok > 2000);
   CHECK(infeasible > 0);
 }
