@@ -416,14 +416,14 @@ TEST_CASE("bad input is rejected with a clear error") {
   CHECK_THROWS_AS(solve_exact(many, budget_bytes_for(4.0, total_numel(many)), o, 10), gact::invalid_argument);
 }
 
-TEST_CASE("greedy versus exact on network-like instances (20-40 tensors)") {
+TEST_CASE("greedy versus exact on network-like instances (20-32 tensors)") {
   // Saved-tensor sizes like a small CNN's (a few shapes repeated, powers of two times 256)
   // with C spread over four decades, at the budgets the policy is used with.
   std::mt19937_64 rng(2024);
   double max_rel_gap = 0.0, sum_rel_gap = 0.0;
   int runs = 0, optimal = 0;
-  for (int trial = 0; trial < 25; ++trial) {
-    std::size_t const n = std::uniform_int_distribution<std::size_t>(20, 40)(rng);
+  for (int trial = 0; trial < 15; ++trial) {
+    std::size_t const n = std::uniform_int_distribution<std::size_t>(20, 32)(rng);
     std::vector<solver_item> items;
     for (std::size_t i = 0; i < n; ++i) {
       std::uint64_t const numel = 256ull << std::uniform_int_distribution<int>(4, 12)(rng);
@@ -449,5 +449,5 @@ TEST_CASE("greedy versus exact on network-like instances (20-40 tensors)") {
   }
   MESSAGE("network-like instances: " << runs << " solves, " << optimal << " optimal, mean relative gap "
           << sum_rel_gap / runs << ", max " << max_rel_gap);
-  CHECK(runs > 80);
+  CHECK(runs > 50);
 }
