@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "allocator/error.hpp"
+#include "allocator/event_trace.hpp"
 #include "allocator/log.hpp"
 #include "allocator/stats_registry.hpp"
 #include "allocator/tags.hpp"
@@ -105,6 +106,12 @@ void gather_strided(void const* src, std::size_t es, std::span<std::int64_t cons
       idx[i] = 0;
     }
   }
+}
+
+/// The store's id in the event trace (allocator/event_trace.hpp).
+std::uint16_t trace_source() {
+  static std::uint16_t const id = alloc::event_trace::register_source("store");
+  return id;
 }
 
 bool all_zero_one(void const* p, std::size_t n) noexcept {
@@ -201,6 +208,7 @@ struct activation_store::entry {
   void* blob = nullptr;
   device::stream_t stream = 0;  // allocation stream of the blob
   tensor_info info;
+  std::uint64_t key = 0;        // put_params::key, for the event trace
   bool has_identity = false;
   identity id;
   entry() = default;
@@ -289,6 +297,20 @@ alloc::caching_allocator& activation_store::arena_for(int device) const {
 
 // ---- put -------------------------------------------------------------------------------
 
+// Record a store event (no-op when tracing is off): blob address and bytes, the tensor key,
+// bits as stored and the fp32-equivalent bytes (numel * 4) that the blob stands for.
+namespace {
+template <class Entry>
+void trace_store_event(alloc::event_trace::event_kind kind, Entry const& e) noexcept {
+  if (!alloc::event_trace::enabled()) [[likely]] return;
+  std::size_t numel = 1;
+  for (auto x : e.info.shape) numel *= static_cast<std::size_t>(x);
+  alloc::event_trace::record(kind, trace_source(), reinterpret_cast<std::uintptr_t>(e.blob), e.info.bytes_stored,
+                             e.stream, alloc::tag_activation, e.key, e.info.bits, numel * 4);
+}
+}  // namespace
+
+
 handle activation_store::put(tensor_view const& v, put_params const& p) {
   // Validate the view.
   std::size_t const rank = v.shape.size();
@@ -359,6 +381,7 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
   ent->info.device = v.device;
   ent->info.bytes_in = bytes_in;
   ent->info.refcount = 1;
+  ent->key = p.key;
 
   bool nonfinite = false;
   if (numel > 0) {
@@ -473,6 +496,7 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
     ent->id = id;
     dedup_.emplace(std::move(id), h);
   }
+  trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
   entries_.emplace(h, std::move(ent));
   return h;
 }
@@ -493,6 +517,7 @@ void activation_store::get(handle h, void* dst, std::size_t dst_bytes, device::s
   GACT_EXPECTS(dst_bytes == e->info.bytes_in,
                "activation_store::get: destination holds " + std::to_string(dst_bytes) +
                    " bytes, the tensor needs " + std::to_string(e->info.bytes_in));
+  trace_store_event(alloc::event_trace::event_kind::store_get, *e);
   if (dst_bytes == 0) return;
   GACT_EXPECTS(dst != nullptr, "activation_store::get: null destination");
   if (e->info.device < 0) {
@@ -528,6 +553,7 @@ std::int64_t activation_store::release(handle h) noexcept {
     }
     c_->current_stored -= e.info.bytes_stored;
     c_->current_in -= e.info.bytes_in;
+    trace_store_event(alloc::event_trace::event_kind::store_release, e);
     dead = std::move(it->second);
     entries_.erase(it);
   }
@@ -563,10 +589,19 @@ void activation_store::note_skip(skip_reason r, std::size_t bytes) noexcept {
 }
 
 void activation_store::begin_step(std::uint64_t step) noexcept {
-  std::lock_guard lock(mu_);
-  step_ = step;
-  for (auto& [h, e] : entries_) e->has_identity = false;
-  dedup_.clear();
+  {
+    std::lock_guard lock(mu_);
+    step_ = step;
+    for (auto& [h, e] : entries_) e->has_identity = false;
+    dedup_.clear();
+  }
+  if (alloc::event_trace::enabled()) {
+    try {
+      alloc::event_trace::mark_step(step);  // may snapshot the stats document: no lock held here
+    } catch (std::exception const& ex) {
+      GACT_WARN_CAPPED(4, "activation_store: event trace snapshot at step {} failed: {}", step, ex.what());
+    }
+  }
 }
 
 std::size_t activation_store::end_step() noexcept {
