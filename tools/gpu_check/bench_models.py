@@ -11,7 +11,8 @@ feature this build lacks is recorded as ``unavailable`` with the exception text.
 
 Phase 1 (every arm): samples/s over timed steps after warm-up, ``torch.cuda.max_memory_allocated``,
 the bytes autograd saved (baseline: counted by a saved-tensors hook) and gact's store stats
-(bytes in, bytes stored, ratio); each figure beside the baseline's as a ratio. Also the
+(bytes in, bytes stored, ratio: the change over the arm's steps, since the store is one per
+process); each figure beside the baseline's as a ratio. Also the
 device-to-device copy bandwidth, the reference for the codec benchmark.
 
 Phase 2 (while time is left): the largest batch that fits a memory cap, by doubling then
@@ -99,6 +100,16 @@ class Bench:
                 raise FeatureUnavailable(f"{type(exc).__name__}: {exc}") from exc
         return model, opt, comp
 
+    STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes",
+                      "nonfinite_fallbacks")
+
+    def store_counters(self, comp) -> Dict[str, int]:
+        """The store's cumulative counters now (empty without a compressor)."""
+        if comp is None:
+            return {}
+        store = comp.stats().get("store") or {}
+        return {k: int(store[k]) for k in self.STORE_COUNTERS if isinstance(store.get(k), (int, float))}
+
     @staticmethod
     def gact_device_bytes(doc: Dict[str, Any], key: str) -> int:
         tot = 0
@@ -176,6 +187,7 @@ class Bench:
         b = self.spec(name)["batch"]
         x, y = self.batch(name, b, gen)
         losses = []
+        before = self.store_counters(comp)
         try:
             for _ in range(self.a.warmup):
                 losses.append(self.step(name, model, opt, comp, x, y)[0])
@@ -195,12 +207,12 @@ class Bench:
             if comp is None:
                 out["saved_activation_bytes"] = self.saved_bytes(name, model, x, y)
             else:
-                doc = comp.stats()
-                store = doc.get("store") or {}
-                out["store"] = {k: store.get(k) for k in ("bytes_in", "bytes_stored", "ratio", "bytes_stored_peak",
-                                                          "steps", "leaks", "skipped_bytes") if k in store}
-                out["store_ratio"] = store.get("ratio")
-                out["gact_device_peak_mib"] = round(self.gact_device_bytes(doc, "allocated_bytes.all.peak") / 2**20, 1)
+                # The store is one per process: this arm's figures are the change over its steps.
+                after = self.store_counters(comp)
+                delta = {k: after[k] - before.get(k, 0) for k in after}
+                out["store"] = delta
+                if delta.get("bytes_stored"):
+                    out["store_ratio"] = round(delta["bytes_in"] / delta["bytes_stored"], 3)
             bad = [v for v in losses if not math.isfinite(v)]
             out["status"] = "fail" if bad else "pass"
             if bad:
@@ -311,9 +323,10 @@ class Bench:
                 a["throughput_vs_baseline"] = round(a["samples_per_s"] / base["samples_per_s"], 3)
                 if a.get("peak_mib") and base.get("peak_mib"):
                     a["peak_vs_baseline"] = round(a["peak_mib"] / base["peak_mib"], 3)
-                if a.get("store", {}).get("bytes_in") and base.get("saved_activation_bytes"):
-                    a["store_bytes_in_vs_saved"] = round(a["store"]["bytes_in"] / (base["saved_activation_bytes"] *
-                                                                                   (a["store"].get("steps") or 1)), 3)
+                st = a.get("store") or {}
+                if st.get("bytes_in") and st.get("steps") and base.get("saved_activation_bytes"):
+                    # share of autograd's saved bytes (per step) that went through the store
+                    a["store_bytes_in_vs_saved"] = round(st["bytes_in"] / st["steps"] / base["saved_activation_bytes"], 3)
             self.res.save()
         failed = [f"{m}/{arm}: {a.get('error')}" for m in models for arm, a in f["models"][m]["arms"].items()
                   if a.get("status") == "fail"]
