@@ -3,7 +3,7 @@
 // The CPU executor of the quant codec: splits the groups of a tensor into one
 // contiguous range per thread and runs the per-group loops of quant_groups.cpp
 // on each, choosing at run time the build of those loops that the CPU can run
-// (avx2 on x86-64 CPUs that have it, the baseline build otherwise; both give
+// (avx2 + f16c on x86-64 CPUs that have them, the baseline build otherwise; both give
 // identical bytes). The threads parameter is resolved by the caller (codec.cpp).
 #include "codecs/codec.hpp"
 
@@ -44,7 +44,7 @@ isa_table const k_generic{&generic::encode_range, &generic::decode_range, "gener
 isa_table const* best_isa() {
 #if defined(GACT_CODEC_HAVE_AVX2)
   static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, "avx2"};
-  if (__builtin_cpu_supports("avx2")) return &avx2_table;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return &avx2_table;
 #endif
   return &k_generic;
 }

@@ -274,6 +274,58 @@ GACT_LOOP void dequantize_group(std::int32_t const* __restrict q, int n, group_p
   for (int i = 0; i < n; ++i) out[i] = io<Dt>::store(hd::dequantize(q[i], p));
 }
 
+#if defined(__F16C__)
+// float16 in the AVX2 build: the F16C conversions (round to nearest even, denormals and
+// overflow handled as IEEE says) give the same bits as hd::half_to_float/float_to_half for
+// every non-NaN value; NaN stays NaN (its payload may differ, which no decoder relies on).
+template <>
+GACT_LOOP void widen<dtype::float16>(std::uint16_t const* __restrict in, int n, float* __restrict out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(in + i))));
+  for (; i < n; ++i) out[i] = hd::half_to_float(in[i]);
+}
+
+template <>
+GACT_LOOP void dequantize_group<dtype::float16>(std::int32_t const* __restrict q, int n, group_params const p,
+                                                std::uint16_t* __restrict out) {
+  alignas(32) float tmp[8];
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) tmp[j] = hd::dequantize(q[i + j], p);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_load_ps(tmp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = hd::float_to_half(hd::dequantize(q[i], p));
+}
+#endif
+
+#if defined(__AVX2__)
+// bfloat16 output in the AVX2 build: hd::float_to_bf16 on 8 lanes (round to nearest even on
+// the bit pattern, NaN made quiet), then the 16-bit halves packed in order.
+template <>
+GACT_LOOP void dequantize_group<dtype::bfloat16>(std::int32_t const* __restrict q, int n, group_params const p,
+                                                 std::uint16_t* __restrict out) {
+  alignas(32) float tmp[8];
+  __m256i const one = _mm256_set1_epi32(1), round = _mm256_set1_epi32(0x7FFF);
+  __m256i const abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+  __m256i const quiet = _mm256_set1_epi32(0x0040);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) tmp[j] = hd::dequantize(q[i + j], p);
+    __m256i const x = _mm256_load_si256(reinterpret_cast<__m256i const*>(tmp));
+    __m256i const rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(x, round), _mm256_and_si256(_mm256_srli_epi32(x, 16), one)), 16);
+    __m256i const nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, abs_mask), inf);
+    __m256i const nanv = _mm256_or_si256(_mm256_srli_epi32(x, 16), quiet);
+    __m256i const r = _mm256_blendv_epi8(rounded, nanv, nan);          // 8 x 16-bit values in 32-bit lanes
+    __m256i const packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // lanes 0..7 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+  }
+  for (; i < n; ++i) out[i] = hd::float_to_bf16(hd::dequantize(q[i], p));
+}
+#endif
+
 template <dtype Dt>
 void store_meta(unsigned char* meta, std::uint64_t g, float lo, float hi) {
   using S = typename io<Dt>::storage;

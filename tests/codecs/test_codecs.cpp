@@ -634,8 +634,11 @@ TEST_CASE("corrupt and truncated blobs never read out of bounds: decode or corru
     } else {  // header field overwritten with a random byte, checksum recomputed (passes the checksum)
       std::size_t const pos = rng() % 60;
       b[pos] = std::uint8_t(rng());
-      std::uint32_t const c = hd::header_checksum(b.data(), std::min<int>(b[8], 8));
-      std::memcpy(b.data() + 60, &c, 4);
+      int const nd = std::min<int>(b[8], 8);
+      if (b.size() >= std::size_t(64 + 8 * nd)) {
+        std::uint32_t const c = hd::header_checksum(b.data(), nd);
+        std::memcpy(b.data() + 60, &c, 4);
+      }
     }
     attempt(b);
   }
