@@ -24,6 +24,7 @@
 #include "allocator/caching_allocator.hpp"
 #include "allocator/device/host_backend.hpp"
 #include "allocator/error.hpp"
+#include "allocator/event_trace.hpp"
 #include "allocator/options.hpp"
 #include "allocator/stats_registry.hpp"
 #include "allocator/store/activation_store.hpp"
@@ -180,6 +181,8 @@ PYBIND11_MODULE(_gact, m) {
         d["bytes_in"] = i.bytes_in;
         d["bytes_stored"] = i.bytes_stored;
         d["refcount"] = i.refcount;
+        d["groups"] = i.groups;
+        d["sum_sq_ranges"] = i.sum_sq_ranges;
         return d;
       },
       py::arg("handle"));
@@ -351,6 +354,26 @@ PYBIND11_MODULE(_gact, m) {
     rt();
     gact::stats::install_dump_triggers();
   });
+
+  // ---- event trace (allocator/event_trace.hpp) -----------------------------------------
+  m.def(
+      "trace_enable",
+      [](std::size_t capacity, std::uint64_t snapshot_every) {
+        rt();
+        gact::alloc::event_trace::set_snapshot_every(snapshot_every);
+        gact::alloc::event_trace::enable(capacity);
+      },
+      py::arg("capacity"), py::arg("snapshot_every") = 1,
+      "Keep the last `capacity` memory events (0 = off); snapshot the counters every N steps.");
+  m.def("trace_enabled", []() { return gact::alloc::event_trace::enabled(); });
+  m.def(
+      "trace_snapshot",
+      [](std::string const& reason) {
+        rt();
+        gact::alloc::event_trace::take_snapshot(reason);
+      },
+      py::arg("reason") = "manual", "Append a snapshot of the per-tag and store counters now.");
+  m.def("trace_timeline", []() { return json_loads(gact::alloc::event_trace::timeline_json().dump()); });
 
   // ---- options -------------------------------------------------------------------------
   m.def("options_table", []() {

@@ -47,6 +47,7 @@ __all__ = [
     "stats",
     "dump_stats",
     "install_dump_triggers",
+    "trace",
     "use_allocator",
     "options",
     "configure",
@@ -75,3 +76,22 @@ def dump_stats(path: str | _os.PathLike) -> None:
 def install_dump_triggers() -> None:
     """If GACT_STATS_PATH is set, dump the stats there at exit and on SIGUSR1."""
     _C.install_dump_triggers()
+
+
+def trace(capacity: int = 100_000, snapshot_every: int = 1) -> None:
+    """Record the last ``capacity`` memory events (allocations, frees, segments, OOMs,
+    store put/get/release, swap, step markers) in a ring buffer, and snapshot the per-tag
+    and store counters every ``snapshot_every`` steps (``Compressor.step``; 0 = never).
+    ``capacity=0`` turns recording off. ``GACT_TRACE=N`` does the same at start-up.
+
+    The events and snapshots appear in :func:`stats` / :func:`dump_stats` as the
+    ``"timeline"`` and ``"snapshots"`` sections; ``gact-stats plot|summary|export-torch``
+    render a dump.
+
+    Raises:
+        ValueError: for a capacity above 2**26 events.
+    """
+    if capacity < 0 or snapshot_every < 0:
+        raise ValueError(f"gact.trace: capacity ({capacity}) and snapshot_every ({snapshot_every}) "
+                         "must be >= 0")
+    _C.trace_enable(int(capacity), int(snapshot_every))
