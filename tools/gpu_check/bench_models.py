@@ -33,7 +33,6 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
 
 import workload_models as wm
 

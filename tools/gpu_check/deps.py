@@ -29,7 +29,7 @@ import stat
 import subprocess
 import sys
 import tarfile
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence
 
 #: every .deb --prepare fetches; all are small (about 1.3 MB together for Debian 12)
 DEB_PACKAGES = ["libspdlog-dev", "libspdlog1.10", "libfmt-dev", "libfmt9", "nlohmann-json3-dev",

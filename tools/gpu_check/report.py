@@ -25,7 +25,7 @@ import datetime
 import json
 import os
 import tempfile
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping
 
 SCHEMA_VERSION = 1
 STAGE_STATUSES = ("pass", "fail", "skipped", "timeout", "pending", "running")
