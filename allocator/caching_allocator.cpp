@@ -427,7 +427,12 @@ caching_allocator::caching_allocator(device::backend& be, allocator_options opts
                                                        [this] { return stats_json(); });
   impl_->stats_token = token;
   impl_->stats_name = name.substr(std::string_view("allocators/").size());
-  stats::install_dump_triggers();
+  try {
+    stats::install_dump_triggers();  // GACT_STATS_PATH: dump at exit and on SIGUSR1
+  } catch (std::exception const& e) {
+    // The provider is registered; a constructor that throws now would leave it dangling.
+    GACT_LOG_WARN("allocator '{}': stats dump triggers not installed: {}", impl_->stats_name, e.what());
+  }
 }
 
 caching_allocator::~caching_allocator() {

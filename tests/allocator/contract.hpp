@@ -277,13 +277,21 @@ TEST_CASE_TEMPLATE_DEFINE("allocator contract", F, allocator_contract) {
         ps.push_back(p);
       }
       for (int i = 0; i < 64; i += 2) a->deallocate(ps[std::size_t(i)]);
-      for (int i = 0; i < 32; ++i) std::memset(a->allocate(600, 0), 0xFF, 600);  // reuse the holes
+      std::vector<void*> fillers;
+      for (int i = 0; i < 32; ++i) {  // reuse the holes
+        fillers.push_back(a->allocate(600, 0));
+        std::memset(fillers.back(), 0xFF, 600);
+      }
       for (int i = 1; i < 64; i += 2) {
         std::size_t const n = 700 + 97 * std::size_t(i);
         bool intact = true;
         for (std::size_t k = 0; k < n; ++k) intact = intact && ps[std::size_t(i)][k] == static_cast<unsigned char>(i);
         CHECK(intact);
+        a->deallocate(ps[std::size_t(i)]);
       }
+      for (void* f : fillers) a->deallocate(f);
+      a->empty_cache();
+      CHECK(a->reserved_bytes() == 0);
     }
   }
 
