@@ -392,15 +392,17 @@ def train_digits(bits, seed: int, epochs: int = 12, batch: int = 64, data: Optio
             opt.zero_grad(set_to_none=True)
             if comp is not None:
                 comp.step()
-    if stats_out is not None and comp is not None:
-        stats_out.append(comp.stats())
+    if comp is not None:
+        comp.close()
+        if stats_out is not None:
+            stats_out.append(comp.stats())
     model.eval()
     with torch.no_grad():
         pred = model(data.x_test).argmax(1)
     return 100.0 * float((pred == data.y_test).float().mean())
 
 
-def train_charlm(bits, seed: int, steps: int = 120, batch: int = 16, ctx: int = 64,
+def train_charlm(bits, seed: int, steps: int = 100, batch: int = 16, ctx: int = 32,
                  corpus: Optional[torch.Tensor] = None, stats_out: Optional[list] = None) -> float:
     """CharLM on the licence-text corpus; returns held-out loss in nats per character
     (the last 10 % of the corpus, 32 fixed windows)."""
@@ -408,7 +410,7 @@ def train_charlm(bits, seed: int, steps: int = 120, batch: int = 16, ctx: int = 
     cut = int(len(corpus) * 0.9)
     train, held = corpus[:cut], corpus[cut:]
     torch.manual_seed(seed)
-    model = CharLM(ctx=ctx)
+    model = CharLM(d_model=48, heads=4, layers=2, ctx=ctx)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     comp = make_compressor(model, bits, seed=seed) if bits is not None else None
     gen = torch.Generator().manual_seed(seed)
@@ -424,8 +426,10 @@ def train_charlm(bits, seed: int, steps: int = 120, batch: int = 16, ctx: int = 
         opt.zero_grad(set_to_none=True)
         if comp is not None:
             comp.step()
-    if stats_out is not None and comp is not None:
-        stats_out.append(comp.stats())
+    if comp is not None:
+        comp.close()
+        if stats_out is not None:
+            stats_out.append(comp.stats())
     model.eval()
     stride = (len(held) - ctx - 1) // 32
     win = torch.stack([held[i * stride:i * stride + ctx + 1] for i in range(32)])
@@ -452,9 +456,60 @@ def train_gcn(bits, seed: int, epochs: int = 100, graph: Optional[Graph] = None,
         opt.zero_grad(set_to_none=True)
         if comp is not None:
             comp.step()
-    if stats_out is not None and comp is not None:
-        stats_out.append(comp.stats())
+    if comp is not None:
+        comp.close()
+        if stats_out is not None:
+            stats_out.append(comp.stats())
     model.eval()
     with torch.no_grad():
         pred = model(graph.a_hat, graph.x).argmax(1)
     return 100.0 * float((pred[graph.test] == graph.y[graph.test]).float().mean())
+
+
+def ddp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    """One rank of the DDP test: a small MLP under DistributedDataParallel (gloo, CPU),
+    compressed by gact, 5 steps on rank-specific batches. Writes rank<r>.json with whether
+    gradients (after DDP's allreduce) and parameters are identical across ranks."""
+    import json
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        comp = gact.Compressor(ddp, bits=4, seed=rank)
+        gen = torch.Generator().manual_seed(100 + rank)
+        start = gact.stats()
+        grads_equal = True
+        losses = []
+        x_fixed = torch.randn(32, 64, generator=gen)
+        y_fixed = torch.randint(0, 10, (32,), generator=gen)
+        for _ in range(5):
+            with comp:
+                loss = F.cross_entropy(ddp(x_fixed), y_fixed)
+            loss.backward()
+            losses.append(float(loss))
+            g = flat_grad(model.parameters())
+            gathered = [torch.zeros_like(g) for _ in range(world)]
+            dist.all_gather(gathered, g)
+            grads_equal &= all(torch.equal(gathered[0], other) for other in gathered[1:])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            comp.step()
+        p = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        gathered = [torch.zeros_like(p) for _ in range(world)]
+        dist.all_gather(gathered, p)
+        params_equal = all(torch.equal(gathered[0], other) for other in gathered[1:])
+        end = gact.stats()
+        comp.close()
+        result = {"rank": rank, "grads_equal": bool(grads_equal), "params_equal": bool(params_equal),
+                  "tensors_in": store_delta(start, end, "tensors_in"), "leaks": store_delta(start, end, "leaks"),
+                  "first_loss": losses[0], "final_loss": losses[-1]}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()

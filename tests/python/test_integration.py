@@ -1,0 +1,477 @@
+"""gact inside real training set-ups: lifetime, dedup, what is skipped, dtypes and layouts,
+torch.utils.checkpoint, DistributedDataParallel, and gact-run on an unmodified script.
+
+The checks are behavioural where they can be: a parameter that was compressed would
+change a gradient that only depends on it; a tensor saved twice and stored twice
+would decode to two different tensors; a layout bug would put values at the wrong
+positions, far outside the quantization error bound. The store's counters are read
+as before/after differences, since the store is process-wide.
+
+torch.utils.checkpoint (documented behaviour, checked in test_checkpoint_*): with the
+default reentrant checkpoint of torch 1.13, the checkpointed segment's forward runs
+without saving anything; checkpoint saves only the segment's inputs, and those go
+through gact's hooks (compressed). In backward the segment is recomputed outside the
+``with comp:`` block, from the decoded inputs, so its inner activations are saved
+uncompressed for the moment they are needed. With ``use_reentrant=False`` checkpoint
+installs saved-tensor hooks of its own, which are innermost and win inside the region,
+and keeps the segment's inputs itself: gact sees nothing of the region, not even its
+boundary (measured: 1 compressed tensor per step instead of 2). Either way gradients stay unbiased (checked statistically).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from scipy import stats as sps
+
+import evalkit as k
+import gact
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _mlp(seed=0, width=256):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+# --------------------------------------------------------------------------------------
+# Lifetime
+
+
+def test_no_leak_and_no_growth_over_200_steps():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    comp = gact.Compressor(model, bits=4)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    start = gact.stats()
+    base_live = k.store_stat(start, "live_handles")
+    base_now = k.stored_now(start)
+    after_first = None
+    for step in range(200):
+        with comp:
+            loss = F.cross_entropy(model(x), y)
+        mid = gact.stats()
+        assert k.store_stat(mid, "live_handles") > base_live, "nothing held during the step"
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        leaked = comp.step()           # every live handle in the process, not only this model's
+        s = gact.stats()
+        assert leaked == base_live, f"step {step}: {leaked - base_live} handles alive after backward"
+        assert k.store_stat(s, "live_handles") == base_live, f"step {step}: handles not released"
+        assert k.stored_now(s) == base_now, f"step {step}: stored bytes {k.stored_now(s)} != {base_now}"
+        if step == 0:
+            after_first = s
+    end = gact.stats()
+    comp.close()
+    assert k.store_delta(start, end, "leaks") == 200 * base_live
+    # Two distinct activations per step (each ReLU output, also saved by the next Linear).
+    assert k.store_delta(start, end, "tensors_in") == 200 * 2
+    # Every step stores the same tensors: bytes stored per step are constant.
+    first = k.store_delta(start, after_first, "bytes_stored")
+    assert k.store_delta(start, end, "bytes_stored") == 200 * first
+
+
+LEAK_GAP = (
+    "confirmed, reported: with cross_entropy the handles stay alive after `del loss` and "
+    "gc.collect() once comp.step() has run; with .sum() they are reclaimed. Suspected cause: "
+    "log_softmax's small saved output is skipped and returned as is by the pack hook, so the "
+    "graph holds itself (node -> saved output -> grad_fn -> node) and is never freed")
+
+
+@pytest.mark.parametrize("loss_kind", [
+    "sum", pytest.param("cross_entropy", marks=pytest.mark.xfail(strict=True, reason=LEAK_GAP))])
+def test_graph_kept_alive_counts_as_leak_then_is_reclaimed(loss_kind):
+    import gc
+    model = _mlp()
+    comp = gact.Compressor(model, bits=2)
+    start = gact.stats()
+    with comp:
+        out = model(torch.randn(32, 64))
+        loss = F.cross_entropy(out, torch.randint(0, 10, (32,))) if loss_kind == "cross_entropy" else out.sum()
+        del out
+    leaked = comp.step()             # no backward: the graph and its saved tensors live on
+    # Two distinct activations are held (each ReLU output, shared with the next Linear).
+    assert leaked == 2, f"{leaked} leaks reported for a graph kept alive, expected 2"
+    assert k.store_delta(start, gact.stats(), "leaks") == 2
+    del loss                         # autograd drops the graph: the store must reclaim it
+    gc.collect()
+    s = gact.stats()
+    assert k.store_stat(s, "live_handles") == k.store_stat(start, "live_handles")
+    assert k.stored_now(s) == k.stored_now(start)
+    comp.close()
+
+
+# --------------------------------------------------------------------------------------
+# Dedup
+
+
+class _SaveTwice(torch.autograd.Function):
+    """Saves its input twice; the gradient is the difference of the two decoded copies,
+    exactly zero if and only if both saves decode to the same tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x, x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return g + (a - b)
+
+
+def test_tensor_saved_twice_is_stored_once():
+    x0 = torch.randn(64, 256, requires_grad=True)
+    comp = gact.Compressor(None, bits=2)
+    start = gact.stats()
+    with comp:
+        h = torch.sin(x0)            # a non-leaf activation (sin saves x0: a leaf, skipped)
+        y = _SaveTwice.apply(h)
+    mid = gact.stats()
+    h.retain_grad()
+    y.sum().backward()
+    comp.step()
+    comp.close()
+    assert torch.equal(h.grad, torch.ones_like(h)), "the two saves of one tensor decoded differently"
+    assert k.store_delta(start, mid, "dedup_hits") >= 1
+    assert k.store_delta(start, mid, "tensors_in") == 1, "the tensor saved twice was encoded twice"
+    assert k.store_delta(start, mid, "bytes_in") == h.numel() * 4
+
+
+def test_dedup_respects_in_place_changes():
+    """A tensor modified in place between two saves is two different tensors."""
+    x0 = torch.randn(64, 256, requires_grad=True)
+    comp = gact.Compressor(None, bits=8)
+    start = gact.stats()
+    with comp:
+        h = torch.sin(x0)
+        a = h * 2.0                  # saves nothing of h (scalar multiply)
+        y1 = h * h                   # saves h twice (same version: one blob)
+        h.add_(1.0)                  # bumps h's version
+        y2 = torch.exp(h)            # saves exp's result, a new tensor
+        loss = y1.sum() + y2.sum() + a.sum()
+    mid = gact.stats()
+    loss.backward()
+    comp.step()
+    comp.close()
+    assert k.store_delta(start, mid, "dedup_hits") == 1
+    assert k.store_delta(start, mid, "tensors_in") == 2
+
+
+# --------------------------------------------------------------------------------------
+# Parameters and their views are never compressed
+
+
+def _param_probe(model, comp, x0, c):
+    """Loss through F.linear (saves weight), h @ weight.t() (saves a transposed view) and
+    a sliced view; returns (grad of h, grad of weight). h's gradient depends only on
+    the weight, so it is bit-exact iff no saved view of the weight was compressed."""
+    model.zero_grad(set_to_none=True)
+    ctx = comp if comp is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with ctx:
+        h = torch.tanh(x0)
+        h.retain_grad()
+        w = model.weight
+        y = model(h) + h @ w.t() + F.pad(h[:, :128] @ w[:, :128].t(), (0, 0))
+        loss = (y * c).sum()
+    loss.backward()
+    return h.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["in-place", "moved-after-building"])
+def test_parameters_and_their_views_are_not_compressed(moved):
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    x0 = torch.randn(64, 256, requires_grad=True)   # a leaf: tanh saves its output only
+    c = torch.randn(64, 256)
+    # c multiplies the output, so autograd saves it: excluded, else its compression would
+    # change h's gradient too.
+    comp = gact.Compressor(model, bits=2, exclude=[c])
+    if moved:
+        # What .to(device) does to a built model: new storage under the same Parameters.
+        model.to(torch.float64).to(torch.float32)
+    gh_ref, gw_ref = _param_probe(model, None, x0, c)
+    start = gact.stats()
+    gh, gw = _param_probe(model, comp, x0, c)
+    comp.step()
+    comp.close()
+    end = gact.stats()
+    assert torch.equal(gh, gh_ref), "a saved parameter (or a view of it) was compressed"
+    assert not torch.equal(gw, gw_ref), "the activation was not compressed either: the check proves nothing"
+    skipped = k.store_section(end)["skipped"]["parameter"]["tensors"] - \
+        k.store_section(start)["skipped"]["parameter"]["tensors"]
+    assert skipped >= 3, f"{skipped} parameter saves skipped, expected weight, weight.t(), weight[:, :128].t()"
+
+
+# --------------------------------------------------------------------------------------
+# Dtypes, ranks and layouts: the decoded tensor has the right values in the right places
+
+
+class _Echo(torch.autograd.Function):
+    """Saves ``t`` and hands the decoded tensor to ``out`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, t, out):
+        ctx.save_for_backward(t)
+        ctx.out = out
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        ctx.out.append(t.detach().clone())
+        return g, None, None
+
+
+def _structured(shape, dtype=torch.float32):
+    """Values that differ strongly by position (a ramp plus noise), so a layout bug
+    produces errors of the order of the whole range."""
+    n = math.prod(shape)
+    ramp = torch.linspace(-3, 5, n).reshape(shape)
+    return (ramp + 0.05 * torch.randn(shape)).to(dtype)
+
+
+LAYOUTS = {
+    "transposed": lambda: _structured((96, 80)).t(),
+    "strided-slice": lambda: _structured((64, 200))[:, 1::3],
+    "storage-offset": lambda: _structured((100, 64))[7:91],
+    "channels-last": lambda: _structured((4, 16, 12, 10)).contiguous(memory_format=torch.channels_last),
+    "expanded": lambda: _structured((1, 512)).expand(16, 512),
+    "1-d": lambda: _structured((5000,)),
+    "5-d": lambda: _structured((2, 4, 6, 8, 10)),
+    "bf16": lambda: _structured((64, 128), torch.bfloat16),
+    "fp16": lambda: _structured((64, 128), torch.float16),
+    "bf16-transposed": lambda: _structured((64, 128), torch.bfloat16).t(),
+}
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decoded_values_within_quantization_bound(layout, bits):
+    torch.manual_seed(1)
+    t = LAYOUTS[layout]()
+    out = []
+    x = torch.randn(4, requires_grad=True)
+    comp = gact.Compressor(None, bits=bits, min_bytes=0)
+    start = gact.stats()
+    with comp:
+        y = _Echo.apply(x, t, out)
+    mid = gact.stats()
+    y.sum().backward()
+    comp.step()
+    comp.close()
+    assert k.store_delta(start, mid, "tensors_in") == 1, f"{layout} was not compressed"
+    assert k.store_delta(start, mid, "bytes_in") == t.numel() * t.element_size()
+    (d,) = out
+    assert d.shape == t.shape and d.dtype == t.dtype
+    ref = t.double()
+    err = (d.double() - ref).abs()
+    # Stochastic rounding moves a value by less than one step of its group; a group's
+    # range is at most the tensor's. Decoding into fp16/bf16 adds half an ulp of the result.
+    step = float(ref.max() - ref.min()) / (2 ** bits - 1)
+    ulp = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[t.dtype]
+    bound = step + ulp * float(ref.abs().max())
+    assert float(err.max()) <= bound, f"{layout} {bits}-bit: max error {float(err.max()):.4g} > {bound:.4g}"
+    # Unbiased rounding: the mean error over all elements is near zero (|mean| < 6 sd of
+    # the mean; per-element SR error has sd <= step/2).
+    assert abs(float((d.double() - ref).mean())) <= 6 * (step / 2) / math.sqrt(t.numel()) + ulp * float(
+        ref.abs().max())
+
+
+def test_nonfinite_values_survive_exactly():
+    t = _structured((64, 128))
+    t[3, 5], t[10, 7], t[20, 1] = float("inf"), float("-inf"), float("nan")
+    out = []
+    x = torch.randn(4, requires_grad=True)
+    comp = gact.Compressor(None, bits=2)
+    start = gact.stats()
+    with comp:
+        y = _Echo.apply(x, t, out)
+    y.sum().backward()
+    comp.step()
+    comp.close()
+    assert k.store_delta(start, gact.stats(), "tensors_in") == 1
+    assert torch.equal(out[0].isnan(), t.isnan()) and torch.equal(out[0][~t.isnan()], t[~t.isnan()])
+
+
+def test_bf16_model_trains_compressed():
+    torch.manual_seed(0)
+    model = _mlp().to(torch.bfloat16)
+    x, y = torch.randn(32, 64).to(torch.bfloat16), torch.randint(0, 10, (32,))
+
+    def loss_of(m):
+        return F.cross_entropy(m(x).float(), y)
+
+    g = k.compute_grad(model, loss_of)
+
+    def dtype_skips(a, b):
+        return k.store_section(b)["skipped"]["dtype"]["tensors"] - k.store_section(a)["skipped"]["dtype"]["tensors"]
+
+    # The same model in fp32 is the reference for what is compressed and what is not
+    # (the integer target of cross_entropy is a 'dtype' skip in both).
+    ref = _mlp()
+    s0 = gact.stats()
+    comp = gact.Compressor(ref, bits=4)
+    k.compute_grad(ref, lambda m: F.cross_entropy(m(x.float()), y), comp)
+    comp.close()
+    s1 = gact.stats()
+    start = gact.stats()
+    comp = gact.Compressor(model, bits=4)
+    gq = k.compute_grad(model, loss_of, comp)
+    comp.close()
+    end = gact.stats()
+    assert k.store_delta(start, end, "tensors_in") == k.store_delta(s0, s1, "tensors_in") == 2
+    assert dtype_skips(start, end) == dtype_skips(s0, s1), "bf16 tensors were skipped as an unsupported dtype"
+    ratio = k.store_delta(start, end, "bytes_in") / k.store_delta(start, end, "bytes_stored")
+    # bf16 at 4 bits: 16 / (4 + metadata) ~ 3.7x.
+    assert ratio >= 3.3, f"bf16 4-bit ratio {ratio:.2f}"
+    cos = k.cosine(g, gq)
+    # Measured 0.9713 (the same MLP in fp32 at 4 bits: 0.9925).
+    assert cos >= 0.95, f"bf16 4-bit gradient cosine {cos:.4f}"
+
+
+# --------------------------------------------------------------------------------------
+# torch.utils.checkpoint
+
+
+def _ckpt_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.ModuleList([nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 128), nn.Linear(128, 10)])
+
+
+def _ckpt_forward(layers, x, mode):
+    import torch.utils.checkpoint as cp
+
+    h = layers[0](x)
+    if mode == "none":
+        h = layers[2](layers[1](h))
+    else:
+        seg = lambda t: layers[2](layers[1](t))  # noqa: E731
+        h = cp.checkpoint(seg, h, use_reentrant=(mode == "reentrant"))
+    return layers[3](h)
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_checkpoint_composes_and_gradients_match_statistically(mode):
+    layers = _ckpt_net()
+    x = torch.randn(32, 64)
+    c = torch.randn(32, 10)
+    params = list(layers.parameters())
+
+    def grad(comp, ckpt_mode):
+        for p in params:
+            p.grad = None
+        with comp:
+            loss = (_ckpt_forward(layers, x, ckpt_mode) * c).sum()
+        loss.backward()
+        comp.step()
+        return k.flat_grad(params)
+
+    n = 40
+    samples = {}
+    counts = {}
+    for m in ("none", mode):
+        before = gact.stats()
+        rows = []
+        for seed in range(n):
+            comp = gact.Compressor(layers, bits=2, seed=seed)
+            rows.append(grad(comp, m))
+            comp.close()
+        samples[m] = torch.stack(rows)
+        counts[m] = k.store_delta(before, gact.stats(), "tensors_in") / n
+    print(f"compressed tensors per step: plain {counts['none']:.0f}, checkpoint ({mode}) {counts[mode]:.0f}")
+    # Plain: inputs of layers 1..3 (3 activations). Reentrant checkpoint: the segment's
+    # input is saved by checkpoint at the boundary (compressed), the segment saves nothing,
+    # layer 3's input is outside: 2. Non-reentrant: checkpoint keeps the segment's input
+    # itself, outside saved-tensor hooks, and its own hooks win inside: only layer 3's: 1.
+    assert counts["none"] == 3 and counts[mode] == {"reentrant": 2, "non-reentrant": 1}[mode], counts
+    # Welch two-sample t test per coordinate, Bonferroni over coordinates, family-wise
+    # false-failure rate 1e-3; df = n - 1 (conservative for Welch with equal n).
+    a, b = samples["none"], samples[mode]
+    va, vb = a.var(0, unbiased=True) / n, b.var(0, unbiased=True) / n
+    se = (va + vb).sqrt()
+    noisy = se > 1e-12 * a.abs().max()
+    t = (a.mean(0) - b.mean(0)).abs()[noisy] / se[noisy]
+    kq = float(sps.t.isf(1e-3 / (2 * a.shape[1]), n - 1))
+    assert int(noisy.sum()) > 1000
+    assert float(t.max()) <= kq, f"checkpointed and plain compressed gradients differ: |t| {float(t.max()):.2f} > {kq:.2f}"
+    # Non-noisy coordinates (biases) agree to rounding.
+    assert torch.allclose(a.mean(0)[~noisy], b.mean(0)[~noisy], rtol=1e-6, atol=1e-9)
+
+
+def test_checkpointed_resnet_like_training_converges():
+    torch.manual_seed(0)
+    d = k.digits()
+    model = k.DigitsCNN(width=16)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    comp = gact.Compressor(model, bits=4)
+    import torch.utils.checkpoint as cp
+    base_live = k.store_stat(gact.stats(), "live_handles")  # handles other tests left alive
+    losses = []
+    for i in range(30):
+        idx = torch.randint(0, len(d.y_train), (64,))
+        xb = d.x_train[idx]
+        with comp:
+            h = F.relu(model.bn1(model.conv1(xb)))
+            h = cp.checkpoint(lambda t: F.max_pool2d(F.relu(model.conv2(t)), 2), h)
+            loss = F.cross_entropy(model.fc2(F.relu(model.fc1(h.flatten(1)))), d.y_train[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert comp.step() == base_live   # end_step counts every live handle in the process
+        losses.append(float(loss))
+    comp.close()
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+# --------------------------------------------------------------------------------------
+# DistributedDataParallel, 2 CPU ranks over gloo
+
+
+def test_ddp_two_ranks_gloo(tmp_path):
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(k.ddp_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["tensors_in"] > 0, f"rank {r['rank']} compressed nothing"
+        assert r["leaks"] == 0
+        assert r["grads_equal"], f"rank {r['rank']}: gradients differ across ranks after allreduce"
+        assert r["params_equal"], f"rank {r['rank']}: parameters diverged across ranks"
+    assert results[0]["final_loss"] < results[0]["first_loss"]
+
+
+# --------------------------------------------------------------------------------------
+# gact-run on an unmodified script
+
+
+def test_gact_run_on_an_unmodified_script(tmp_path):
+    stats_path = tmp_path / "stats.json"
+    script = os.path.join(HERE, "data", "train_unmodified.py")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "gact-run"), "--bits", "4", "--stats", str(stats_path),
+           "--", sys.executable, script, "--steps", "20"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step")]
+    assert len(lines) == 20, proc.stdout
+    first, last = float(lines[0].split()[-1]), float(lines[-1].split()[-1])
+    assert last < first, proc.stdout
+    doc = json.loads(stats_path.read_text())
+    store = k.store_section(doc)
+    assert store["tensors_in"] >= 20 * 2, store
+    assert store["bytes_stored"] * 6 < store["bytes_in"], store
+    assert store.get("quant_bits", {}).get("4", 0) >= 20 * 2, store
+    assert store["leaks"] == 0 and store["live_handles"] == 0, store
+    assert store.get("steps", 20) >= 20, "gact-run did not step with the optimizer"
