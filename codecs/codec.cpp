@@ -311,6 +311,8 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
       }
       break;
     case codec_id::quant: {
+      std::uint64_t const used = lay.n_groups * 2 * esize;
+      std::memset(meta + used, 0, std::size_t(lay.meta_bytes - used));  // the section's zero padding
       int const t = detail::resolve_threads(threads, lay.n_groups, 256);
       if (!detail::quant_encode_cpu(src, dt, h.numel, p.bits, p.group_size, p.seed, p.key, meta, codes, t)) {
         std::memset(out, 0, sizeof(std::uint32_t));  // no valid magic: the bytes are not a blob

@@ -139,6 +139,10 @@ __global__ void __launch_bounds__(32 * k_warps_per_block)
   using warp_reduce = cub::WarpReduce<float>;
   __shared__ typename warp_reduce::TempStorage temp[k_warps_per_block];
   write_header_block0(blob, hdr);
+  if (blockIdx.x == 0) {  // the metadata section's zero padding
+    std::uint64_t const used = n_groups * 2 * sizeof(S);
+    for (std::uint64_t i = used + threadIdx.x; i < code_off - meta_off; i += blockDim.x) blob[meta_off + i] = 0;
+  }
   int const warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   std::uint64_t const g = std::uint64_t(blockIdx.x) * k_warps_per_block + std::uint64_t(warp);
   if (g >= n_groups) return;
@@ -379,7 +383,7 @@ encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t cons
                                           std::to_string(lay.total));
   GACT_EXPECTS(blob != nullptr, "encode_cuda: blob is null");
   GACT_EXPECTS(h.numel == 0 || src != nullptr, "encode_cuda: src is null");
-  GACT_EXPECTS(reinterpret_cast<std::uintptr_t>(blob) % 8 == 0, "encode_cuda: blob must be 8-byte aligned");
+  GACT_EXPECTS(reinterpret_cast<std::uintptr_t>(blob) % 16 == 0, "encode_cuda: blob must be 16-byte aligned");
   GACT_EXPECTS(p.codec != codec_id::mask || dt == dtype::boolean,
                "encode_cuda: mask on the device takes bool tensors only (a uint8 tensor cannot be checked for "
                "0/1 without a sync); store it with codec raw or encode it on the host");

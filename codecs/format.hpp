@@ -10,7 +10,8 @@
 // A blob is three sections, in this order, with no gaps:
 //
 //   [ header (64 B) | shape (8 B x ndim) | zero padding to a multiple of 16 ]   header_bytes
-//   [ per-group metadata: (min, max) per group, in the input dtype          ]   meta_bytes
+//   [ per-group metadata: (min, max) per group, in the input dtype; zero
+//     padding to a multiple of 16                                          ]   meta_bytes
 //   [ packed codes                                                          ]   code_bytes
 //
 // invariant: total = header_bytes + meta_bytes + code_bytes, and every one of
@@ -82,7 +83,7 @@ GACT_HD bool is_float_input(std::uint8_t dt) { return dt <= 2; }
 struct blob_layout {
   std::uint64_t header_bytes;
   std::uint64_t n_groups;    ///< quant: ceil(numel / group_size); 0 otherwise
-  std::uint64_t meta_bytes;  ///< quant: n_groups * 2 * dtype_bytes; 0 otherwise
+  std::uint64_t meta_bytes;  ///< quant: align16(n_groups * 2 * dtype_bytes) (zero padding); 0 otherwise
   std::uint64_t code_bytes;  ///< quant: ceil(numel / 8) * bits; mask: ceil(numel / 8); raw: numel * dtype_bytes
   std::uint64_t total;
 };
@@ -96,7 +97,9 @@ GACT_HD blob_layout compute_layout(std::uint8_t codec, std::uint8_t dt, int ndim
   l.header_bytes = (64u + 8u * std::uint64_t(ndim) + 15u) & ~std::uint64_t{15};
   if (codec == std::uint8_t(codec_id::quant)) {
     l.n_groups = (numel + std::uint64_t(group_size) - 1) / std::uint64_t(group_size);
-    l.meta_bytes = l.n_groups * 2u * std::uint64_t(dtype_bytes(dt));
+    // Zero-padded to a multiple of 16 so that the code section is 16-byte aligned (the kernels
+    // store a chunk's codes as one 1/2/4/8-byte word).
+    l.meta_bytes = (l.n_groups * 2u * std::uint64_t(dtype_bytes(dt)) + 15u) & ~std::uint64_t{15};
     l.code_bytes = (numel + 7u) / 8u * std::uint64_t(bits);
   } else if (codec == std::uint8_t(codec_id::mask)) {
     l.code_bytes = (numel + 7u) / 8u;

@@ -103,7 +103,11 @@ struct io<dtype::bfloat16> {
 
 // The per-group loops are kept out of line: compiled on their own they vectorize, while
 // inlined into the group loop, jump threading on the group parameters blocks that.
+#if defined(__clang__)
+#define GACT_LOOP __attribute__((noinline))
+#else
 #define GACT_LOOP __attribute__((noipa))
+#endif
 
 /// Noise uniforms u[0, 8*nchunks) for the chunks c0 .. c0+nchunks-1 (one Philox call per chunk).
 [[maybe_unused]] GACT_LOOP void group_noise_portable(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
