@@ -9,7 +9,8 @@
 // layout given as parameters. The defaults match gact's blob format
 // (codecs/format.hpp, compute_layout) for a 4-D tensor:
 //   header   align16(64 + 8·ndim) bytes = 96 for ndim 4 (also for raw pass-through blobs)
-//   metadata (min, max) per group in the input dtype: 8 B (fp32) or 4 B (fp16/bf16) per group
+//   metadata (min, max) per group in the input dtype: 8 B (fp32) or 4 B (fp16/bf16) per group,
+//            the section zero-padded to a multiple of 16 B
 //   codes    ceil(numel / 8) · b bytes (8-element chunks, no padding to the group)
 // `for_codec(ndim)` gives the header of another rank; a larger ndim over-counts by at
 // most 16 B per dims pair and is safe (the budget then holds with margin).
@@ -17,8 +18,9 @@
 // Invariants (checked by `validate`):
 //   group_size > 0; code_chunk > 0 and code_chunk % 8 == 0 (chunks of codes are whole bytes)
 //   blob_align >= 1
-//   meta(f)  = meta_bytes_per_group · (meta_scales_with_dtype ? f/32 : 1)
-//   compressed_bytes(n, b, f) = align(header + groups(n)·meta(f) + ceil(n/code_chunk)·code_chunk·b/8)
+//   meta(f)  = meta_bytes_per_group · (meta_scales_with_dtype ? f/32 : 1);  meta_align >= 1
+//   compressed_bytes(n, b, f) = align(header + align_to(groups(n)·meta(f), meta_align)
+//                                     + ceil(n/code_chunk)·code_chunk·b/8)
 //   full_bytes(n, f) = align(passthrough_header + n·f/8)       (f = 16 or 32)
 #pragma once
 
@@ -45,6 +47,7 @@ struct storage_model {
   std::uint32_t group_size = 256;              ///< elements per quantization group
   std::uint32_t meta_bytes_per_group = 8;      ///< per-group metadata of an fp32 tensor
   bool meta_scales_with_dtype = true;          ///< metadata is stored in the input dtype (halved for 16-bit)
+  std::uint32_t meta_align = 16;               ///< the metadata section is padded to a multiple of this
   std::uint32_t code_chunk = 8;                ///< codes are stored for numel rounded up to this (8: gact; 256: GACT)
   std::uint32_t header_bytes = 96;             ///< fixed bytes per compressed blob
   std::uint32_t passthrough_header_bytes = 96; ///< fixed bytes for a tensor kept at full precision
@@ -68,6 +71,7 @@ struct storage_model {
     GACT_EXPECTS(code_chunk > 0 && code_chunk % 8 == 0,
                  "storage_model.code_chunk must be a positive multiple of 8, got " + std::to_string(code_chunk));
     GACT_EXPECTS(blob_align >= 1, "storage_model.blob_align must be >= 1");
+    GACT_EXPECTS(meta_align >= 1, "storage_model.meta_align must be >= 1");
   }
 
   /// Number of groups of a tensor of `numel` elements: ceil(numel / group_size).
@@ -89,7 +93,8 @@ struct storage_model {
                                : std::uint64_t{meta_bytes_per_group};
     std::uint64_t const chunks = (numel + code_chunk - 1) / code_chunk;
     std::uint64_t const payload = chunks * code_chunk / 8 * static_cast<std::uint64_t>(bits);
-    return align(std::uint64_t{header_bytes} + g * meta + payload);
+    std::uint64_t const meta_section = (g * meta + meta_align - 1) / meta_align * meta_align;
+    return align(std::uint64_t{header_bytes} + meta_section + payload);
   }
 
   /// Bytes of a tensor kept at full precision (`full_bits` 16 or 32).

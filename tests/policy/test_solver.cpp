@@ -106,14 +106,15 @@ std::vector<int> gact_greedy(std::vector<solver_item> const& items, double avg_b
 }  // namespace
 
 TEST_CASE("storage model counts header, metadata and padding") {
-  storage_model m;  // gact's blob format for a 4-D tensor: 96 B header, (min,max) per 256, 8-element chunks
+  storage_model m;  // gact's blob format, 4-D: 96 B header, (min,max) per 256 padded to 16 B, 8-element chunks
   CHECK(m.groups(1) == 1);
   CHECK(m.groups(256) == 1);
   CHECK(m.groups(257) == 2);
-  CHECK(m.compressed_bytes(256, 2) == 96 + 8 + 64);
+  CHECK(m.compressed_bytes(256, 2) == 96 + 16 + 64);
   CHECK(m.compressed_bytes(300, 2) == 96 + 2 * 8 + 38 * 2);
-  CHECK(m.compressed_bytes(300, 2, 16) == 96 + 2 * 4 + 38 * 2);  // fp16 metadata is half the size
-  CHECK(m.compressed_bytes(256, 8) == 96 + 8 + 256);
+  CHECK(m.compressed_bytes(300, 2, 16) == 96 + 16 + 38 * 2);  // fp16 metadata is half the size (8 → 16 padded)
+  CHECK(m.compressed_bytes(2560, 2, 16) == 96 + 48 + 640);     // 10 groups · 4 B = 40 → 48
+  CHECK(m.compressed_bytes(256, 8) == 96 + 16 + 256);
   CHECK(m.full_bytes(300, 32) == 96 + 1200);
   CHECK(m.full_bytes(300, 16) == 96 + 600);
   CHECK(m.stored_bytes(300, 32, 32) == m.full_bytes(300, 32));
@@ -123,6 +124,7 @@ TEST_CASE("storage model counts header, metadata and padding") {
   g.code_chunk = 256;
   g.header_bytes = g.passthrough_header_bytes = 0;
   g.meta_scales_with_dtype = false;
+  g.meta_align = 1;
   CHECK(g.compressed_bytes(300, 2) == 2 * 8 + 2 * 256 * 2 / 8);
   g.blob_align = 16;
   CHECK(g.compressed_bytes(300, 1) == 80);  // 2·8 + 2·256/8 = 80, already aligned
@@ -355,7 +357,7 @@ TEST_CASE("infeasible budget is flagged and the smallest widths are returned") {
 
 TEST_CASE("zero sensitivity goes to the cheapest option; tiny tensors may stay full") {
   solver_options o;
-  // 16 elements: full precision is 96 + 64 B, a 1-bit blob 96 + 8 + 2 B.
+  // 16 elements: full precision is 96 + 64 B, a 1-bit blob 96 + 16 + 2 B.
   std::vector<solver_item> items{{"zero", 4096, 0.0, 32}, {"tiny", 16, 5.0, 32}, {"big", 4096, 1.0, 32}};
   solution const s = solve_greedy(items, budget_bytes_for(3.0, 4096 * 2 + 16), o);
   REQUIRE(s.status == solve_status::ok);
