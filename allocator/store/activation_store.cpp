@@ -22,6 +22,8 @@
 #include "allocator/log.hpp"
 #include "allocator/stats_registry.hpp"
 #include "allocator/tags.hpp"
+#include "swap/mover.hpp"
+#include "codecs/float16.hpp"
 
 #if defined(GACT_HAVE_KERNELS)
 #include <cuda_runtime_api.h>
@@ -112,6 +114,33 @@ void gather_strided(void const* src, std::size_t es, std::span<std::int64_t cons
 std::uint16_t trace_source() {
   static std::uint16_t const id = alloc::event_trace::register_source("store");
   return id;
+}
+
+// Sum over the groups of a host quant blob of (hi - lo)^2, read from its metadata section
+// ((lo, hi) per group in the input dtype, right after the header).
+double sum_sq_ranges(void const* blob, codec::dtype dt, std::uint64_t numel, int bits, int group_size,
+                     std::uint64_t* groups) noexcept {
+  auto const lay = codec::hd::compute_layout(static_cast<std::uint8_t>(codec::codec_id::quant),
+                                             static_cast<std::uint8_t>(dt), 1, numel, bits, group_size);
+  auto const* meta = static_cast<unsigned char const*>(blob) + lay.header_bytes;
+  double acc = 0.0;
+  for (std::uint64_t g = 0; g < lay.n_groups; ++g) {
+    float lo = 0.f, hi = 0.f;
+    if (dt == codec::dtype::float32) {
+      std::memcpy(&lo, meta + g * 8, 4);
+      std::memcpy(&hi, meta + g * 8 + 4, 4);
+    } else {
+      std::uint16_t l16 = 0, h16 = 0;
+      std::memcpy(&l16, meta + g * 4, 2);
+      std::memcpy(&h16, meta + g * 4 + 2, 2);
+      lo = dt == codec::dtype::float16 ? codec::hd::half_to_float(l16) : codec::hd::bf16_to_float(l16);
+      hi = dt == codec::dtype::float16 ? codec::hd::half_to_float(h16) : codec::hd::bf16_to_float(h16);
+    }
+    double const r = static_cast<double>(hi) - static_cast<double>(lo);
+    acc += r * r;
+  }
+  *groups = lay.n_groups;
+  return acc;
 }
 
 bool all_zero_one(void const* p, std::size_t n) noexcept {
@@ -211,11 +240,17 @@ struct activation_store::entry {
   std::uint64_t key = 0;        // put_params::key, for the event trace
   bool has_identity = false;
   identity id;
+  swap::mover* mover = nullptr;  // owns the blob when set (blob is then no longer dereferenced)
+  std::uint64_t swap_id = 0;
   entry() = default;
   entry(entry const&) = delete;
   entry& operator=(entry const&) = delete;
   ~entry() {
-    if (blob != nullptr) arena->deallocate(blob);
+    if (mover != nullptr) {
+      mover->release(swap_id);
+    } else if (blob != nullptr) {
+      arena->deallocate(blob);
+    }
   }
 };
 
@@ -279,6 +314,19 @@ void activation_store::set_device_arena(int device, alloc::caching_allocator* ar
                "activation_store::set_device_arena: the arena must hold device memory");
   std::lock_guard lock(mu_);
   device_arenas_[static_cast<std::size_t>(device)] = arena;
+}
+
+void activation_store::set_mover(int device, swap::mover* m) {
+  GACT_EXPECTS(device >= -1 && static_cast<std::size_t>(device + 1) < movers_.size(),
+               "activation_store::set_mover: device " + std::to_string(device) + " is out of range [-1, 64)");
+  if (m != nullptr) {
+    alloc::caching_allocator const& a = arena_for(device);
+    GACT_EXPECTS(&m->arena() == &a, "activation_store::set_mover: the mover works on arena '" +
+                                        m->arena().stats_name() + "', not on the store's arena '" +
+                                        a.stats_name() + "' for device " + std::to_string(device));
+  }
+  std::lock_guard lock(mu_);
+  movers_[static_cast<std::size_t>(device + 1)] = m;
 }
 
 alloc::caching_allocator& activation_store::arena_for(int device) const {
@@ -427,6 +475,9 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
       GACT_ASSERT_INTERNAL(r.bytes <= cap);
       ent->info.codec = r.codec;
       ent->info.bytes_stored = r.bytes;
+      if (r.codec == codec::codec_id::quant) {
+        ent->info.sum_sq_ranges = sum_sq_ranges(blob.p, v.dtype, numel, ep.bits, ep.group_size, &ent->info.groups);
+      }
       ent->blob = blob.release();
       if (!contiguous) {
         std::lock_guard lock(mu_);
@@ -475,6 +526,19 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
     ent->info.bits = static_cast<int>(es * 8);
   }
 
+  // Swap: the mover takes the blob over (offloads it over its budget, brings it back for get).
+  if (ent->blob != nullptr) {
+    swap::mover* m = nullptr;
+    {
+      std::lock_guard lock(mu_);
+      m = movers_[static_cast<std::size_t>(v.device + 1)];
+    }
+    if (m != nullptr) {
+      ent->swap_id = m->put(ent->blob, ent->info.bytes_stored, ent->stream);
+      ent->mover = m;
+    }
+  }
+
   // Publish.
   std::lock_guard lock(mu_);
   handle const h = next_handle_++;
@@ -520,14 +584,16 @@ void activation_store::get(handle h, void* dst, std::size_t dst_bytes, device::s
   trace_store_event(alloc::event_trace::event_kind::store_get, *e);
   if (dst_bytes == 0) return;
   GACT_EXPECTS(dst != nullptr, "activation_store::get: null destination");
+  // A swapped blob is where its mover says, ready for `stream` (the mover records the stream use).
+  void const* blob = e->mover != nullptr ? e->mover->acquire(e->swap_id, stream) : e->blob;
   if (e->info.device < 0) {
-    codec::decode_cpu(e->blob, e->info.bytes_stored, dst, dst_bytes, opts_.threads);
+    codec::decode_cpu(blob, e->info.bytes_stored, dst, dst_bytes, opts_.threads);
     return;
   }
 #if defined(GACT_HAVE_KERNELS)
-  codec::decode_cuda(e->blob, e->info.bytes_stored, dst, dst_bytes, reinterpret_cast<cudaStream_t>(stream));
+  codec::decode_cuda(blob, e->info.bytes_stored, dst, dst_bytes, reinterpret_cast<cudaStream_t>(stream));
   // The blob may be freed (on its allocation stream) before the decode on `stream` has run.
-  if (stream != e->stream) e->arena->record_stream(e->blob, stream);
+  if (e->mover == nullptr && stream != e->stream) e->arena->record_stream(e->blob, stream);
 #else
   (void)stream;
   GACT_FAIL("activation_store::get: CUDA tensor but this build of gact has no CUDA kernels");

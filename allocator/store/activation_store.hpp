@@ -46,6 +46,10 @@
 #include "allocator/device/backend.hpp"
 #include "codecs/codec.hpp"
 
+namespace gact::swap {
+class mover;  // swap/mover.hpp
+}
+
 namespace gact::store {
 
 /// Opaque handle of a stored tensor; 0 is never a valid handle.
@@ -98,6 +102,9 @@ struct tensor_info {
   std::size_t bytes_in = 0;    ///< numel * element size
   std::size_t bytes_stored = 0;///< blob bytes
   std::uint32_t refcount = 0;
+  std::uint64_t groups = 0;    ///< quant: quantization groups; 0 otherwise
+  double sum_sq_ranges = 0.0;  ///< quant on the host: sum over groups of (max - min)^2, the
+                               ///< encoder-side input of the policy's online sensitivity; 0 otherwise
 };
 
 /// Settings of a store.
@@ -120,6 +127,12 @@ class activation_store {
   /// The arena must outlive the store or be unregistered first.
   /// @throws gact::invalid_argument for a negative device or a non-device arena.
   void set_device_arena(int device, alloc::caching_allocator* arena);
+
+  /// Hand the blobs of later puts on device `device` (-1 = host tensors) to swap mover `m`, which
+  /// offloads them to pinned host memory and brings them back for get(); nullptr stops swapping
+  /// (blobs already handed over stay with their mover). The mover must outlive every entry it holds.
+  /// @throws gact::invalid_argument for a device out of range or a mover over another arena.
+  void set_mover(int device, swap::mover* m);
 
   /// Store `v` (encoded as described at the top of this file) and return its handle.
   /// A dedup hit returns the existing handle with its reference count raised.
@@ -178,6 +191,7 @@ class activation_store {
   alloc::caching_allocator& host_arena_;
   store_options opts_;
   std::array<alloc::caching_allocator*, 64> device_arenas_{};
+  std::array<swap::mover*, 65> movers_{};  // index device + 1 (0 = host tensors)
   std::uint64_t stats_token_ = 0;
 
   mutable std::mutex mu_;

@@ -45,6 +45,18 @@ def test_float_round_trip_is_quantized_within_one_step(dtype, bits):
     assert C.store_release(h) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_sq_ranges_matches_the_groups(dtype):
+    x = (torch.randn(3000) * torch.linspace(0.1, 4, 3000)).to(dtype)
+    h = put(x, bits=4)
+    info = C.store_info(h)
+    g = torch.cat([x.float(), x.float()[-1:].expand(-3000 % 256)]).view(-1, 256)
+    want = ((g.max(1).values - g.min(1).values).double() ** 2).sum().item()
+    assert info["groups"] == g.shape[0]
+    assert info["sum_sq_ranges"] == pytest.approx(want, rel=1e-6)
+    C.store_release(h)
+
+
 @pytest.mark.parametrize("rank", [0, 1, 5, 9])
 def test_any_rank_is_compressed(rank):
     shape = (2,) * rank if rank else ()

@@ -269,7 +269,9 @@ class Compressor:
         """Bits for the tensor saved under ``key`` (``numel`` elements).
 
         The hook point of the adaptive policy: with a policy set, its ``bits_for(key, numel)``
-        answers; otherwise the fixed ``bits``.
+        answers; otherwise the fixed ``bits``. A policy may also define ``on_stored(key, info)``
+        (called after each store, ``info`` as ``_gact.store_info``: codec, bits, bytes_in,
+        bytes_stored, groups, sum_sq_ranges) and ``on_step(step)`` (called by :meth:`step`).
         """
         if self._policy is not None:
             return int(self._policy.bits_for(key, numel))
@@ -461,6 +463,9 @@ class Compressor:
             self.seed,
             _compat.current_stream(t),
         )
+        if self._policy is not None and hasattr(self._policy, "on_stored"):
+            # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
+            self._policy.on_stored(key, _C.store_info(h))
         if h not in _identities:
             try:
                 _identities[h] = weakref.ref(t, functools.partial(_forget, h))
