@@ -11,6 +11,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(GACT_CODEC_HAVE_AVX2)
+#include <cpuid.h>
+#endif
+
 namespace gact::codec::detail {
 
 namespace generic {
@@ -44,7 +48,9 @@ isa_table const k_generic{&generic::encode_range, &generic::decode_range, "gener
 isa_table const* best_isa() {
 #if defined(GACT_CODEC_HAVE_AVX2)
   static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, "avx2"};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return &avx2_table;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && f16c) return &avx2_table;
 #endif
   return &k_generic;
 }
