@@ -1,0 +1,300 @@
+"""The adaptive bit policy's Python driver: ``gact.Compressor(model, bits="auto", budget=2, estimator=...)``.
+
+The decisions are made by the C++ controller (``_gact.PolicyController``,
+policy/controller.hpp): it keeps one record per tensor key, smooths the
+sensitivity estimates C_l and solves min Σ C_l/(2^b_l − 1)² under the stored-byte
+budget (metadata counted). This module feeds it:
+
+* ``bits_for(key, numel)`` (the pack hook) → ``controller.on_save``: the current
+  width of a known key, ``default_bits`` (the widest code width ≤ budget) for an
+  unknown one, so a dynamic graph never fails.
+* Every ``adapt_interval`` steps (the ``adapt_interval`` option, GACT_ADAPT_INTERVAL)
+  one training step is *sampled* (steps 0, N, 2N, ...): the estimator gathers its
+  input during that step, and at the following ``comp.step()`` the estimates are
+  (with torch.distributed) averaged over ranks, given to the controller and the
+  allocation is re-solved. So default bits hold until the end of step 0.
+
+Estimators (policy/README.md, "Sensitivity estimators"):
+
+``"online"`` (default)
+    Reuses the sampled training step. At encode time the store reports Σ_g R_g²
+    (squared per-group ranges, ``sum_sq_ranges``); a forward hook on the module that
+    saved the tensor registers a gradient hook on its output, which records
+    ‖∂L/∂y‖². Then C_l = fan_in·‖δ‖²·G·Σ_g R_g² / (6·numel) (policy/estimator.cpp
+    ``online_sensitivity``). fan_in is the number of saved elements each output
+    reads for a weight gradient: in_features (Linear), C_in/groups·k_h·k_w (ConvNd).
+    For a batch-norm input, whose noise enters through x̂ = (x − μ)/σ, the factor is
+    mean_c 1/(σ_c² + eps) (running variance), which makes C scale-free as the other
+    terms are; for other modules 1 (a local proxy: their effect on earlier layers is
+    not seen — use ``"reference"`` where that matters). A tensor saved twice (the
+    store deduplicates, e.g. an in-place ReLU's output that the next conv saves
+    again) is one blob; the later key's C is added to the blob's first key.
+    Cost: one reduction per module output, on one step in ``adapt_interval``.
+
+``"reference"``
+    GACT's perturbation method with common random numbers, its constants fixed:
+    for each key l, three forward+backward passes with every other tensor kept at
+    full precision and l at 1 bit (seed s), 1 bit (seed s+1) and 8 bits (seed s+2);
+    Ĉ_l = (d01² + d02² + d12²)/(2 + 2·(1 + 1/255²)) with d = gradient differences.
+    It needs a closure that runs one forward and backward on a (small) subsample of
+    a batch inside ``with comp:`` and returns nothing, e.g.::
+
+        def closure():
+            with comp:
+                loss_fn(model(x_small), y_small).backward()
+        comp = gact.Compressor(model, bits="auto", estimator="reference")
+        comp.policy.reference_closure = closure    # or Compressor(..., estimator=gact.policy.Reference(closure))
+
+    The closure is called inside ``comp.step()`` at each adaptation; the model's
+    ``.grad`` are saved before and restored after. Cost: 3 passes per saved tensor.
+
+Raises ValueError for an unknown estimator name and RuntimeError when the reference
+estimator adapts without a closure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+import _gact as _C
+
+_CODE_WIDTHS = (1, 2, 4, 8)
+
+
+class Reference:
+    """``estimator=gact.policy.Reference(closure)``: the reference estimator with its closure."""
+
+    def __init__(self, closure: Callable[[], Any]) -> None:
+        if not callable(closure):
+            raise TypeError("gact.policy.Reference: closure must be callable")
+        self.closure = closure
+
+
+def online_sensitivity(sum_sq_ranges: float, numel: int, group_size: int, grad_sq_norm: float, fan_in: float) -> float:
+    """C_l of the online estimator (the formula of policy/estimator.cpp ``online_sensitivity``)."""
+    if numel <= 0 or group_size <= 0:
+        raise ValueError("gact.policy.online_sensitivity: numel and group_size must be > 0")
+    return fan_in * grad_sq_norm * (group_size * sum_sq_ranges / numel) / 6.0
+
+
+def reference_sensitivity(d01: float, d02: float, d12: float) -> float:
+    """Ĉ_l from the three squared gradient differences (1 bit s, 1 bit s+1, 8 bits s+2)."""
+    v1, v8 = 1.0, 1.0 / 255.0**2
+    return (d01 + d02 + d12) / ((v1 + v1) + 2.0 * (v1 + v8))
+
+
+def _fan_in(m: torch.nn.Module) -> float:
+    if isinstance(m, torch.nn.Linear):
+        return float(m.in_features)
+    if isinstance(m, torch.nn.modules.conv._ConvNd):
+        return float(m.in_channels // m.groups * math.prod(m.kernel_size))
+    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_var is not None:
+        return float((1.0 / (m.running_var.detach().double() + m.eps)).mean())
+    return 1.0
+
+
+class AutoPolicy:
+    """The policy object a Compressor with ``bits="auto"`` asks for bits (see the module doc).
+
+    Attributes:
+        controller: the ``_gact.PolicyController`` (its ``stats()`` is the "policy" section).
+        adapt_interval: steps between adaptations.
+        reference_closure: the reference estimator's closure (None for online).
+    """
+
+    def __init__(self, compressor: Any, budget: float, estimator: Any = None, adapt_interval: int | None = None,
+                 ema_weight: float = 0.5) -> None:
+        if estimator is None:
+            estimator = "online"
+        self.reference_closure: Callable[[], Any] | None = None
+        if isinstance(estimator, Reference):
+            self.reference_closure = estimator.closure
+            estimator = "reference"
+        if estimator not in ("online", "reference"):
+            raise ValueError(f"gact.Compressor: estimator={estimator!r} is not supported; use 'online' or 'reference'")
+        self.estimator = estimator
+        if adapt_interval is None:
+            adapt_interval = int(_C.options_current()["adapt_interval"])
+        if isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1:
+            raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
+        self.adapt_interval = adapt_interval
+        self._comp = compressor
+        self.default_bits = max(b for b in _CODE_WIDTHS if b <= budget)
+        self.controller = _C.PolicyController(budget=float(budget), default_bits=self.default_bits,
+                                              ema_weight=ema_weight, group_size=compressor.group_size)
+        self.controller.register_stats("policy")
+        self.decisions = 0
+        self.estimate_seconds = 0.0  # wall time spent estimating and solving (the overhead)
+        self._override: dict[str, int] | None = None  # reference probing: key -> bits, others full
+        self._sampling = False
+        self._saved: dict[str, dict] = {}  # key -> store info, in the sampled step
+        self._by_blob: dict[tuple, str] = {}  # blob identity -> first key (dedup)
+        self._alias: dict[str, str] = {}  # later key -> first key of the same blob
+        self._alias_known: set[str] = set()  # keys ever seen as such aliases (kept out of the budget)
+        self._grad_sq: dict[str, list[float]] = {}  # module name -> ‖dL/dy‖² per call
+        self._fan_in: dict[str, float] = {}
+        self._hooks: list[Any] = []
+        self._set_sampling(True)  # the Compressor is built at step 0: sample it
+        if estimator == "online" and compressor.model is not None:
+            for name, m in compressor.model.named_modules():
+                self._hooks.append(m.register_forward_hook(self._make_forward_hook(name or "<root>", m)))
+
+    # ---- the compressor's protocol -------------------------------------------------------
+
+    def bits_for(self, key: str, numel: int) -> int:
+        if self._override is not None:
+            return self._override.get(key, 32)
+        if key in self._alias_known:  # deduplicated against an earlier key: its bits apply, no bytes of its own
+            return self.default_bits
+        return int(self.controller.on_save(key, int(numel), 32))
+
+    def on_stored(self, key: str, info: dict) -> None:
+        if not self._sampling or self._override is not None:
+            return
+        blob = (tuple(info["shape"]), info["bytes_stored"], info["sum_sq_ranges"], info["groups"])
+        if info.get("refcount", 1) > 1 and blob in self._by_blob:
+            self._alias[key] = self._by_blob[blob]
+            self._alias_known.add(key)
+        else:
+            self._by_blob.setdefault(blob, key)
+        self._saved[key] = dict(info)
+
+    def on_step(self, step: int) -> None:
+        if self._sampling:
+            t0 = _now()
+            if self.estimator == "online":
+                est = self._online_estimates()
+            else:
+                est = self._reference_estimates()
+            est = _allreduce_mean(est)
+            for k in sorted(est):
+                self.controller.add_estimate(k, est[k])
+            self.controller.set_step(step)
+            if est:
+                self.controller.decide()
+                self.decisions += 1
+            self.estimate_seconds += _now() - t0
+        else:
+            self.controller.set_step(step)
+        self._set_sampling(step % self.adapt_interval == 0)
+
+    def stats(self) -> dict:
+        return self.controller.stats()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ---- online estimator ----------------------------------------------------------------
+
+    def _set_sampling(self, on: bool) -> None:
+        self._sampling = on
+        self._saved.clear()
+        self._by_blob.clear()
+        self._alias.clear()
+        self._grad_sq.clear()
+
+    def _make_forward_hook(self, name: str, m: torch.nn.Module) -> Callable:
+        def hook(_m: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            if not self._sampling or self._override is not None or self._comp._depth == 0:
+                return
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                self._fan_in[name] = _fan_in(m)
+                slot = self._grad_sq.setdefault(name, [])
+                slot.append(0.0)
+                i = len(slot) - 1
+
+                def grad_hook(g: torch.Tensor) -> None:
+                    slot[i] += float(g.detach().double().pow(2).sum())
+
+                output.register_hook(grad_hook)
+
+        return hook
+
+    def _online_estimates(self) -> dict[str, float]:
+        est: dict[str, float] = {}
+        for key, info in self._saved.items():
+            module = key.rsplit(":", 1)[0]
+            calls = self._grad_sq.get(module)
+            if not calls or info["codec"] == "raw" or info["groups"] == 0:
+                continue
+            numel = int(math.prod(info["shape"]))
+            c = online_sensitivity(info["sum_sq_ranges"], numel, self._comp.group_size,
+                                   sum(calls) / len(calls), self._fan_in.get(module, 1.0))
+            target = self._alias.get(key, key)
+            est[target] = est.get(target, 0.0) + c
+        return est
+
+    # ---- reference estimator -------------------------------------------------------------
+
+    def _reference_estimates(self) -> dict[str, float]:
+        if self.reference_closure is None:
+            raise RuntimeError(
+                "gact.Compressor: estimator='reference' needs a closure: set comp.policy.reference_closure "
+                "or pass estimator=gact.policy.Reference(closure)")
+        keys = [k for k, i in self._saved.items() if k not in self._alias and i["codec"] != "raw"]
+        params = [p for p in self._comp.model.parameters() if p.requires_grad] if self._comp.model is not None else []
+        saved_grads = [p.grad for p in params]
+        seed0 = self._comp.seed
+        est: dict[str, float] = {}
+        try:
+            for key in keys:
+                g = []
+                for bits, seed in ((1, seed0), (1, seed0 + 1), (8, seed0 + 2)):
+                    g.append(self._probe(params, {key: bits}, seed % 2**64))
+                d01 = float((g[0] - g[1]).pow(2).sum())
+                d02 = float((g[0] - g[2]).pow(2).sum())
+                d12 = float((g[1] - g[2]).pow(2).sum())
+                est[key] = reference_sensitivity(d01, d02, d12)
+        finally:
+            self._comp.seed = seed0
+            self._override = None
+            for p, gr in zip(params, saved_grads):
+                p.grad = gr
+        return est
+
+    def _probe(self, params: list[torch.Tensor], override: dict[str, int], seed: int) -> torch.Tensor:
+        comp = self._comp
+        self._override = override
+        comp.seed = seed
+        for p in params:
+            p.grad = None
+        comp._open_step()
+        try:
+            self.reference_closure()
+        finally:
+            _C.store_end_step()
+            comp._step_open = False
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
+                          for p in params])
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def _allreduce_mean(est: dict[str, float]) -> dict[str, float]:
+    """With torch.distributed initialized: the per-key mean over the ranks that saw the key,
+    identical on every rank (keys sorted), so that every rank solves the same problem."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return est
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, est)
+    sums: dict[str, list[float]] = {}
+    for d in gathered:
+        for k, v in d.items():
+            sums.setdefault(k, []).append(float(v))
+    return {k: math.fsum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def make_policy(compressor: Any, budget: float, estimator: Any = None) -> AutoPolicy:
+    """The policy a ``Compressor(bits="auto")`` uses (see the module doc). ``adapt_interval``
+    comes from the compressor's ``adapt_interval`` attribute when set, else the option."""
+    return AutoPolicy(compressor, budget, estimator, adapt_interval=getattr(compressor, "adapt_interval", None))
