@@ -34,6 +34,7 @@
 
 #include "allocator/block_pool.hpp"
 #include "allocator/error.hpp"
+#include "allocator/event_trace.hpp"
 #include "allocator/log.hpp"
 #include "allocator/stats_registry.hpp"
 
@@ -146,6 +147,13 @@ struct caching_allocator::impl {
 
   std::uint64_t stats_token = 0;
   std::string stats_name;
+  std::uint16_t trace_source = 0;  // event_trace::register_source id
+
+  /// Record an event in the trace; call only when event_trace::enabled().
+  void trace(event_trace::event_kind k, std::uintptr_t addr, std::size_t size, device::stream_t s, tag_id tag,
+             std::uint64_t aux = 0) const noexcept {
+    event_trace::record(k, trace_source, addr, size, static_cast<std::uint64_t>(s), tag, 0, 0, aux);
+  }
 
   impl(device::backend& b, allocator_options o) : be(b), opts(std::move(o)) {}
 
@@ -216,6 +224,7 @@ struct caching_allocator::impl {
     stat_add(st.segment, small, 1);
     stat_add(st.reserved_bytes, small, static_cast<std::int64_t>(seg_size));
     ++st.num_device_alloc;
+    if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_alloc, b->ptr, seg_size, stream, tag_other);
     GACT_LOG_DEBUG("[segment+][{}][stream {:#x}][{}B][{}]", stats_name, stream, seg_size, p);
     return b;
   }
@@ -225,6 +234,7 @@ struct caching_allocator::impl {
     stat_sub(st.segment, b->small, 1);
     stat_sub(st.reserved_bytes, b->small, static_cast<std::int64_t>(b->size));
     ++st.num_device_free;
+    if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_free, b->ptr, b->size, b->stream, tag_other);
     GACT_LOG_DEBUG("[segment-][{}][stream {:#x}][{}B][{:#x}]", stats_name, b->stream, b->size, b->ptr);
     records.destroy(b);
   }
@@ -329,8 +339,12 @@ struct caching_allocator::impl {
     --t.current_count;
   }
 
-  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t seg_size) {
+  [[noreturn]] void throw_oom(std::size_t bytes, std::size_t seg_size, device::stream_t stream, tag_id tag) {
     ++st.num_ooms;
+    if (event_trace::enabled()) {
+      trace(event_trace::event_kind::oom, 0, bytes, stream, tag,
+            static_cast<std::uint64_t>(st.reserved_bytes[pool_all].current));
+    }
     std::string msg = "gact: out of memory in allocator '" + stats_name + "': requested " + human_bytes(bytes) +
                       " (needs a new segment of " + human_bytes(seg_size) + "); reserved " +
                       human_bytes(static_cast<std::size_t>(st.reserved_bytes[pool_all].current)) + ", allocated " +
@@ -403,7 +417,49 @@ struct caching_allocator::impl {
                     {"memory_limit", opts.memory_limit},
                     {"max_request", opts.max_request}};
     j["name"] = stats_name;
+    if (event_trace::enabled()) j["segments"] = segments_json();
     return j;
+  }
+
+  /// Every segment with its blocks in address order (for gact-stats export-torch); only
+  /// while tracing, as the listing grows with the number of blocks.
+  nlohmann::json segments_json() const {
+    std::vector<block const*> heads;
+    auto const add_head = [&heads](block const* b) {
+      while (b->prev != nullptr) b = b->prev;
+      heads.push_back(b);
+    };
+    live.for_each([&](std::uintptr_t, block* b) { add_head(b); });
+    for (free_set const* pool : {&small_free, &large_free}) {
+      for (block const* b : *pool) add_head(b);
+    }
+    for (pending_event const& pe : pending) add_head(pe.blk);
+    std::sort(heads.begin(), heads.end(), [](block const* a, block const* b) { return a->ptr < b->ptr; });
+    heads.erase(std::unique(heads.begin(), heads.end()), heads.end());
+    auto const names = tag_names();
+    nlohmann::json segs = nlohmann::json::array();
+    for (block const* h : heads) {
+      nlohmann::json blocks = nlohmann::json::array();
+      std::size_t total = 0;
+      for (block const* b = h; b != nullptr; b = b->next) {
+        total += b->size;
+        char const* state = b->state == block_state::allocated ? "active_allocated"
+                            : b->state == block_state::pending  ? "active_pending_free"
+                                                                : "inactive";
+        nlohmann::json bj = {{"address", b->ptr}, {"size", b->size}, {"state", state}};
+        if (b->state != block_state::free) {
+          bj["requested_size"] = b->requested;
+          bj["tag"] = b->tag < names.size() ? names[b->tag] : std::to_string(b->tag);
+        }
+        blocks.push_back(std::move(bj));
+      }
+      segs.push_back({{"address", h->ptr},
+                      {"total_size", total},
+                      {"stream", static_cast<std::uint64_t>(h->stream)},
+                      {"segment_type", h->small ? "small" : "large"},
+                      {"blocks", std::move(blocks)}});
+    }
+    return segs;
   }
 };
 
@@ -422,11 +478,18 @@ caching_allocator::caching_allocator(device::backend& be, allocator_options opts
                "caching_allocator: need small_size < min_large_alloc <= large_segment_size");
   GACT_EXPECTS(opts.max_request >= k_min_block && opts.max_request <= (std::size_t{1} << 56),
                "caching_allocator: max_request must be in [512, 2^56]");
+  event_trace::init_from_env();  // GACT_TRACE: a bad value is rejected here, before anything is registered
   impl_ = std::make_unique<impl>(be, std::move(opts));
   auto [token, name] = stats::register_unique_provider("allocators/" + impl_->opts.name,
                                                        [this] { return stats_json(); });
   impl_->stats_token = token;
   impl_->stats_name = name.substr(std::string_view("allocators/").size());
+  try {
+    impl_->trace_source = event_trace::register_source(impl_->stats_name);
+  } catch (...) {
+    stats::unregister_provider(token);
+    throw;
+  }
   try {
     stats::install_dump_triggers();  // GACT_STATS_PATH: dump at exit and on SIGUSR1
   } catch (std::exception const& e) {
@@ -488,7 +551,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
         m.erase_free(b);
       } else {
         b = m.try_new_segment(seg, small, stream);
-        if (b == nullptr) m.throw_oom(bytes, seg);
+        if (b == nullptr) m.throw_oom(bytes, seg, stream, tag);
       }
     }
   }
@@ -511,6 +574,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   b->tag = tag;
   m.live.insert(b->ptr, b);
   m.count_alloc(b, bytes, tag);
+  if (event_trace::enabled()) [[unlikely]] m.trace(event_trace::event_kind::alloc, b->ptr, b->size, stream, tag, bytes);
   return reinterpret_cast<void*>(b->ptr);
 }
 
@@ -526,6 +590,7 @@ void caching_allocator::deallocate(void* p) noexcept {
   }
   m.live.erase(addr);
   m.count_free(b);
+  if (event_trace::enabled()) [[unlikely]] m.trace(event_trace::event_kind::free, b->ptr, b->size, b->stream, b->tag);
   try {
     if (b->stream_uses.empty()) [[likely]] {
       m.free_block(b);

@@ -5,10 +5,17 @@
 // provider that returns its section; `document()` gathers them under a
 // versioned schema:
 //
-//   { "schema_version": 1, "gact_version": "...", "pid": ..., "time_unix_ms": ...,
+//   { "schema_version": 2, "gact_version": "...", "pid": ..., "time_unix_ms": ...,
 //     "tags": { "names": [...], "underflows": n, "overflows": n },  // the process-wide tag table
-//     "allocators": { "<name>": {...} },        // one per caching_allocator
-//     "<section>": {...}, ... }                 // "store", "codecs", "swap", "policy", ...
+//     "allocators": { "<name>": {...} },        // one per caching_allocator; while the event
+//                                               // trace is on, each has "segments": [...]
+//     "<section>": {...}, ... ,                 // "store", "codecs", "swap", "policy", ...
+//     "timeline": { "capacity", "recorded", "dropped", "t0_ns", "sources", "events": [...] },
+//     "snapshots": [ {...}, ... ] }             // both once the event trace was enabled
+//                                               // (allocator/event_trace.hpp)
+//
+// Versions: 1 = the sections above without "timeline", "snapshots" and "segments";
+// 2 adds those three (optional: present only once tracing was enabled).
 //
 // A provider registered under "allocators/<name>" lands in the "allocators"
 // object; any other name is a top-level section. Providers are called with no
@@ -29,7 +36,7 @@
 
 namespace gact::stats {
 
-inline constexpr int k_schema_version = 1;
+inline constexpr int k_schema_version = 2;
 
 using provider = std::function<nlohmann::json()>;
 
