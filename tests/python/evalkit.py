@@ -358,7 +358,7 @@ def make_compressor(model: nn.Module, bits, seed: int = 0, **kw):
 
 
 def env_threads() -> int:
-    return int(os.environ.get("GACT_TEST_THREADS", "2"))
+    return int(os.environ.get("GACT_TEST_THREADS", "1"))
 
 
 # --------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 uncompressed baseline, gact at 8/4/2 bits and torch.utils.checkpoint, same model, same run.
 
     gact-bench train [--model resnet18|resnet50] [--size 64] [--batch 8] [--steps 6]
-                     [--rounds 3] [--threads 2] [--accuracy] [--json-only]
+                     [--rounds 3] [--threads 1] [--accuracy] [--json-only]
 
 Every arm trains the same model (torchvision, fresh weights, SGD) on the same random
 batch, in one process with one allocator configuration: glibc malloc with
@@ -40,6 +40,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from gact_progress import progress  # noqa: E402  (tools/gact_progress.py)
+
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per arm per round (default 6)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds (default 3)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--accuracy", action="store_true", help="also run the 3-seed end-to-end accuracy comparison")
     ap.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
@@ -141,15 +144,18 @@ def main(argv=None) -> int:
         mem[f"gact{b}_store_ratio"] = (after["bytes_in"] - before["bytes_in"]) / stored if stored else 0.0
 
     times = {a: [] for a in arms}
+    bar = progress(total=args.rounds * len(arms) * (args.steps + 1), label="gact-bench train")
+    bar.enabled = bar.enabled and not args.json_only
     for r in range(args.rounds):
         for a in arms:
             step(a)  # warm-up (and a fresh cache state for this arm)
+            bar.update(1, note=f"round {r + 1}/{args.rounds}, arm {a}")
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 step(a)
                 times[a].append(time.perf_counter() - t0)
-        if not args.json_only:
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+                bar.update(1)
+    bar.finish()
     for comp in comps.values():
         comp.close()
 
@@ -198,13 +204,19 @@ def run_accuracy(args) -> dict:
     import evalkit as k
 
     out = {}
-    jobs = [("digits_acc", lambda b, s: k.train_digits(b, s, epochs=8)),
+    jobs = [("digits_acc", lambda b, s: k.train_digits(b, s, epochs=6)),
             ("gcn_acc", lambda b, s: k.train_gcn(b, s)),
             ("charlm_loss", lambda b, s: k.train_charlm(b, s))]
+    bar = progress(total=len(jobs) * 4 * 3, label="gact-bench train --accuracy")
+    bar.enabled = bar.enabled and not args.json_only
     for name, fn in jobs:
         res = {}
         for bits in (None, 8, 4, 2):
-            res["fp32" if bits is None else f"{bits}bit"] = [fn(bits, s) for s in (0, 1, 2)]
+            vals = []
+            for s in (0, 1, 2):
+                vals.append(fn(bits, s))
+                bar.update(1, note=f"{name} {'fp32' if bits is None else f'{bits}-bit'} seed {s}")
+            res["fp32" if bits is None else f"{bits}bit"] = vals
         base = res["fp32"]
         out[name] = {}
         for arm, vals in res.items():
@@ -213,6 +225,7 @@ def run_accuracy(args) -> dict:
             out[name][arm] = {"values": vals, "mean": m, "std": sd, "paired_delta_mean": dm, "paired_delta_std": dsd}
             if not args.json_only:
                 print(f"{name:12} {arm:5}: {m:.3f} ± {sd:.3f}   paired Δ {dm:+.3f} ± {dsd:.3f}", flush=True)
+    bar.finish()
     return out
 
 
