@@ -148,6 +148,8 @@ class mover {
   nlohmann::json stats_json() const;
 
   mover_options const& options() const noexcept { return opts_; }
+  /// The device arena the blobs live in.
+  alloc::caching_allocator& arena() const noexcept { return arena_; }
   device::stream_t d2h_stream() const noexcept { return d2h_; }
   device::stream_t h2d_stream() const noexcept { return h2d_; }
 
