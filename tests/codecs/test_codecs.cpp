@@ -244,7 +244,7 @@ TEST_CASE("quant: every dtype x bits x group size, with tails: error <= one step
           double const step = group_step(x, g0, g1, bits);
           auto [mn, mx] = std::minmax_element(x.begin() + long(g0), x.begin() + long(g1));
           for (std::size_t i = g0; i < g1; ++i) {
-            double const tol = step * (1 + 1e-5) + half_ulp(dt, x[i]) * 2;
+            double const tol = step * (1 + 1e-5) + half_ulp(dt, double(x[i])) * 2;
             if (!(std::fabs(double(y[i]) - double(x[i])) <= tol) || y[i] < *mn || y[i] > *mx) ++bad;
           }
         }
@@ -274,7 +274,7 @@ TEST_CASE("quant: unbiased; the mean over 1000 seeds converges to x within 5 sig
         auto const y = decode_values(encode(t, dt, {G}, p));
         for (std::size_t i = 0; i < x.size(); ++i) sum[i] += double(y[i]);
       }
-      double const lo = *std::min_element(x.begin(), x.end());
+      double const lo = double(*std::min_element(x.begin(), x.end()));
       double z_sum = 0;
       for (std::size_t i = 0; i < x.size(); ++i) {
         // Per-element variance of stochastic rounding: step^2 f (1 - f), f the fractional grid position.
@@ -284,7 +284,7 @@ TEST_CASE("quant: unbiased; the mean over 1000 seeds converges to x within 5 sig
         double const mean = sum[i] / n_seeds;
         // 5 sigma/sqrt(n), plus the 2^-17-step bias of 16-bit noise, plus output rounding (bf16).
         double const bound = 5 * sigma / std::sqrt(double(n_seeds)) + step * std::ldexp(1.0, -16) +
-                             half_ulp(dt, x[i]) + 1e-6 * std::fabs(double(x[i]));
+                             half_ulp(dt, double(x[i])) + 1e-6 * std::fabs(double(x[i]));
         CAPTURE(i);
         CHECK(std::fabs(mean - double(x[i])) <= bound);
         if (sigma > 0 && dt == dtype::float32) z_sum += (mean - double(x[i])) / (sigma / std::sqrt(double(n_seeds)));
@@ -453,7 +453,7 @@ TEST_CASE("quant: edge cases") {
           double const step = group_step(xr, g, g + 256, bits);
           for (std::size_t i = g; i < g + 256; ++i) {
             CHECK(std::isfinite(y[i]));
-            CHECK(std::fabs(double(y[i]) - double(xr[i])) <= step * (1 + 1e-5) + half_ulp(dt, xr[i]) * 2);
+            CHECK(std::fabs(double(y[i]) - double(xr[i])) <= step * (1 + 1e-5) + half_ulp(dt, double(xr[i])) * 2);
           }
         }
       }
