@@ -223,7 +223,7 @@ MALFORMED = {
     "binary": (b"\x89PNG\r\n\x1a\n\x00\x00", "not UTF-8"),
     "top-level-list": ("[1, 2]", "top level is a JSON list"),
     "no-schema": (json.dumps({"allocators": {}}), "no schema_version"),
-    "future-schema": (_mutate(lambda d: d.update(schema_version=2)), "schema_version 2"),
+    "future-schema": (_mutate(lambda d: d.update(schema_version=3)), "schema_version 3"),
     "string-schema": (_mutate(lambda d: d.update(schema_version="1")), "expected an integer"),
     "no-allocators": (_mutate(lambda d: d.pop("allocators")), '"allocators" is missing'),
     "allocators-list": (_mutate(lambda d: d.update(allocators=[])), '"allocators" is a JSON list'),
