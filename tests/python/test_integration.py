@@ -81,15 +81,9 @@ def test_no_leak_and_no_growth_over_200_steps():
     assert k.store_delta(start, end, "bytes_stored") == 200 * first
 
 
-LEAK_GAP = (
-    "confirmed, reported: with cross_entropy the handles stay alive after `del loss` and "
-    "gc.collect() once comp.step() has run; with .sum() they are reclaimed. Suspected cause: "
-    "log_softmax's small saved output is skipped and returned as is by the pack hook, so the "
-    "graph holds itself (node -> saved output -> grad_fn -> node) and is never freed")
-
-
-@pytest.mark.parametrize("loss_kind", [
-    "sum", pytest.param("cross_entropy", marks=pytest.mark.xfail(strict=True, reason=LEAK_GAP))])
+# Regression: with cross_entropy, log_softmax's small output was skipped and handed back
+# as is, so the graph held itself and was never freed when backward did not run.
+@pytest.mark.parametrize("loss_kind", ["sum", "cross_entropy"])
 def test_graph_kept_alive_counts_as_leak_then_is_reclaimed(loss_kind):
     import gc
     model = _mlp()

@@ -445,7 +445,13 @@ class Compressor:
         reason = self._skip_reason(t)
         if reason is not None:
             _C.store_note_skip(reason, t.numel() * t.element_size())
-            return t
+            # A non-leaf may be the output of the very node saving it: handing autograd
+            # the tensor itself would make tensor -> grad_fn -> saved tensor a cycle that
+            # Python's GC cannot see, and the graph (with every blob in it) would never be
+            # freed if backward never runs. A detached alias breaks the cycle and shares
+            # storage and version counter, so in-place checks still work. (Double backward
+            # through a kept non-leaf tensor is not supported, as for compressed ones.)
+            return t if t.grad_fn is None else t.detach()
         if t.device.type == "cuda" and not t.is_contiguous():
             t = t.contiguous()  # the device gathers faster than a host round trip
         key = self._next_key()
