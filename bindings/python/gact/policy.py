@@ -23,12 +23,15 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     ‖∂L/∂y‖². Then C_l = fan_in·‖δ‖²·G·Σ_g R_g² / (6·numel) (policy/estimator.cpp
     ``online_sensitivity``). fan_in is the number of saved elements each output
     reads for a weight gradient: in_features (Linear), C_in/groups·k_h·k_w (ConvNd).
-    For a batch-norm input, whose noise enters through x̂ = (x − μ)/σ, the factor is
-    mean_c 1/(σ_c² + eps) (running variance), which makes C scale-free as the other
-    terms are; for other modules 1 (a local proxy: their effect on earlier layers is
-    not seen — use ``"reference"`` where that matters). A tensor saved twice (the
-    store deduplicates, e.g. an in-place ReLU's output that the next conv saves
-    again) is one blob; the later key's C is added to the blob's first key.
+    Tensors saved by other modules (batch norm, activations, pooling) feed an
+    input-gradient path whose effect on earlier layers this local model does not
+    see (a batch-norm input, for one, is amplified by 1/σ_c² per channel and at
+    1 bit blew resnet18's gradient variance up by 10^10): the online estimator
+    gives them no estimate, so the controller keeps them at ``default_bits`` with
+    their bytes reserved out of the budget; the reference estimator does measure
+    them. A tensor saved twice (the store deduplicates, e.g. an in-place ReLU's
+    output that the next conv saves again) is one blob; the later key's C is added
+    to the blob's first key.
     Cost: one reduction per module output, on one step in ``adapt_interval``.
 
 ``"reference"``
@@ -62,6 +65,7 @@ import torch
 import _gact as _C
 
 _CODE_WIDTHS = (1, 2, 4, 8)
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class Reference:
@@ -86,14 +90,14 @@ def reference_sensitivity(d01: float, d02: float, d12: float) -> float:
     return (d01 + d02 + d12) / ((v1 + v1) + 2.0 * (v1 + v8))
 
 
-def _fan_in(m: torch.nn.Module) -> float:
+def _fan_in(m: torch.nn.Module) -> float | None:
+    """Saved elements read per output row of a weight gradient; None for a module whose saved
+    tensors do not feed a local weight gradient (the online model does not cover them)."""
     if isinstance(m, torch.nn.Linear):
         return float(m.in_features)
     if isinstance(m, torch.nn.modules.conv._ConvNd):
         return float(m.in_channels // m.groups * math.prod(m.kernel_size))
-    if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_var is not None:
-        return float((1.0 / (m.running_var.detach().double() + m.eps)).mean())
-    return 1.0
+    return None
 
 
 class AutoPolicy:
@@ -133,7 +137,6 @@ class AutoPolicy:
         self._saved: dict[str, dict] = {}  # key -> store info, in the sampled step
         self._by_blob: dict[tuple, str] = {}  # blob identity -> first key (dedup)
         self._alias: dict[str, str] = {}  # later key -> first key of the same blob
-        self._alias_known: set[str] = set()  # keys ever seen as such aliases (kept out of the budget)
         self._grad_sq: dict[str, list[float]] = {}  # module name -> ‖dL/dy‖² per call
         self._fan_in: dict[str, float] = {}
         self._hooks: list[Any] = []
@@ -147,20 +150,25 @@ class AutoPolicy:
     def bits_for(self, key: str, numel: int) -> int:
         if self._override is not None:
             return self._override.get(key, 32)
-        if key in self._alias_known:  # deduplicated against an earlier key: its bits apply, no bytes of its own
-            return self.default_bits
-        return int(self.controller.on_save(key, int(numel), 32))
+        return int(self.controller.bits_for(key))  # an unknown key: default_bits
 
     def on_stored(self, key: str, info: dict) -> None:
-        if not self._sampling or self._override is not None:
-            return
+        if self._override is not None or info["dtype"] not in _FLOAT_DTYPES:
+            return  # masks are stored at 1 bit whatever the policy says
         blob = (tuple(info["shape"]), info["bytes_stored"], info["sum_sq_ranges"], info["groups"])
-        if info.get("refcount", 1) > 1 and blob in self._by_blob:
-            self._alias[key] = self._by_blob[blob]
-            self._alias_known.add(key)
-        else:
-            self._by_blob.setdefault(blob, key)
-        self._saved[key] = dict(info)
+        if info.get("refcount", 1) > 1:
+            # deduplicated against a tensor saved earlier in this step: no bytes of its own, so it
+            # stays out of the controller (and the budget); its sensitivity goes to the first key
+            first = self._by_blob.get(blob)
+            if first is not None and self._sampling:
+                self._alias[key] = first
+                self._saved[key] = dict(info)
+            return
+        self._by_blob.setdefault(blob, key)
+        numel = int(math.prod(info["shape"]))
+        self.controller.on_save(key, numel, 32 if info["dtype"] == "float32" else 16)
+        if self._sampling:
+            self._saved[key] = dict(info)
 
     def on_step(self, step: int) -> None:
         if self._sampling:
@@ -179,6 +187,7 @@ class AutoPolicy:
             self.estimate_seconds += _now() - t0
         else:
             self.controller.set_step(step)
+        self._by_blob.clear()
         self._set_sampling(step % self.adapt_interval == 0)
 
     def stats(self) -> dict:
@@ -203,7 +212,10 @@ class AutoPolicy:
             if not self._sampling or self._override is not None or self._comp._depth == 0:
                 return
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                self._fan_in[name] = _fan_in(m)
+                fan_in = _fan_in(m)
+                if fan_in is None:
+                    return
+                self._fan_in[name] = fan_in
                 slot = self._grad_sq.setdefault(name, [])
                 slot.append(0.0)
                 i = len(slot) - 1
@@ -224,7 +236,7 @@ class AutoPolicy:
                 continue
             numel = int(math.prod(info["shape"]))
             c = online_sensitivity(info["sum_sq_ranges"], numel, self._comp.group_size,
-                                   sum(calls) / len(calls), self._fan_in.get(module, 1.0))
+                                   sum(calls) / len(calls), self._fan_in[module])
             target = self._alias.get(key, key)
             est[target] = est.get(target, 0.0) + c
         return est
