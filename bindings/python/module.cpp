@@ -14,6 +14,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -31,9 +32,12 @@
 #include "allocator/tags.hpp"
 #include "codecs/codec.hpp"
 #include "policy/controller.hpp"
+#include "swap/mover.hpp"
+#include "swap/pinned_pool.hpp"
 
 #if defined(GACT_HAVE_KERNELS)
 #include "allocator/device/cuda_backend.hpp"
+#include "allocator/device/pinned_host_backend.hpp"
 #endif
 
 namespace py = pybind11;
@@ -52,6 +56,59 @@ struct runtime {
   std::vector<std::unique_ptr<gact::device::cuda_backend>> cuda_backends;
   std::vector<std::unique_ptr<gact::alloc::caching_allocator>> cuda_arenas;
 #endif
+
+  // Swap (swap_enable/swap_disable): one mover per arena and setting. Movers are never destroyed,
+  // since stored entries keep pointers to the mover that holds their blob. Lock order: cuda_mu, swap_mu.
+  std::mutex swap_mu;
+  bool swap_on = false;
+  gact::swap::mover_options swap_opts;
+  gact::device::host_backend swap_host_pinned;  // "pinned" memory for CPU tensors: plain host memory
+  std::vector<std::unique_ptr<gact::device::backend>> swap_backends;
+  std::vector<std::unique_ptr<gact::swap::pinned_pool>> swap_pools;
+  std::vector<std::unique_ptr<gact::swap::mover>> swap_movers;
+  std::array<gact::swap::mover*, 65> swap_current{};  // by device + 1, for swap_opts
+
+  // Requires swap_mu. Hand device `dev`'s blobs (arena `arena`) to a mover with swap_opts.
+  void attach_swap(int dev, gact::alloc::caching_allocator& arena) {
+    auto& cur = swap_current[static_cast<std::size_t>(dev + 1)];
+    if (cur == nullptr) {
+      gact::device::backend* pinned = &swap_host_pinned;
+#if defined(GACT_HAVE_KERNELS)
+      if (dev >= 0) {
+        swap_backends.push_back(std::make_unique<gact::device::pinned_host_backend>(dev));
+        pinned = swap_backends.back().get();
+      }
+#endif
+      gact::swap::pinned_pool_options po;
+      po.name = dev < 0 ? "pinned" : "pinned:" + std::to_string(dev);
+      swap_pools.push_back(std::make_unique<gact::swap::pinned_pool>(*pinned, po));
+      swap_movers.push_back(std::make_unique<gact::swap::mover>(arena, *swap_pools.back(), swap_opts));
+      cur = swap_movers.back().get();
+    }
+    store.set_mover(dev, cur);
+  }
+
+  void swap_enable(std::size_t budget, std::size_t prefetch) {
+#if defined(GACT_HAVE_KERNELS)
+    std::lock_guard cuda_lock(cuda_mu);
+#endif
+    std::lock_guard lock(swap_mu);
+    if (budget != swap_opts.device_budget || prefetch != swap_opts.lookahead_blobs) swap_current.fill(nullptr);
+    swap_opts.device_budget = budget;
+    swap_opts.lookahead_blobs = prefetch;
+    swap_opts.lookahead_bytes = 0;
+    swap_on = true;
+    attach_swap(-1, host_arena);
+#if defined(GACT_HAVE_KERNELS)
+    for (std::size_t i = 0; i < cuda_backends.size(); ++i) attach_swap(cuda_backends[i]->device(), *cuda_arenas[i]);
+#endif
+  }
+
+  void swap_disable() {
+    std::lock_guard lock(swap_mu);
+    swap_on = false;
+    for (int dev = -1; dev < 64; ++dev) store.set_mover(dev, nullptr);
+  }
 
   gact::alloc::allocator_options host_options() const {
     gact::alloc::allocator_options o;
@@ -72,6 +129,10 @@ struct runtime {
     o.name = "cuda:" + std::to_string(dev) + "/activations";
     auto arena = std::make_unique<gact::alloc::caching_allocator>(*be, o);
     store.set_device_arena(dev, arena.get());
+    {
+      std::lock_guard swap_lock(swap_mu);
+      if (swap_on) attach_swap(dev, *arena);
+    }
     cuda_backends.push_back(std::move(be));
     cuda_arenas.push_back(std::move(arena));
 #else
@@ -192,6 +253,22 @@ PYBIND11_MODULE(_gact, m) {
         rt().store.note_skip(gact::store::parse_skip_reason(reason), bytes);
       },
       py::arg("reason"), py::arg("bytes"));
+  // ---- swap ----------------------------------------------------------------------------
+  m.def(
+      "swap_enable",
+      [](std::size_t budget, std::size_t prefetch) { rt().swap_enable(budget, prefetch); },
+      py::arg("budget") = 0, py::arg("prefetch") = 2,
+      "Offload the blobs of later puts to pinned host memory (budget: device-resident blob bytes kept "
+      "before offloading, 0 = offload all; prefetch: blobs brought back ahead of backward).");
+  m.def("swap_disable", []() { rt().swap_disable(); },
+        "Stop offloading later puts (blobs already offloaded stay with their mover).");
+  m.def("swap_stats", []() {
+    runtime& r = rt();
+    std::lock_guard lock(r.swap_mu);
+    py::list out;
+    for (auto const& mv : r.swap_movers) out.append(json_loads(mv->stats_json().dump()));
+    return out;
+  }, "The stats section of every swap mover created so far.");
   m.def("store_begin_step", [](std::uint64_t step) { rt().store.begin_step(step); }, py::arg("step"));
   m.def("store_end_step", []() { return rt().store.end_step(); },
         "End the step; returns the number of handles still alive (counted as leaks).");

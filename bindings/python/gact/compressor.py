@@ -221,6 +221,10 @@ class Compressor:
         if swap and not hasattr(_C, "swap_enable"):
             raise NotImplementedError("gact.Compressor: swap=True needs the swap layer, which this build of gact lacks")
         self.swap = bool(swap)
+        # GACT_SWAP_BUDGET: device-resident blob bytes kept before offloading (0 = offload all);
+        # GACT_PREFETCH: blobs brought back ahead of backward.
+        self._swap_budget = int(opts["swap_budget"])
+        self._prefetch = int(opts["prefetch"])
         self.estimator = estimator
 
         self._excluded_modules: set[int] = set()
@@ -343,6 +347,10 @@ class Compressor:
             self._stack().clear()
             if not self._step_open:
                 self._open_step()
+            if self.swap:
+                _C.swap_enable(self._swap_budget, self._prefetch)
+            elif hasattr(_C, "swap_disable"):
+                _C.swap_disable()
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             ctx.__enter__()
             self._hook_ctx.append(ctx)
