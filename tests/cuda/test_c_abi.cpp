@@ -17,6 +17,7 @@
 
 #include "bindings/gact.h"
 #include "cuda_fixtures.hpp"
+#include "allocator/stats_registry.hpp"
 
 namespace {
 constexpr std::size_t k_mib = std::size_t{1} << 20;
@@ -166,7 +167,7 @@ TEST_CASE("c abi: stats dump to a file, errors as -1") {
   std::ifstream in(path);
   REQUIRE(in.good());
   auto const doc = nlohmann::json::parse(in);
-  CHECK(doc["schema_version"] == 1);
+  CHECK(doc["schema_version"] == gact::stats::k_schema_version);
   CHECK(doc["allocators"].contains("cuda:0"));
   std::remove(path.c_str());
   CHECK(gact_dump_stats("/nonexistent-dir/gact/stats.json") == -1);
