@@ -1,0 +1,132 @@
+#!/usr/bin/python3
+"""gact-bench policy: gradient variance at equal stored bytes for uniform 2 bits, auto with the
+reference estimator and auto with the online estimator, and each estimator's overhead as a
+percentage of training time, amortized over adapt_interval steps.
+
+    gact-bench policy [--size 32] [--batch 8] [--seeds 4] [--ref-batch 2] [--interval N] [--threads 1]
+
+Method (resnet18, fresh weights, one random batch):
+  g*        the uncompressed gradient of the batch.
+  variance  mean over --seeds steps (fresh rounding noise each) of ||g - g*||^2.
+  bytes     the store's stored bytes while the step's activations are alive.
+  uniform   gact at 2 bits: its stored bits per element (2 + metadata + headers) over the
+            policy's element count become the budget of both auto arms, re-solved with
+            set_budget, so all arms store (at most) the same bytes.
+  online    auto, estimator="online": estimates from step 0 (sampled), one decision.
+  reference auto, estimator="reference": the closure runs forward+backward on the first
+            --ref-batch samples of the batch (3 passes per saved tensor).
+  overhead  (extra time of the sampled step over an ordinary auto step + estimate/solve time)
+            / (interval x ordinary step time), interval = --interval or the adapt_interval
+            option (GACT_ADAPT_INTERVAL, default 100).
+Each variance is printed beside uniform's as a ratio (uniform / arm: > 1 is better).
+Target (issue 5): uniform / auto >= 2 at <= 1 % overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="gact-bench policy")
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--ref-batch", type=int, default=2)
+    ap.add_argument("--interval", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    import torchvision
+
+    import _gact as _C
+    import gact
+
+    torch.manual_seed(0)
+    m = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(a.batch, 3, a.size, a.size)
+    y = torch.randint(0, 10, (a.batch,))
+    params = list(m.parameters())
+    interval = a.interval or int(_C.options_current()["adapt_interval"])
+
+    def step(comp=None):
+        m.zero_grad()
+        t0 = time.perf_counter()
+        nbytes = 0
+        if comp is None:
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+        else:
+            with comp:
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+            nbytes = _C.store_stored_bytes()
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        dt = time.perf_counter() - t0
+        return torch.cat([p.grad.reshape(-1) for p in params]).double(), nbytes, dt
+
+    g0, _, _ = step()
+
+    def measure(comp):
+        errs, nb, ts = [], [], []
+        for _ in range(a.seeds):
+            g, b, dt = step(comp)
+            errs.append(float((g - g0).pow(2).sum()))
+            nb.append(b)
+            ts.append(dt)
+        return statistics.mean(errs), statistics.stdev(errs) / a.seeds**0.5, max(nb), statistics.median(ts)
+
+    res = {}
+    cu = gact.Compressor(m, bits=2)
+    res["uniform2"] = measure(cu)
+    cu.close()
+    bytes_eq = res["uniform2"][2]
+
+    def auto_arm(name, estimator, closure=None):
+        comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator)
+        if closure is not None:
+            comp.policy.reference_closure = lambda: closure(comp)
+        comp.policy.adapt_interval = 10**9
+        _, _, t_sampled = step(comp)  # step 0: sampled, then estimate + decide inside comp.step()
+        est_s = comp.policy.estimate_seconds
+        numel = comp.policy.stats()["last_decision"]["total_numel"]
+        comp.policy.controller.set_budget(8.0 * bytes_eq / numel)
+        d = comp.policy.controller.decide()["last_decision"]
+        var, se, nb, t_step = measure(comp)
+        comp.close()
+        extra = max(t_sampled - est_s - t_step, 0.0) + est_s
+        res[name] = (var, se, nb, t_step)
+        res[name + "_overhead_pct"] = 100.0 * extra / (interval * t_step)
+        res[name + "_estimate_s"] = est_s
+        res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
+
+    xs, ys = x[: a.ref_batch], y[: a.ref_batch]
+
+    def ref_closure(comp):
+        with comp:
+            torch.nn.functional.cross_entropy(m(xs), ys).backward()
+
+    auto_arm("online", "online")
+    auto_arm("reference", "reference", ref_closure)
+
+    vu = res["uniform2"][0]
+    print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, adapt_interval {interval}")
+    print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} {'overhead %':>11}")
+    for name in ("uniform2", "online", "reference"):
+        v, se, nb, _ = res[name]
+        ov = res.get(name + "_overhead_pct")
+        print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {'' if ov is None else f'{ov:11.3f}'}")
+    print(f"ordinary auto step {res['online'][3]:.3f} s; reference estimate {res['reference_estimate_s']:.1f} s "
+          f"(batch {a.ref_batch}); online estimate+solve {res['online_estimate_s'] * 1e3:.1f} ms")
+    print(json.dumps({k: v for k, v in res.items()}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
