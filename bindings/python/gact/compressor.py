@@ -335,10 +335,12 @@ class Compressor:
             s.pop()
 
     def close(self) -> None:
-        """Remove the module hooks this Compressor installed on the model."""
+        """Remove the module hooks this Compressor (and its policy) installed on the model."""
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
+        if self._policy is not None and hasattr(self._policy, "close"):
+            self._policy.close()
 
     # ---- context manager ----------------------------------------------------------------
 
