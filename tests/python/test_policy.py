@@ -218,3 +218,28 @@ def test_dynamic_graph_trains_under_auto():
     assert "<root>:2" in t and "<root>:1" in t, sorted(t)
     assert comp.policy.decisions >= 4
     assert comp.stats()["policy"]["last_decision"]["status"] in ("ok", "infeasible")
+
+
+def _allreduce_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    est = {"a:0": 1.0 + rank, f"only{rank}:0": 10.0 * (rank + 1)}
+    got = gpol._allreduce_mean(est)
+    dist.destroy_process_group()
+    torch.save(got, f"{out_dir}/r{rank}.pt")
+
+
+def test_estimates_are_averaged_over_ranks(tmp_path):
+    """With torch.distributed (gloo, 2 ranks) every rank gets the same per-key means over the
+    ranks that saw the key, so the deterministic solve gives every rank the same bits."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_allreduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
+    assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0}
