@@ -33,6 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
     ) from e
 
 from . import codecs
+from . import policy
 from .allocator import use_allocator
 from .compressor import Compressor
 from .options import configure, options
