@@ -172,17 +172,22 @@ def test_nonfinite_is_stored_raw_and_counted():
 
 
 def test_leaks_are_counted_at_end_of_step():
+    # The store is process-wide: graphs that earlier tests still hold keep their handles
+    # alive, and every end_step counts them. Measure against what is alive on entry.
+    import gc
+    gc.collect()
     before = C.store_stats()
+    live0 = before["live_handles"]
     C.store_begin_step(1)
     x = torch.randn(100, 100)
     h = put(x)
-    assert C.store_end_step() == 1
+    assert C.store_end_step() == live0 + 1
     mid = C.store_stats()
-    assert delta(before, mid, "leaks") == 1 and mid["leaks_last_step"] == 1
+    assert delta(before, mid, "leaks") == live0 + 1 and mid["leaks_last_step"] == live0 + 1
     assert mid["bytes_stored_current"] >= C.store_info(h)["bytes_stored"]
     C.store_release(h)  # the leaked handle stays valid until released
-    assert C.store_end_step() == 0
-    assert C.store_stats()["live_handles"] == 0
+    assert C.store_end_step() == live0
+    assert C.store_stats()["live_handles"] == live0
 
 
 def test_stats_keys():
