@@ -256,7 +256,7 @@ def main(argv=None) -> int:
         json.dump(doc, f, indent=2)
     os.replace(tmp, args.stats)
     leaks = sum(r.get("leaks", 0) for r in rows)
-    print(f"stats written to {args.stats} (view: tools/gact-stats {args.stats})"
+    print(f"stats written to {args.stats} (view: tools/gact-stats show {args.stats})"
           + (f"; WARNING: {leaks} leaked handles" if leaks else ""))
     return 0
 
