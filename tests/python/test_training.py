@@ -59,12 +59,32 @@ def _check(name, results, bits_list=(8, 4, 2)):
             f"{name} {bits}-bit: mean difference to fp32 {dm:+.3f} exceeds ±{TOLERANCE[name][bits]}")
 
 
-def test_digits_cnn_accuracy():
+@functools.lru_cache(maxsize=1)
+def _digits_results():
     data = k.digits()
     results = {bits: [k.train_digits(bits, s, epochs=6, data=data) for s in SEEDS] for bits in (None, 8, 4, 2)}
     _report("digits CNN", "% accuracy", results)
+    return results
+
+
+def test_digits_cnn_accuracy():
+    results = _digits_results()
     assert k.mean_std(results[None])[0] > 95.0, "the fp32 baseline did not learn: the comparison is void"
+    # 2 bits is held to the 3-point regression bound here; the 1-point aim is
+    # test_digits_cnn_accuracy_2bit_aim below, an expected failure until 2 bits reaches it.
     _check("digits", results)
+
+
+DIGITS_2BIT_GAP = (
+    "confirmed: at 2 bits the digits CNN loses 1.52 ± 1.58 points against fp32 over seeds 0-2 "
+    "(6 epochs), missing the 1-point aim; 8 and 4 bits are within 0.07")
+
+
+@pytest.mark.xfail(strict=True, reason=DIGITS_2BIT_GAP)
+def test_digits_cnn_accuracy_2bit_aim():
+    base, r = _digits_results()[None], _digits_results()[2]
+    dm = sum(a - b for a, b in zip(r, base)) / len(base)
+    assert abs(dm) <= 1.0, f"digits 2-bit: mean difference to fp32 {dm:+.3f} exceeds the 1-point aim"
 
 
 def test_gcn_sbm_accuracy():
