@@ -293,3 +293,53 @@ def test_gact_run_compresses_an_unmodified_script(tmp_path):
     r = subprocess.run([sys.executable, tool, "--bits", "3", "--", sys.executable, "-c", "0"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "--bits" in r.stderr
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_relu_backward_uses_an_exact_mask(inplace):
+    """ReLU's backward reads only result > 0, and gact keeps that as an exact 1-bit mask: with
+    the ReLU output saved by nothing else, the gradient at 1 bit is bit-identical to fp32.
+    (Quantized, a small positive output rounded to the group's min 0 would drop its gradient.)"""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 256)
+    x, c = torch.randn(32, 64), torch.randn(32, 256)
+
+    def loss_of():
+        return (F.relu(lin(x), inplace=inplace) * c).sum()  # mul saves c only (excluded below)
+
+    lin.zero_grad()
+    loss_of().backward()
+    g = lin.weight.grad.clone()
+    comp = gact.Compressor(lin, bits=1, min_bytes=0, exclude=[c])
+    before = C.stats_document()["store"]["codecs"]
+    lin.zero_grad()
+    with comp:
+        loss = loss_of()
+    loss.backward()
+    comp.step()
+    comp.close()
+    after = C.stats_document()["store"]["codecs"]
+    assert after["mask"]["tensors"] - before["mask"]["tensors"] == 1
+    assert after["mask"]["bytes_in"] - before["mask"]["bytes_in"] == 32 * 256  # bool, 1 byte each
+    assert torch.equal(lin.weight.grad, g)
+
+
+def test_relu_output_saved_again_is_stored_as_values_too():
+    """The next layer's save of the same ReLU output holds its values (quantized), not the mask."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    m.zero_grad()
+    m(x).square().sum().backward()
+    g = m[2].weight.grad.clone()
+    comp = gact.Compressor(m, bits=8)
+    m.zero_grad()
+    with comp:
+        loss = m(x).square().sum()
+    loss.backward()
+    comp.step()
+    comp.close()
+    # 8-bit values: the second Linear's weight gradient is close to fp32 (a mask would give
+    # 0/1 inputs and a gradient nowhere near it).
+    cos = F.cosine_similarity(m[2].weight.grad.reshape(-1), g.reshape(-1), dim=0)
+    assert cos > 0.999, float(cos)

@@ -81,17 +81,35 @@ def key64(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
+_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+
+
+def _is_relu_own_save(t: torch.Tensor) -> bool:
+    """True when relu/relu_'s backward node is saving its own output: the first save of a tensor
+    whose grad_fn is that node (the node saves it while the op runs, before any consumer can);
+    the node is marked in its ``metadata`` so that later saves (a conv's input) are values."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ not in _RELU_NODES:
+        return False
+    if fn.metadata.get("gact_relu_mask"):
+        return False
+    fn.metadata["gact_relu_mask"] = True
+    return True
+
+
 class _Packed:
     """What autograd holds instead of a saved tensor: a store handle and the tensor's metadata."""
 
-    __slots__ = ("handle", "shape", "dtype", "device", "key")
+    __slots__ = ("handle", "shape", "dtype", "device", "key", "mask_of")
 
-    def __init__(self, handle: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, key: str):
+    def __init__(self, handle: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, key: str,
+                 mask_of: torch.dtype | None = None):
         self.handle = handle
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.key = key
+        self.mask_of = mask_of  # a ReLU output stored as its mask: decode to 0/1 in this dtype
 
     def unpack(self) -> torch.Tensor:
         if self.handle == 0:
@@ -103,6 +121,8 @@ class _Packed:
             _C.pop_tag()
         stream = _compat.current_stream(out)
         _C.store_get(self.handle, out.data_ptr(), out.numel() * out.element_size(), stream)
+        if self.mask_of is not None:
+            return out.to(self.mask_of)
         return out
 
     def release(self) -> None:
@@ -145,7 +165,11 @@ class Compressor:
         exclude: modules (with their submodules) and tensors whose saved tensors stay
             uncompressed.
         swap: offload compressed activations to pinned host memory (needs the swap layer).
-        estimator: passed to the adaptive policy with ``bits="auto"``.
+        estimator: with ``bits="auto"``, how sensitivities are estimated: ``"online"``
+            (default), ``"probe"`` or ``"reference"`` (gact.policy); the last two need a
+            closure, given to :meth:`step` or as ``gact.policy.Probe(closure)``.
+        adapt_interval: with ``bits="auto"``, steps between re-estimations. Default: the
+            ``adapt_interval`` option (GACT_ADAPT_INTERVAL).
 
     Raises:
         ValueError: for a bad setting, naming it and the accepted values.
@@ -164,6 +188,7 @@ class Compressor:
         exclude: Iterable[Any] = (),
         swap: bool | None = None,
         estimator: Any = None,
+        adapt_interval: int | None = None,
         policy: Any = None,
     ) -> None:
         opts = _options()
@@ -226,6 +251,11 @@ class Compressor:
         self._swap_budget = int(opts["swap_budget"])
         self._prefetch = int(opts["prefetch"])
         self.estimator = estimator
+        if adapt_interval is not None and (
+            isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1
+        ):
+            raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
+        self.adapt_interval = adapt_interval
 
         self._excluded_modules: set[int] = set()
         self._excluded_tensors: list[torch.Tensor] = []
@@ -240,6 +270,7 @@ class Compressor:
                 )
 
         self._policy = policy
+        self._probe: Any = None  # a policy's probe recorder: saved tensors kept exact (gact.policy)
         if self.bits == "auto" and self._policy is None:
             self._policy = self._make_auto_policy()
 
@@ -383,9 +414,19 @@ class Compressor:
         _C.store_begin_step(self._step)
         self._step_open = True
 
-    def step(self) -> int:
+    def step(self, closure: Any = None) -> int:
         """End the iteration: count handles still alive as leaks, advance the step (new noise),
-        let the policy update. Call after ``optimizer.step()``. Returns the leaked handle count."""
+        let the policy update. Call after ``optimizer.step()``. Returns the leaked handle count.
+
+        ``closure``: for ``bits="auto"`` with ``estimator="probe"`` or ``"reference"``, a
+        function that runs the model's forward pass on a small batch (a few samples) and
+        returns the loss; it is called only on the steps that re-estimate."""
+        if closure is not None:
+            if not callable(closure):
+                raise TypeError(f"gact.Compressor.step: closure must be callable, not {type(closure).__name__}")
+            if self._policy is None or not hasattr(self._policy, "closure"):
+                raise ValueError("gact.Compressor.step: a closure is used only with bits='auto'")
+            self._policy.closure = closure
         leaks = _C.store_end_step()
         self._step += 1
         self._step_open = False
@@ -452,6 +493,7 @@ class Compressor:
             return t
         if not self._step_open:
             self._open_step()
+        relu_own = t.dtype in _compat.FLOAT_DTYPES and _is_relu_own_save(t)
         reason = self._skip_reason(t)
         if reason is not None:
             _C.store_note_skip(reason, t.numel() * t.element_size())
@@ -465,6 +507,14 @@ class Compressor:
         if t.device.type == "cuda" and not t.is_contiguous():
             t = t.contiguous()  # the device gathers faster than a host round trip
         key = self._next_key()
+        if relu_own:
+            # ReLU's backward reads only result > 0. Rounding a small positive output to the
+            # group's min 0 would drop its gradient (a bias no rounding noise averages out), so
+            # the ReLU keeps an exact 1-bit mask; a consumer that saves the same tensor for its
+            # values (the next conv) stores it quantized under its own key.
+            return self._pack_relu_mask(t, key)
+        if self._probe is not None:
+            return self._probe.pack(t, key)
         bits = self._bits_for(key, t.numel()) if t.dtype in _compat.FLOAT_DTYPES else 1
         h = _C.store_put(
             t.data_ptr(),
@@ -489,10 +539,20 @@ class Compressor:
                 _C.store_forget(h)
         return _Packed(h, t.shape, t.dtype, t.device, key)
 
+    def _pack_relu_mask(self, t: torch.Tensor, key: str) -> Any:
+        mask = t > 0
+        if self._probe is not None:
+            return mask.to(t.dtype)  # exact: nothing to probe
+        h = _C.store_put(mask.data_ptr(), "bool", tuple(mask.shape), tuple(mask.stride()), _compat.device_index(mask),
+                         0, key64(key), 1, self.group_size, self.seed, _compat.current_stream(mask))
+        _C.store_forget(h)  # the mask is a temporary: its address must never match a later tensor
+        return _Packed(h, mask.shape, mask.dtype, mask.device, key, mask_of=t.dtype)
+
     def _unpack(self, obj: Any) -> Any:
         if isinstance(obj, _Packed):
             return obj.unpack()
-        return obj
+        probe_unpack = getattr(type(obj), "probe_unpack", None)  # a probe's exact copy (gact.policy)
+        return probe_unpack(obj) if probe_unpack is not None else obj
 
     # ---- global installation (gact-run) -------------------------------------------------
 
