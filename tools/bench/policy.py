@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--ref-batch", type=int, default=2)
     ap.add_argument("--interval", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--probe-vectors", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     import torchvision
@@ -89,40 +91,47 @@ def main() -> int:
     bytes_eq = res["uniform2"][2]
 
     def auto_arm(name, estimator, closure=None):
-        comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator)
+        comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator, adapt_interval=10**9)
+        comp.policy.probe_vectors = a.probe_vectors
         if closure is not None:
-            comp.policy.reference_closure = lambda: closure(comp)
-        comp.policy.adapt_interval = 10**9
+            comp.policy.closure = lambda: closure(comp)
         _, _, t_sampled = step(comp)  # step 0: sampled, then estimate + decide inside comp.step()
         est_s = comp.policy.estimate_seconds
-        numel = comp.policy.stats()["last_decision"]["total_numel"]
-        comp.policy.controller.set_budget(8.0 * bytes_eq / numel)
-        d = comp.policy.controller.decide()["last_decision"]
+        comp.policy.fit_bytes(lambda: m(x), bytes_eq)
+        d = comp.policy.stats()["last_decision"]
         var, se, nb, t_step = measure(comp)
         comp.close()
         extra = max(t_sampled - est_s - t_step, 0.0) + est_s
         res[name] = (var, se, nb, t_step)
         res[name + "_overhead_pct"] = 100.0 * extra / (interval * t_step)
+        res[name + "_estimate_steps"] = extra / t_step
         res[name + "_estimate_s"] = est_s
         res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
 
     xs, ys = x[: a.ref_batch], y[: a.ref_batch]
 
-    def ref_closure(comp):
-        with comp:
-            torch.nn.functional.cross_entropy(m(xs), ys).backward()
+    def ref_closure(_comp):
+        return torch.nn.functional.cross_entropy(m(xs), ys)
+
+    def probe_closure(_comp):
+        return torch.nn.functional.cross_entropy(m(xs), ys)
 
     auto_arm("online", "online")
-    auto_arm("reference", "reference", ref_closure)
+    auto_arm("probe", "probe", probe_closure)
+    if not a.skip_reference:
+        auto_arm("reference", "reference", ref_closure)
 
     vu = res["uniform2"][0]
     print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, adapt_interval {interval}")
     print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} {'overhead %':>11}")
-    for name in ("uniform2", "online", "reference"):
+    for name in ("uniform2", "online", "probe", "reference"):
+        if name not in res:
+            continue
         v, se, nb, _ = res[name]
         ov = res.get(name + "_overhead_pct")
         print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {'' if ov is None else f'{ov:11.3f}'}")
-    print(f"ordinary auto step {res['online'][3]:.3f} s; reference estimate {res['reference_estimate_s']:.1f} s "
+    print(f"ordinary auto step {res['online'][3]:.3f} s; probe estimate {res['probe_estimate_s']:.2f} s; "
+          f"reference estimate {res.get('reference_estimate_s', float('nan')):.1f} s "
           f"(batch {a.ref_batch}); online estimate+solve {res['online_estimate_s'] * 1e3:.1f} ms")
     print(json.dumps({k: v for k, v in res.items()}, default=str))
     return 0

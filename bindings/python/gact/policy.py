@@ -60,7 +60,9 @@ estimator adapts without a closure.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -74,10 +76,22 @@ _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 class Reference:
     """``estimator=gact.policy.Reference(closure)``: the reference estimator with its closure."""
 
+    name = "reference"
+
     def __init__(self, closure: Callable[[], Any]) -> None:
         if not callable(closure):
-            raise TypeError("gact.policy.Reference: closure must be callable")
+            raise TypeError(f"gact.policy.{type(self).__name__}: closure must be callable")
         self.closure = closure
+
+
+class Probe(Reference):
+    """``estimator=gact.policy.Probe(closure)``: the probe estimator with its closure, which
+    returns the loss of one forward pass on a small batch (gact runs the backward passes)."""
+
+    name = "probe"
+
+
+_ESTIMATORS = ("online", "probe", "reference")
 
 
 def online_sensitivity(sum_sq_ranges: float, numel: int, group_size: int, grad_sq_norm: float, fan_in: float) -> float:
@@ -113,16 +127,18 @@ class AutoPolicy:
     """
 
     def __init__(self, compressor: Any, budget: float, estimator: Any = None, adapt_interval: int | None = None,
-                 ema_weight: float = 0.5) -> None:
+                 ema_weight: float = 0.5, probe_vectors: int = 2) -> None:
         if estimator is None:
             estimator = "online"
-        self.reference_closure: Callable[[], Any] | None = None
+        self.closure: Callable[[], Any] | None = None
         if isinstance(estimator, Reference):
-            self.reference_closure = estimator.closure
-            estimator = "reference"
-        if estimator not in ("online", "reference"):
-            raise ValueError(f"gact.Compressor: estimator={estimator!r} is not supported; use 'online' or 'reference'")
+            self.closure = estimator.closure
+            estimator = estimator.name
+        if estimator not in _ESTIMATORS:
+            raise ValueError(f"gact.Compressor: estimator={estimator!r} is not supported; "
+                             f"use one of {', '.join(repr(e) for e in _ESTIMATORS)}")
         self.estimator = estimator
+        self.probe_vectors = probe_vectors
         if adapt_interval is None:
             adapt_interval = int(_C.options_current()["adapt_interval"])
         if isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1:
@@ -178,6 +194,8 @@ class AutoPolicy:
             t0 = _now()
             if self.estimator == "online":
                 est = self._online_estimates()
+            elif self.estimator == "probe":
+                est = self._probe_estimates()
             else:
                 est = self._reference_estimates()
             est = _allreduce_mean(est)
@@ -195,6 +213,41 @@ class AutoPolicy:
 
     def stats(self) -> dict:
         return self.controller.stats()
+
+    def fit_bytes(self, forward: Callable[[], Any], max_bytes: int) -> float:
+        """Re-solve at the largest average-bit budget whose step stores at most ``max_bytes``
+        in the store (ReLU masks and raw blobs included, which the budget does not size), found
+        by bisection over [1, 8] bits: ``forward()`` runs the model's forward pass (under the
+        Compressor, 14 times). For comparisons at equal memory. Returns the budget."""
+        comp = self._comp
+        pol = self.controller
+        lo, hi = 1.0, 8.0
+        for _ in range(14):
+            mid = 0.5 * (lo + hi)
+            pol.set_budget(mid)
+            pol.decide()
+            with comp:
+                out = forward()
+            nbytes = _C.store_stored_bytes()
+            del out
+            _C.store_end_step()
+            comp._step_open = False
+            if nbytes <= max_bytes:
+                lo = mid
+            else:
+                hi = mid
+        pol.set_budget(lo)
+        pol.decide()
+        return lo
+
+    @property
+    def reference_closure(self) -> Callable[[], Any] | None:
+        """The estimator's closure (the name predates the probe estimator, which uses it too)."""
+        return self.closure
+
+    @reference_closure.setter
+    def reference_closure(self, fn: Callable[[], Any] | None) -> None:
+        self.closure = fn
 
     def close(self) -> None:
         for h in self._hooks:
@@ -251,7 +304,7 @@ class AutoPolicy:
     # ---- reference estimator -------------------------------------------------------------
 
     def _reference_estimates(self) -> dict[str, float]:
-        if self.reference_closure is None:
+        if self.closure is None:
             raise RuntimeError(
                 "gact.Compressor: estimator='reference' needs a closure: set comp.policy.reference_closure "
                 "or pass estimator=gact.policy.Reference(closure)")
@@ -276,6 +329,105 @@ class AutoPolicy:
                 p.grad = gr
         return est
 
+    # ---- probe estimator -----------------------------------------------------------------
+
+    def _probe_estimates(self) -> dict[str, float]:
+        if self.closure is None:
+            raise RuntimeError(
+                "gact.Compressor: estimator='probe' needs a closure that returns the loss of one forward pass "
+                "on a small batch: pass it to comp.step(closure) or estimator=gact.policy.Probe(closure)")
+        comp = self._comp
+        params = [p for p in comp.model.parameters() if p.requires_grad] if comp.model is not None else []
+        if not params:
+            raise RuntimeError("gact.Compressor: estimator='probe' needs a model with parameters that require grad")
+        rec = _ProbeRecorder(comp.group_size)
+        cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts))
+                 for m in comp.model.modules() if next(m.children(), None) is None]
+        user_grads = [p.grad for p in params]
+        saved_state = comp._key_counts, comp._input_ptrs, comp._step_open
+        # the probe keys tensors as a step does, but stores nothing: no store step is opened
+        comp._key_counts, comp._input_ptrs, comp._step_open = {}, set(), True
+        comp._probe = rec
+        try:
+            try:
+                with torch.enable_grad(), comp:
+                    loss = self.closure()
+            finally:
+                comp._probe = None
+                comp._key_counts, comp._input_ptrs, comp._step_open = saved_state
+                for h in hooks:
+                    h.remove()
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                raise TypeError("gact.Compressor: the probe closure must return the scalar loss of its forward "
+                                f"pass (a tensor that requires grad), not {type(loss).__name__}")
+            return self._probe_solve(rec, cuts, params, loss)
+        finally:
+            for p, g in zip(params, user_grads):
+                p.grad = g
+            for leaf, _ in cuts:
+                leaf.grad = None
+            rec.close()
+
+    def _probe_solve(self, rec: "_ProbeRecorder", cuts: list, params: list[torch.Tensor],
+                     loss: torch.Tensor) -> dict[str, float]:
+        """C_l for every blob of the probe, from one backward with create_graph and
+        ``probe_vectors`` double backwards (the method: policy/README.md, "Probe")."""
+        for p in params:
+            p.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # create_graph=True into .grad: the cycle is broken below
+            # g(h): the parameter gradients as a function of the saved tensors h. The forward pass
+            # was cut at every leaf module's inputs, so that a saved tensor's derivative below is
+            # its own (the direct path), not also the forward paths through the activations after
+            # it; the cuts are chained here, latest first (a reverse topological order).
+            torch.autograd.backward(loss, create_graph=True)
+            for leaf, orig in reversed(cuts):
+                if leaf.grad is not None and orig.requires_grad:
+                    torch.autograd.backward(orig, leaf.grad, create_graph=True)
+        g = [p.grad for p in params if p.grad is not None and p.grad.requires_grad]
+        comp = self._comp
+        alias = self._alias
+        want = {k for k in self._saved if k not in alias}
+        blob_of = {}  # probe blob -> controller key (a later save of a deduplicated blob: its first key)
+        for i, k in enumerate(rec.keys):
+            target = alias.get(k, k)
+            if target in want:
+                blob_of[i] = target
+        c = {k: 0.0 for k in blob_of.values()}
+        idx = sorted(blob_of)
+        n = self.probe_vectors
+        if g and idx:
+            gen = torch.Generator().manual_seed((comp.seed * 1_000_003 + self.decisions) % 2**63)
+            for r in range(n):
+                # Hutchinson: with E[v vᵀ] = I, E_v[(J_lᵀ v)_j²] = ‖J_l[:, j]‖², so
+                # Σ_j var_j·(J_lᵀ v)_j² estimates Σ_j var_j‖J_l[:, j]‖² = E‖J_l ε_l‖², the
+                # gradient variance tensor l adds at 1 bit, for every tensor from one double backward.
+                signs = _random_signs(sum(x.numel() for x in g), gen)
+                dot, at = 0, 0
+                for x in g:
+                    v = signs[at:at + x.numel()].view(x.shape).to(x.device, x.dtype)
+                    dot = dot + (x * v).sum()
+                    at += x.numel()
+                us = torch.autograd.grad(dot, [rec.tensors[i] for i in idx], retain_graph=r + 1 < n,
+                                         allow_unused=True)
+                per: dict[str, torch.Tensor] = {}
+                for i, u in zip(idx, us):
+                    if u is None:
+                        continue  # the tensor's noise reaches no parameter gradient (max-pool input)
+                    # one blob saved under several keys: the same noise enters each use
+                    k = blob_of[i]
+                    w = u.detach().float().reshape(-1)
+                    per[k] = per[k] + w if k in per else w
+                    var1 = rec.var1[i]
+                    per.setdefault(("var", k), var1)
+                for k in c:
+                    if k in per:
+                        c[k] += float((per[k].double().pow(2) * per[("var", k)].double()).sum()) / n
+        for p in params:
+            p.grad = None
+        return c
+
     def _probe(self, params: list[torch.Tensor], override: dict[str, int], seed: int) -> torch.Tensor:
         comp = self._comp
         self._override = override
@@ -284,12 +436,108 @@ class AutoPolicy:
             p.grad = None
         comp._open_step()
         try:
-            self.reference_closure()
+            with torch.enable_grad(), comp:
+                loss = self.closure()
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
+                del loss
         finally:
             _C.store_end_step()
             comp._step_open = False
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
                           for p in params])
+
+
+class _ProbeSaved:
+    """What autograd holds for a saved tensor during a probe: the tensor itself (uncompressed),
+    so that a double backward reaches it through the saved-variable edge."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def probe_unpack(self) -> torch.Tensor:
+        if self.tensor is None:
+            raise RuntimeError("gact: a probe's saved tensor was used after the probe ended")
+        return self.tensor
+
+
+class _ProbeRecorder:
+    """The Compressor's probe mode. Every float tensor it would store is kept as is, once per
+    blob (the store's dedup: same storage, offset, shape, strides and version) under the key of
+    its first save, with its 1-bit rounding variance computed at save time."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.index: dict[tuple, int] = {}
+        self.keys: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.var1: list[torch.Tensor] = []
+        self.holders: list[_ProbeSaved] = []
+
+    def pack(self, t: torch.Tensor, key: str) -> Any:
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
+        ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else t.storage().data_ptr()
+        ident = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
+        if ident not in self.index:  # the tensor stays referenced, so its address is not reused
+            self.index[ident] = len(self.tensors)
+            self.keys.append(key)
+            self.tensors.append(t)
+            self.var1.append(rounding_variance_1bit(t, self.group_size))
+        h = _ProbeSaved(t)
+        self.holders.append(h)
+        return h
+
+    def close(self) -> None:
+        for h in self.holders:  # break tensor -> grad_fn -> saved holder -> tensor
+            h.tensor = None
+        self.holders.clear()
+        self.tensors.clear()
+        self.var1.clear()
+
+
+def _cut_inputs(cuts: list, _module: torch.nn.Module, inputs: tuple) -> tuple:
+    """A probe's forward pre-hook on a leaf module: each float input is replaced by a copy of a
+    fresh leaf that requires grad, cutting the graph there (``cuts`` gets (leaf, original);
+    an input that did not require grad, like the batch, now does, so that what the module
+    saves of it can be differentiated too)."""
+    out = []
+    for a in inputs:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            leaf = a.detach().requires_grad_()
+            cuts.append((leaf, a))
+            a = leaf.clone()
+        out.append(a)
+    return tuple(out)
+
+
+def _random_signs(n: int, gen: torch.Generator) -> torch.Tensor:
+    """n independent ±1 (float32) from 64 random bits per word: much faster than one draw per element."""
+    words = torch.randint(-2**63, 2**63 - 1, ((n + 63) // 64, 1), generator=gen, dtype=torch.int64)
+    bits = (words >> torch.arange(64, dtype=torch.int64)) & 1
+    return bits.reshape(-1)[:n].to(torch.float32).mul_(2.0).sub_(1.0)
+
+
+def variance_factor(bits: int) -> float:
+    return 1.0 / float(2**bits - 1) ** 2
+
+
+def rounding_variance_1bit(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per element, the variance of 1-bit stochastic rounding within its group of ``group_size``
+    consecutive elements (row-major): (x − min_g)(max_g − x). At b bits it is at most this
+    times 1/(2^b − 1)², and equal to it in expectation over uniform fractions (policy/README.md)."""
+    v = x.detach().reshape(-1).float()
+    out = torch.empty_like(v)
+    full = v.numel() // group_size * group_size
+    for lo, hi, g in ((0, full, group_size), (full, v.numel(), v.numel() - full)):
+        if hi > lo:
+            blk = v[lo:hi].view(-1, g)
+            mn = blk.min(dim=1, keepdim=True).values
+            mx = blk.max(dim=1, keepdim=True).values
+            out[lo:hi] = ((blk - mn) * (mx - blk)).reshape(-1)
+    return out
 
 
 def _now() -> float:
