@@ -1,23 +1,26 @@
 #!/usr/bin/python3
-"""gact-bench policy: gradient variance at equal stored bytes for uniform 2 bits, auto with the
-reference estimator and auto with the online estimator, and each estimator's overhead as a
+"""gact-bench policy: gradient variance at equal stored bytes for uniform 2 bits and for the
+auto policy with each estimator (online, probe, reference), and each estimator's overhead as a
 percentage of training time, amortized over adapt_interval steps.
 
-    gact-bench policy [--size 32] [--batch 8] [--seeds 4] [--ref-batch 2] [--interval N] [--threads 1]
+    gact-bench policy [--size 32] [--batch 32] [--seeds 8] [--ref-batch 8] [--interval N]
+                      [--probe-vectors 1] [--skip-reference] [--threads 1]
 
 Method (resnet18, fresh weights, one random batch):
   g*        the uncompressed gradient of the batch.
   variance  mean over --seeds steps (fresh rounding noise each) of ||g - g*||^2.
-  bytes     the store's stored bytes while the step's activations are alive.
-  uniform   gact at 2 bits: its stored bits per element (2 + metadata + headers) over the
-            policy's element count become the budget of both auto arms, re-solved with
-            set_budget, so all arms store (at most) the same bytes.
-  online    auto, estimator="online": estimates from step 0 (sampled), one decision.
-  reference auto, estimator="reference": the closure runs forward+backward on the first
-            --ref-batch samples of the batch (3 passes per saved tensor).
-  overhead  (extra time of the sampled step over an ordinary auto step + estimate/solve time)
-            / (interval x ordinary step time), interval = --interval or the adapt_interval
-            option (GACT_ADAPT_INTERVAL, default 100).
+  bytes     the store's stored bytes while the step's activations are alive (ReLU masks too).
+  uniform   gact at 2 bits.
+  auto arms bits="auto": estimates from step 0 (sampled), one decision, then re-solved at the
+            largest budget whose step stores no more than uniform's (policy.fit_bytes).
+  online    estimator="online" (no extra pass).
+  probe     estimator="probe": one forward on the first --ref-batch samples, a backward with
+            create_graph and --probe-vectors double backwards.
+  reference estimator="reference": 3 forward+backward passes on --ref-batch samples per tensor.
+  overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
+            included) / (interval x ordinary step time), interval = --interval or the
+            adapt_interval option (GACT_ADAPT_INTERVAL, default 250); "steps" is that extra
+            time in ordinary steps, and interval for 1 % = 100 x steps.
 Each variance is printed beside uniform's as a ratio (uniform / arm: > 1 is better).
 Target (issue 5): uniform / auto >= 2 at <= 1 % overhead.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,9 +40,9 @@ import torch
 def main() -> int:
     ap = argparse.ArgumentParser(prog="gact-bench policy")
     ap.add_argument("--size", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seeds", type=int, default=4)
-    ap.add_argument("--ref-batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--ref-batch", type=int, default=8)
     ap.add_argument("--interval", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-reference", action="store_true")
@@ -122,17 +126,21 @@ def main() -> int:
         auto_arm("reference", "reference", ref_closure)
 
     vu = res["uniform2"][0]
-    print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, adapt_interval {interval}")
-    print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} {'overhead %':>11}")
+    print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "
+          f"{a.ref_batch} samples, adapt_interval {interval}")
+    print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} "
+          f"{'steps':>7} {'overhead %':>11} {'interval for 1 %':>17}")
     for name in ("uniform2", "online", "probe", "reference"):
         if name not in res:
             continue
         v, se, nb, _ = res[name]
         ov = res.get(name + "_overhead_pct")
-        print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {'' if ov is None else f'{ov:11.3f}'}")
+        steps = res.get(name + "_estimate_steps")
+        tail = "" if ov is None else f"{steps:7.2f} {ov:11.3f} {max(1, math.ceil(100 * steps)):17d}"
+        print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {tail}")
     print(f"ordinary auto step {res['online'][3]:.3f} s; probe estimate {res['probe_estimate_s']:.2f} s; "
-          f"reference estimate {res.get('reference_estimate_s', float('nan')):.1f} s "
-          f"(batch {a.ref_batch}); online estimate+solve {res['online_estimate_s'] * 1e3:.1f} ms")
+          f"reference estimate {res.get('reference_estimate_s', float('nan')):.1f} s; "
+          f"online estimate+solve {res['online_estimate_s'] * 1e3:.1f} ms")
     print(json.dumps({k: v for k, v in res.items()}, default=str))
     return 0
 

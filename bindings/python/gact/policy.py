@@ -37,25 +37,29 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     2 bits when such blobs were estimated from their conv consumer alone.
     Cost: one reduction per module output, on one step in ``adapt_interval``.
 
+``"probe"`` (recommended)
+    Every tensor's C_l from one double backward: the closure's forward runs with the
+    graph cut at each leaf module's inputs, a backward with create_graph gives the
+    parameter gradients g as a function of the saved tensors, and for a random sign
+    vector v, Ĉ_l = Σ_j var_j·(∂(v·g)/∂h_l,j)², var_j = (x_j − min_g)(max_g − x_j) the
+    1-bit rounding variance, is unbiased for E‖J_l ε_l‖² (Hutchinson; policy/README.md,
+    "Probe"). Cost: about two ordinary steps per estimate, whatever the tensor count.
+    The closure returns the loss of one forward pass on a few samples; give it to
+    ``comp.step(closure)`` or ``estimator=gact.policy.Probe(closure)``.
+
 ``"reference"``
     GACT's perturbation method with common random numbers, its constants fixed:
     for each key l, three forward+backward passes with every other tensor kept at
     full precision and l at 1 bit (seed s), 1 bit (seed s+1) and 8 bits (seed s+2);
     Ĉ_l = (d01² + d02² + d12²)/(2 + 2·(1 + 1/255²)) with d = gradient differences.
-    It needs a closure that runs one forward and backward on a (small) subsample of
-    a batch inside ``with comp:`` and returns nothing, e.g.::
+    It takes the same closure as the probe (one that runs backward itself and returns
+    None also works). The closure is called inside ``comp.step()`` at each adaptation;
+    the model's ``.grad`` are saved before and restored after. Cost: 3 passes per saved
+    tensor.
 
-        def closure():
-            with comp:
-                loss_fn(model(x_small), y_small).backward()
-        comp = gact.Compressor(model, bits="auto", estimator="reference")
-        comp.policy.reference_closure = closure    # or Compressor(..., estimator=gact.policy.Reference(closure))
-
-    The closure is called inside ``comp.step()`` at each adaptation; the model's
-    ``.grad`` are saved before and restored after. Cost: 3 passes per saved tensor.
-
-Raises ValueError for an unknown estimator name and RuntimeError when the reference
-estimator adapts without a closure.
+Raises ValueError for an unknown estimator name, RuntimeError when the probe or the
+reference estimator adapts without a closure, TypeError when the probe's closure does
+not return a scalar loss.
 """
 
 from __future__ import annotations
