@@ -226,42 +226,44 @@ class SmallNet(torch.nn.Module):
         self.c2 = torch.nn.Conv2d(16, 32, 3, padding=1)
         self.extra = torch.nn.Conv2d(16, 16, 3, padding=1)
         self.fc = torch.nn.Linear(32 * 8 * 8, 10)
-        self.calls = 0
+        self.step = 0  # set by the training loop (a probe's forward must not advance it)
 
     def forward(self, x):
         h = torch.relu(self.b1(self.c1(x)))
-        if self.branch and self.calls % 3 == 1:  # taken on some steps only
+        if self.branch and self.step % 3 == 1:  # taken on some steps only
             h = torch.relu(self.extra(h)) + h
-        self.calls += 1
         h = torch.relu(self.c2(h))
         h = torch.nn.functional.max_pool2d(h, 2)
         return self.fc(h.flatten(1))
 
 
-def _train(bits, steps=12, branch=False, adapt=3):
+def _train(bits, steps=12, branch=False, adapt=3, estimator=None):
     torch.manual_seed(1)
     m = SmallNet(branch)
     x = torch.randn(16, 3, 16, 16)
     y = torch.randint(0, 10, (16,))
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    comp = gact.Compressor(m, bits=bits, budget=2) if bits == "auto" else gact.Compressor(m, bits=bits)
     if bits == "auto":
-        comp.policy.adapt_interval = adapt
+        comp = gact.Compressor(m, bits=bits, budget=2, estimator=estimator, adapt_interval=adapt)
+    else:
+        comp = gact.Compressor(m, bits=bits)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
+        m.step = i
         with comp:
             loss = torch.nn.functional.cross_entropy(m(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        comp.step()
+        comp.step(None if estimator is None else lambda: torch.nn.functional.cross_entropy(m(x[:4]), y[:4]))
         losses.append(float(loss))
     comp.close()
     return losses, comp
 
 
-def test_training_auto_no_worse_than_uniform_2bit():
-    la, comp = _train("auto")
+@pytest.mark.parametrize("estimator", [None, "probe"])
+def test_training_auto_no_worse_than_uniform_2bit(estimator):
+    la, comp = _train("auto", estimator=estimator)
     lu, _ = _train(2)
     assert comp.policy.decisions >= 3
     assert math.isfinite(la[-1]) and la[-1] < la[0]
@@ -271,8 +273,9 @@ def test_training_auto_no_worse_than_uniform_2bit():
     assert la[-1] <= lu[-1] * 1.1 + 0.1, (la, lu)
 
 
-def test_dynamic_graph_trains_under_auto():
-    losses, comp = _train("auto", steps=9, branch=True, adapt=2)
+@pytest.mark.parametrize("estimator", [None, "probe"])
+def test_dynamic_graph_trains_under_auto(estimator):
+    losses, comp = _train("auto", steps=9, branch=True, adapt=2, estimator=estimator)
     assert all(math.isfinite(v) for v in losses)
     t = comp.policy.stats()["tensors"]
     # The root's saves: each torch.relu its mask (not a policy tensor), then max_pool2d its
