@@ -57,21 +57,25 @@ class Planted(torch.nn.Module):
 
 
 def _planted_run(estimator: str) -> dict:
+    """estimator "replay": the default (the probe, replaying the sampled step, no closure)."""
     m = Planted()
     x = torch.randn(len(W), 64, 256)
     r = torch.randn(64, 64)
-    comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator, min_bytes=0, adapt_interval=1)
+    comp = gact.Compressor(m, bits="auto", budget=2, estimator=None if estimator == "replay" else estimator,
+                           min_bytes=0, adapt_interval=1)
+    assert comp.policy.estimator == ("probe" if estimator == "replay" else estimator)
     for _ in range(3):  # three adaptations, EMA-smoothed
         with comp:
             loss = m(x, r)
         loss.backward()
         m.zero_grad()
-        comp.step(lambda: m(x, r))  # the closure returns the loss of one forward pass
+        # the closure returns the loss of one forward pass
+        comp.step(None if estimator in ("online", "replay") else lambda: m(x, r))
     comp.close()
     return comp.policy.stats()["tensors"]
 
 
-@pytest.mark.parametrize("estimator", ["online", "probe", "reference"])
+@pytest.mark.parametrize("estimator", ["online", "probe", "replay", "reference"])
 def test_estimator_recovers_planted_sensitivities(estimator):
     t = _planted_run(estimator)
     keys = [f"lins.{i}:0" for i in range(len(W))]
@@ -84,7 +88,7 @@ def test_estimator_recovers_planted_sensitivities(estimator):
     # a factor 2 is > 4 SD on the log scale. Probe: (J_iᵀv)² averaged over 16384 elements of
     # u_i with one sign vector v has relative SD ≈ √(2/16384) ≈ 1.1 %, Σ var over i.i.d. data
     # another ~1 %: ±15 % is > 7 SD. Either way the 16× spacing fixes the order.
-    tol = 0.15 if estimator in ("online", "probe") else 1.0
+    tol = 0.15 if estimator in ("online", "probe", "replay") else 1.0
     for i in range(1, len(W)):
         ratio = cs[i] / cs[0] / (W[i] ** 2 / W[0] ** 2)
         assert 1 / (1 + tol) < ratio < 1 + tol, (estimator, i, ratio, cs)
@@ -190,14 +194,25 @@ def test_resnet18_auto_online_not_worse_at_equal_bytes(resnet_uniform):
     assert t < 4.54, (sum(eu) / 4, sum(ea) / 4, t, eu, ea)
 
 
+class KeywordOnly(torch.nn.Module):
+    """Called with keyword arguments only: the sampled step cannot be replayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def test_closure_api_errors():
-    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    m = KeywordOnly()
     x = torch.randn(32, 64)
     with pytest.raises(ValueError, match="adapt_interval"):
         gact.Compressor(m, bits="auto", adapt_interval=0)
     fixed = gact.Compressor(m, bits=4)
     with pytest.raises(ValueError, match="closure"):
-        fixed.step(lambda: m(x).sum())
+        fixed.step(lambda: m(x=x).sum())
     with pytest.raises(TypeError, match="callable"):
         fixed.step(closure=3)
     fixed.close()
@@ -206,15 +221,66 @@ def test_closure_api_errors():
                                            ("probe", lambda: None, TypeError, "scalar loss")):
         comp = gact.Compressor(m, bits="auto", estimator=estimator, adapt_interval=1)
         with comp:
-            loss = m(x).sum()
+            loss = m(x=x).sum()
         loss.backward()
         with pytest.raises(err, match=match):
             comp.step(closure)
         comp.close()
         # the model's gradients and hooks are as they were: a plain step still works
         with gact.Compressor(m, bits=2) as c2:
-            m(x).sum().backward()
+            m(x=x).sum().backward()
         c2.close()
+
+
+def test_default_probe_falls_back_to_online_with_a_warning():
+    """The default estimator is the probe; where it cannot replay the step (keyword-only call)
+    and has no closure, it says why and the online estimator decides instead."""
+    m = KeywordOnly()
+    x = torch.randn(32, 64)
+    comp = gact.Compressor(m, bits="auto", adapt_interval=1, min_bytes=0)
+    assert comp.policy.estimator == "probe"
+    for _ in range(2):
+        with comp:
+            loss = m(x=x).sum()
+        loss.backward()
+        with pytest.warns(RuntimeWarning, match="online estimator") if _ == 0 else _no_warning():
+            comp.step()
+    comp.close()
+    t = comp.policy.stats()["tensors"]
+    assert comp.policy.decisions == 2
+    assert t["body.2:0"]["C"] is not None and t["body.2:0"]["C"] > 0, t  # the Linear's input: online covers it
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error")
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+
+
+def test_probe_leaves_batch_norm_statistics_alone():
+    """The probe's extra forward pass (replayed here) must not move running statistics."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                            torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 4))
+    x = torch.randn(16, 3, 16, 16)
+    comp = gact.Compressor(m, bits="auto", adapt_interval=1)
+    with comp:
+        loss = m(x).square().mean()
+    loss.backward()
+    bn = m[1]
+    before = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+    comp.step()
+    comp.close()
+    assert comp.policy.decisions == 1
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+    assert int(bn.num_batches_tracked) == before[2] == 1
+    c = comp.policy.stats()["tensors"]
+    assert all(v["C"] is not None for v in c.values()), c  # every tensor estimated by the replay
 
 
 class SmallNet(torch.nn.Module):

@@ -14,9 +14,10 @@ Method (resnet18, fresh weights, one random batch):
   auto arms bits="auto": estimates from step 0 (sampled), one decision, then re-solved at the
             largest budget whose step stores no more than uniform's (policy.fit_bytes).
   online    estimator="online" (no extra pass).
-  probe     estimator="probe": one forward on the first --ref-batch samples, a backward with
-            create_graph and --probe-vectors double backwards.
-  reference estimator="reference": 3 forward+backward passes on --ref-batch samples per tensor.
+  probe     estimator="probe" (the default): one forward on the sampled step's first --ref-batch
+            samples (replayed with the step's output gradient), a backward with create_graph
+            and --probe-vectors double backwards.
+  reference estimator="reference": 3 forward+backward passes on the same samples per tensor.
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
             included) / (interval x ordinary step time), interval = --interval or the
             adapt_interval option (GACT_ADAPT_INTERVAL, default 250); "steps" is that extra
@@ -94,11 +95,10 @@ def main() -> int:
     cu.close()
     bytes_eq = res["uniform2"][2]
 
-    def auto_arm(name, estimator, closure=None):
+    def auto_arm(name, estimator):
         comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator, adapt_interval=10**9)
         comp.policy.probe_vectors = a.probe_vectors
-        if closure is not None:
-            comp.policy.closure = lambda: closure(comp)
+        comp.policy.probe_samples = a.ref_batch  # no closure: the sampled step's first samples are replayed
         _, _, t_sampled = step(comp)  # step 0: sampled, then estimate + decide inside comp.step()
         est_s = comp.policy.estimate_seconds
         comp.policy.fit_bytes(lambda: m(x), bytes_eq)
@@ -112,18 +112,10 @@ def main() -> int:
         res[name + "_estimate_s"] = est_s
         res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
 
-    xs, ys = x[: a.ref_batch], y[: a.ref_batch]
-
-    def ref_closure(_comp):
-        return torch.nn.functional.cross_entropy(m(xs), ys)
-
-    def probe_closure(_comp):
-        return torch.nn.functional.cross_entropy(m(xs), ys)
-
     auto_arm("online", "online")
-    auto_arm("probe", "probe", probe_closure)
+    auto_arm("probe", "probe")
     if not a.skip_reference:
-        auto_arm("reference", "reference", ref_closure)
+        auto_arm("reference", "reference")
 
     vu = res["uniform2"][0]
     print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "

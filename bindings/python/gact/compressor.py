@@ -165,9 +165,10 @@ class Compressor:
         exclude: modules (with their submodules) and tensors whose saved tensors stay
             uncompressed.
         swap: offload compressed activations to pinned host memory (needs the swap layer).
-        estimator: with ``bits="auto"``, how sensitivities are estimated: ``"online"``
-            (default), ``"probe"`` or ``"reference"`` (gact.policy); the last two need a
-            closure, given to :meth:`step` or as ``gact.policy.Probe(closure)``.
+        estimator: with ``bits="auto"``, how sensitivities are estimated: ``"probe"``
+            (the default with a model), ``"online"`` or ``"reference"`` (gact.policy). The
+            probe and the reference replay the sampled step's first samples, or call a
+            closure given to :meth:`step` or as ``gact.policy.Probe(closure)``.
         adapt_interval: with ``bits="auto"``, steps between re-estimations. Default: the
             ``adapt_interval`` option (GACT_ADAPT_INTERVAL).
 
@@ -420,7 +421,8 @@ class Compressor:
 
         ``closure``: for ``bits="auto"`` with ``estimator="probe"`` or ``"reference"``, a
         function that runs the model's forward pass on a small batch (a few samples) and
-        returns the loss; it is called only on the steps that re-estimate."""
+        returns the loss; it is called only on the steps that re-estimate. Without one, the
+        estimators replay the sampled step's first samples with its output gradient."""
         if closure is not None:
             if not callable(closure):
                 raise TypeError(f"gact.Compressor.step: closure must be callable, not {type(closure).__name__}")

@@ -16,7 +16,7 @@ budget (metadata counted). This module feeds it:
 
 Estimators (policy/README.md, "Sensitivity estimators"):
 
-``"online"`` (default)
+``"online"``
     Reuses the sampled training step. At encode time the store reports Σ_g R_g²
     (squared per-group ranges, ``sum_sq_ranges``); a forward hook on the module that
     saved the tensor registers a gradient hook on its output, which records
@@ -37,23 +37,31 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     2 bits when such blobs were estimated from their conv consumer alone.
     Cost: one reduction per module output, on one step in ``adapt_interval``.
 
-``"probe"`` (recommended)
+``"probe"`` (the default when the Compressor has a model)
     Every tensor's C_l from one double backward: the closure's forward runs with the
     graph cut at each leaf module's inputs, a backward with create_graph gives the
     parameter gradients g as a function of the saved tensors, and for a random sign
     vector v, Ĉ_l = Σ_j var_j·(∂(v·g)/∂h_l,j)², var_j = (x_j − min_g)(max_g − x_j) the
     1-bit rounding variance, is unbiased for E‖J_l ε_l‖² (Hutchinson; policy/README.md,
     "Probe"). Cost: about two ordinary steps per estimate, whatever the tensor count.
-    The closure returns the loss of one forward pass on a few samples; give it to
-    ``comp.step(closure)`` or ``estimator=gact.policy.Probe(closure)``.
+    Without a closure it replays the sampled step: a forward hook keeps the first
+    ``probe_samples`` (8) rows of the model's positional tensor inputs, and a gradient
+    hook the same rows of each output's gradient δ, and the probe's loss is Σ out·δ,
+    whose parameter gradients are the step's own on those samples (the noise of a saved
+    tensor does not change δ). A closure that returns the loss of one forward pass on a
+    few samples can be given instead: ``comp.step(closure)`` or
+    ``estimator=gact.policy.Probe(closure)``. Chosen by default, the probe falls back to
+    the online estimator, with a RuntimeWarning that says why, when it cannot run (a
+    model called with keyword arguments only, an op autograd cannot differentiate
+    twice). The estimators' extra forward passes leave batch-norm statistics as they were.
 
 ``"reference"``
     GACT's perturbation method with common random numbers, its constants fixed:
     for each key l, three forward+backward passes with every other tensor kept at
     full precision and l at 1 bit (seed s), 1 bit (seed s+1) and 8 bits (seed s+2);
     Ĉ_l = (d01² + d02² + d12²)/(2 + 2·(1 + 1/255²)) with d = gradient differences.
-    It takes the same closure as the probe (one that runs backward itself and returns
-    None also works). The closure is called inside ``comp.step()`` at each adaptation;
+    It replays the sampled step or takes a closure, as the probe does (a closure that
+    runs backward itself and returns None also works). The closure is called inside ``comp.step()`` at each adaptation;
     the model's ``.grad`` are saved before and restored after. Cost: 3 passes per saved
     tensor.
 
@@ -131,9 +139,12 @@ class AutoPolicy:
     """
 
     def __init__(self, compressor: Any, budget: float, estimator: Any = None, adapt_interval: int | None = None,
-                 ema_weight: float = 0.5, probe_vectors: int = 2) -> None:
+                 ema_weight: float = 0.5, probe_vectors: int = 1, probe_samples: int = 8) -> None:
+        # The default: the probe, replaying the sampled step when no closure is given, with the
+        # online estimator as the fallback when it cannot run (see _probe_or_fallback).
+        self._default_estimator = estimator is None
         if estimator is None:
-            estimator = "online"
+            estimator = "probe" if compressor.model is not None else "online"
         self.closure: Callable[[], Any] | None = None
         if isinstance(estimator, Reference):
             self.closure = estimator.closure
@@ -143,6 +154,9 @@ class AutoPolicy:
                              f"use one of {', '.join(repr(e) for e in _ESTIMATORS)}")
         self.estimator = estimator
         self.probe_vectors = probe_vectors
+        self.probe_samples = probe_samples
+        self._probe_disabled = False
+        self._replay: dict | None = None  # the sampled step's first samples and output gradient
         if adapt_interval is None:
             adapt_interval = int(_C.options_current()["adapt_interval"])
         if isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1:
@@ -164,9 +178,12 @@ class AutoPolicy:
         self._fan_in: dict[str, float] = {}
         self._hooks: list[Any] = []
         self._set_sampling(True)  # the Compressor is built at step 0: sample it
-        if estimator == "online" and compressor.model is not None:
+        online_hooks = estimator == "online" or (estimator == "probe" and self._default_estimator)
+        if online_hooks and compressor.model is not None:
             for name, m in compressor.model.named_modules():
                 self._hooks.append(m.register_forward_hook(self._make_forward_hook(name or "<root>", m)))
+        if estimator in ("probe", "reference") and compressor.model is not None:
+            self._hooks.append(compressor.model.register_forward_hook(self._capture_replay))
 
     # ---- the compressor's protocol -------------------------------------------------------
 
@@ -199,7 +216,7 @@ class AutoPolicy:
             if self.estimator == "online":
                 est = self._online_estimates()
             elif self.estimator == "probe":
-                est = self._probe_estimates()
+                est = self._probe_or_fallback()
             else:
                 est = self._reference_estimates()
             est = _allreduce_mean(est)
@@ -262,6 +279,7 @@ class AutoPolicy:
 
     def _set_sampling(self, on: bool) -> None:
         self._sampling = on
+        self._replay = None
         self._saved.clear()
         self._by_blob.clear()
         self._alias.clear()
@@ -308,7 +326,8 @@ class AutoPolicy:
     # ---- reference estimator -------------------------------------------------------------
 
     def _reference_estimates(self) -> dict[str, float]:
-        if self.closure is None:
+        closure = self.closure or self._replay_closure()
+        if closure is None:
             raise RuntimeError(
                 "gact.Compressor: estimator='reference' needs a closure: set comp.policy.reference_closure "
                 "or pass estimator=gact.policy.Reference(closure)")
@@ -321,7 +340,7 @@ class AutoPolicy:
             for key in keys:
                 g = []
                 for bits, seed in ((1, seed0), (1, seed0 + 1), (8, seed0 + 2)):
-                    g.append(self._probe(params, {key: bits}, seed % 2**64))
+                    g.append(self._probe(params, {key: bits}, seed % 2**64, closure))
                 d01 = float((g[0] - g[1]).pow(2).sum())
                 d02 = float((g[0] - g[2]).pow(2).sum())
                 d12 = float((g[1] - g[2]).pow(2).sum())
@@ -335,11 +354,72 @@ class AutoPolicy:
 
     # ---- probe estimator -----------------------------------------------------------------
 
-    def _probe_estimates(self) -> dict[str, float]:
-        if self.closure is None:
-            raise RuntimeError(
-                "gact.Compressor: estimator='probe' needs a closure that returns the loss of one forward pass "
-                "on a small batch: pass it to comp.step(closure) or estimator=gact.policy.Probe(closure)")
+    def _probe_or_fallback(self) -> dict[str, float]:
+        """The probe with the closure given, else replaying the sampled step. When the probe was
+        chosen by default and cannot run (no replayable call, or an op whose backward autograd
+        cannot differentiate), a warning names why and the online estimator stands in."""
+        if self._probe_disabled:
+            return self._online_estimates()
+        closure = self.closure or self._replay_closure()
+        if closure is None:
+            why = ("estimator='probe' needs a closure that returns the loss of one forward pass on a small "
+                   "batch (pass it to comp.step(closure) or estimator=gact.policy.Probe(closure)); the sampled "
+                   "step could not be replayed: the model was called with keyword arguments only, with no "
+                   "tensor input, or no output gradient reached it")
+            if not self._default_estimator:
+                raise RuntimeError(f"gact.Compressor: {why}")
+            return self._fall_back(why)
+        try:
+            return self._probe_estimates(closure)
+        except RuntimeError as e:
+            if not self._default_estimator:
+                raise
+            return self._fall_back(f"the probe failed ({e})")
+
+    def _fall_back(self, why: str) -> dict[str, float]:
+        warnings.warn(f"gact policy: {why}; using the online estimator from now on", RuntimeWarning, stacklevel=3)
+        self._probe_disabled = True
+        return self._online_estimates()
+
+    def _capture_replay(self, _model: torch.nn.Module, args: tuple, output: Any) -> None:
+        """The sampled step's first forward call: its first probe_samples samples of every input
+        and, in backward, of every output's gradient; the probe's default closure replays them."""
+        if not self._sampling or self._replay is not None or self._comp._depth == 0:
+            return
+        if self._override is not None or self._comp._probe is not None:
+            return
+        tensors = [a for a in _flatten(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
+        outs = [o for o in _flatten(output) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not tensors or not outs:
+            return
+        n = tensors[0].shape[0]
+        k = n if any(o.dim() == 0 or o.shape[0] != n for o in outs) else min(n, self.probe_samples)
+        cut = functools.partial(_first_rows, n=n, k=k)
+        rec = {"args": _map_tensors(args, cut), "k": k, "grads": [None] * len(outs), "count": len(outs)}
+        for i, o in enumerate(outs):
+            def grad_hook(g: torch.Tensor, i: int = i) -> None:
+                rec["grads"][i] = g[:k].detach().clone() if g.dim() >= 1 else g.detach().clone()
+            o.register_hook(grad_hook)
+        self._replay = rec
+
+    def _replay_closure(self) -> Callable[[], Any] | None:
+        rec = self._replay
+        if rec is None or any(g is None for g in rec["grads"]):
+            return None
+        model = self._comp.model
+
+        def replay() -> torch.Tensor:
+            # Σ out·δ has the sampled step's output gradient δ as its own: the parameter gradients
+            # are the step's, on its first k samples (noise in a saved tensor does not change δ).
+            outs = [o for o in _flatten(model(*rec["args"])) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if len(outs) != rec["count"]:
+                raise RuntimeError("the replayed forward returned other outputs than the sampled step")
+            return sum((o[: rec["k"]] * g).sum() if o.dim() >= 1 else (o * g).sum()
+                       for o, g in zip(outs, rec["grads"]))
+
+        return replay
+
+    def _probe_estimates(self, closure: Callable[[], Any]) -> dict[str, float]:
         comp = self._comp
         params = [p for p in comp.model.parameters() if p.requires_grad] if comp.model is not None else []
         if not params:
@@ -355,8 +435,8 @@ class AutoPolicy:
         comp._probe = rec
         try:
             try:
-                with torch.enable_grad(), comp:
-                    loss = self.closure()
+                with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
+                    loss = closure()
             finally:
                 comp._probe = None
                 comp._key_counts, comp._input_ptrs, comp._step_open = saved_state
@@ -432,7 +512,8 @@ class AutoPolicy:
             p.grad = None
         return c
 
-    def _probe(self, params: list[torch.Tensor], override: dict[str, int], seed: int) -> torch.Tensor:
+    def _probe(self, params: list[torch.Tensor], override: dict[str, int], seed: int,
+               closure: Callable[[], Any]) -> torch.Tensor:
         comp = self._comp
         self._override = override
         comp.seed = seed
@@ -440,8 +521,8 @@ class AutoPolicy:
             p.grad = None
         comp._open_step()
         try:
-            with torch.enable_grad(), comp:
-                loss = self.closure()
+            with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
+                loss = closure()
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
                 loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
                 del loss
@@ -500,6 +581,52 @@ class _ProbeRecorder:
         self.holders.clear()
         self.tensors.clear()
         self.var1.clear()
+
+
+def _flatten(obj: Any) -> list:
+    """The leaves of nested tuples, lists and dicts (dict values in key order), in order."""
+    if isinstance(obj, (tuple, list)):
+        return [x for o in obj for x in _flatten(o)]
+    if isinstance(obj, dict):
+        return [x for k in obj for x in _flatten(obj[k])]
+    return [obj]
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(o, fn) for o in obj) if isinstance(obj, list) else tuple(
+            _map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _first_rows(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A detached copy of t's first k rows when its first dimension is the batch (n), else of t."""
+    t = t.detach()
+    return (t[:k] if t.dim() >= 1 and t.shape[0] == n else t).clone()
+
+
+class _frozen_norm_stats:
+    """Restores every batch-norm running statistic of ``model`` on exit: an estimator's extra
+    forward passes must not move them."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.saved = []
+        if model is not None:
+            for m in model.modules():
+                if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+                    self.saved += [(b, b.detach().clone()) for b in m.buffers() if b is not None]
+
+    def __enter__(self) -> "_frozen_norm_stats":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, v in self.saved:
+                b.copy_(v)
 
 
 def _cut_inputs(cuts: list, _module: torch.nn.Module, inputs: tuple) -> tuple:
