@@ -375,3 +375,28 @@ def test_estimates_are_averaged_over_ranks(tmp_path):
     mp.spawn(_allreduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
     assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0}
+
+
+def test_probe_runs_on_a_transformer_without_falling_back():
+    """Regression: the replayed loss saves the recorded output gradient outside the model
+    ("<none>:0", no grad); it must be left out of the probe, not fail it."""
+    import warnings
+
+    import evalkit as k
+
+    torch.manual_seed(0)
+    model = k.CharLM(d_model=48, heads=4, layers=2, ctx=32)
+    idx = torch.randint(0, 256, (16, 32))
+    comp = gact.Compressor(model, bits="auto", budget=2, adapt_interval=10**6)
+    with comp:
+        out = model(idx)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 256), idx.reshape(-1))
+    loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        comp.step()
+    comp.close()
+    t = comp.policy.stats()["tensors"]
+    assert comp.policy.decisions == 1
+    inside = {key: v for key, v in t.items() if key.startswith("encoder.")}
+    assert inside and all(v["C"] is not None for v in inside.values()), t

@@ -476,7 +476,10 @@ class AutoPolicy:
         blob_of = {}  # probe blob -> controller key (a later save of a deduplicated blob: its first key)
         for i, k in enumerate(rec.keys):
             target = alias.get(k, k)
-            if target in want:
+            # Saved outside the model (the loss; "<none>:n" does not name the same tensor in the
+            # probe as in the step) or not requiring grad (nothing to differentiate): no estimate,
+            # the tensor keeps its bits.
+            if target in want and not k.startswith("<none>:") and rec.tensors[i].requires_grad:
                 blob_of[i] = target
         c = {k: 0.0 for k in blob_of.values()}
         idx = sorted(blob_of)
