@@ -192,6 +192,7 @@ char const* skip_reason_name(skip_reason r) noexcept {
     case skip_reason::input: return "input";
     case skip_reason::layout: return "layout";
     case skip_reason::device: return "device";
+    case skip_reason::stats: return "stats";
     case skip_reason::k_count: break;
   }
   return "unknown";
@@ -203,7 +204,7 @@ skip_reason parse_skip_reason(std::string const& name) {
     if (name == skip_reason_name(r)) return r;
   }
   GACT_FAIL("skip reason: '" + name +
-            "' is unknown; use parameter, small, dtype, excluded, input, layout or device");
+            "' is unknown; use parameter, small, dtype, excluded, input, layout, device or stats");
 }
 
 // ---- internal structures ---------------------------------------------------------------

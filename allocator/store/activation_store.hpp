@@ -84,7 +84,8 @@ enum class skip_reason : std::uint8_t {
   input = 4,      ///< a leaf that does not require grad (kept alive by the caller anyway)
   layout = 5,     ///< sparse, quantized or otherwise not a plain strided tensor
   device = 6,     ///< on a device this build cannot encode on
-  k_count = 7,
+  stats = 7,      ///< a normalization layer's per-channel statistics (mean, 1/std): read exactly
+  k_count = 8,
 };
 
 /// Stable name of a skip reason ("parameter", "small", ...).

@@ -87,8 +87,8 @@ def _measure(name):
         b_st = k.store_delta(before, after, "bytes_stored")
         assert b_in > 0 and b_q > 0, f"{name} {bits}-bit: nothing compressed ({b_in=} {b_q=})"
         kept = {r: k.store_section(after)["skipped"][r]["bytes"] - k.store_section(before)["skipped"][r]["bytes"]
-                for r in ("small", "excluded", "layout", "device", "dtype")}
-        kept_float = kept["small"] + kept["excluded"] + kept["layout"] + kept["device"]
+                for r in ("small", "excluded", "layout", "device", "dtype", "stats")}
+        kept_float = kept["small"] + kept["excluded"] + kept["layout"] + kept["device"] + kept["stats"]
         whole = counter.total_bytes / (b_st + sum(kept.values()))
         rows[bits] = dict(ratio=b_in / b_q, coverage=1.0 - kept_float / counter.float_bytes, whole=whole,
                           bytes_in=b_in, bytes_stored=b_st)

@@ -371,3 +371,38 @@ def test_log_softmax_output_keeps_at_least_4_bits():
     # 4-bit log-probabilities: cosine 0.992 to fp32 (they gave 0.54 at 2 bits)
     cos = F.cosine_similarity(head.weight.grad.reshape(-1), g.reshape(-1), dim=0)
     assert cos > 0.95, float(cos)
+
+
+def test_batch_norm_input_is_stored_channel_normalized():
+    """A 1x1-spatial batch-norm input whose channels differ in scale by 10^3: a group of 256
+    consecutive elements spans 256 channels, so without normalization a narrow channel's noise is
+    set by the widest channel's range, and BatchNorm's backward scales it by 1/std_c². Stored as
+    (x − mean_c)/std_c, every channel's noise is in proportion to its own spread. BatchNorm's
+    per-channel mean and 1/std (2048 channels: 8 KiB each) are kept exactly ("stats")."""
+    torch.manual_seed(0)
+    c = 2048
+    bn = nn.BatchNorm1d(c)
+    scale = torch.logspace(-3, 0, c)[torch.randperm(c)]  # every group spans the 10^3 spread
+    x = (torch.randn(16, c) * scale + 5 * scale).requires_grad_()
+    w = torch.randn(16, c)
+
+    def loss_of():
+        return (bn(x * 1.0) * w).sum()  # a non-leaf input, as a conv's output would be
+
+    x.grad = None
+    loss_of().backward()
+    g = x.grad.clone()
+    comp = gact.Compressor(bn, bits=4)
+    before = C.stats_document()["store"]["skipped"]["stats"]
+    x.grad = None
+    with comp:
+        loss = loss_of()
+    loss.backward()
+    comp.step()
+    comp.close()
+    after = C.stats_document()["store"]["skipped"]["stats"]
+    assert after["tensors"] - before["tensors"] == 2 and after["bytes"] - before["bytes"] == 2 * 4 * c
+    cos = F.cosine_similarity(x.grad.reshape(-1), g.reshape(-1), dim=0)
+    # 4 bits on normalized values: cosine 0.988 (stored as is: -0.06)
+    assert C.stats_document()["store"]["quant_bits"]["4"] > 0
+    assert cos > 0.98, float(cos)

@@ -197,7 +197,7 @@ def test_stats_keys():
               "bytes_stored_current", "bytes_stored_peak", "leaks", "leaks_last_step", "steps"):
         assert k in s, k
     assert set(s["codecs"]) == {"raw", "quant", "mask"}
-    assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device"}
+    assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device", "stats"}
     doc = C.stats_document()
     assert doc["store"].keys() == s.keys() and "schema_version" in doc
 

@@ -111,16 +111,17 @@ def _is_relu_own_save(t: torch.Tensor) -> bool:
 class _Packed:
     """What autograd holds instead of a saved tensor: a store handle and the tensor's metadata."""
 
-    __slots__ = ("handle", "shape", "dtype", "device", "key", "mask_of")
+    __slots__ = ("handle", "shape", "dtype", "device", "key", "mask_of", "affine")
 
     def __init__(self, handle: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, key: str,
-                 mask_of: torch.dtype | None = None):
+                 mask_of: torch.dtype | None = None, affine: tuple | None = None):
         self.handle = handle
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.key = key
         self.mask_of = mask_of  # a ReLU output stored as its mask: decode to 0/1 in this dtype
+        self.affine = affine  # a batch-norm input stored channel-normalized: (mean, std) per channel
 
     def unpack(self) -> torch.Tensor:
         if self.handle == 0:
@@ -134,6 +135,10 @@ class _Packed:
         _C.store_get(self.handle, out.data_ptr(), out.numel() * out.element_size(), stream)
         if self.mask_of is not None:
             return out.to(self.mask_of)
+        if self.affine is not None:
+            mean, std = self.affine
+            view = (1, -1) + (1,) * (out.dim() - 2)
+            out = (out.float() * std.view(view) + mean.view(view)).to(self.dtype)
         return out
 
     def release(self) -> None:
@@ -358,7 +363,8 @@ class Compressor:
         if not s and self.model is not None:
             self._note_inputs(inputs)
         excluded = (bool(s) and s[-1][1]) or id(m) in self._excluded_modules
-        s.append((self._names.get(id(m)) or type(m).__name__, excluded))
+        norm = isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+        s.append((self._names.get(id(m)) or type(m).__name__, excluded, norm))
 
     def _note_inputs(self, inputs: Any) -> None:
         items = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -507,6 +513,12 @@ class Compressor:
         if not self._step_open:
             self._open_step()
         relu_own = t.dtype in _compat.FLOAT_DTYPES and _is_relu_own_save(t)
+        stack = self._stack()
+        in_norm = bool(stack) and stack[-1][2] and t.dtype in _compat.FLOAT_DTYPES
+        if in_norm and t.dim() == 1 and not self._is_parameter(t):
+            # batch norm's save_mean / save_invstd: per-channel, read exactly by its backward
+            _C.store_note_skip("stats", t.numel() * t.element_size())
+            return t if t.grad_fn is None else t.detach()
         reason = self._skip_reason(t)
         if reason is not None:
             _C.store_note_skip(reason, t.numel() * t.element_size())
@@ -527,11 +539,15 @@ class Compressor:
             # values (the next conv) stores it quantized under its own key.
             return self._pack_relu_mask(t, key)
         if self._probe is not None:
+            if in_norm and t.dim() >= 2:
+                return self._pack_channel_normalized(t, key, 0)
             return self._probe.pack(t, key)
         bits = self._bits_for(key, t.numel()) if t.dtype in _compat.FLOAT_DTYPES else 1
         log_space = t.dtype in _compat.FLOAT_DTYPES and _is_log_space(t)
         if log_space:
             bits = max(bits, LOG_SPACE_MIN_BITS)
+        if in_norm and t.dim() >= 2:
+            return self._pack_channel_normalized(t, key, bits)
         h = _C.store_put(
             t.data_ptr(),
             _compat.DTYPE_NAMES[t.dtype],
@@ -554,6 +570,30 @@ class Compressor:
             except TypeError:
                 _C.store_forget(h)
         return _Packed(h, t.shape, t.dtype, t.device, key)
+
+    def _pack_channel_normalized(self, t: torch.Tensor, key: str, bits: int) -> Any:
+        """A batch-norm input, stored as (t − mean_c)/std_c with its per-channel mean and std kept
+        exactly. Where a group of consecutive elements spans channels (small images: H·W < group
+        size), the group's range is set by its widest channel, and a narrow channel's noise,
+        which batch norm's backward scales by 1/std_c², swamps it; normalized, every channel's
+        noise is in proportion to its own spread. (Within one channel the transform is affine
+        and changes nothing.)"""
+        dims = [d for d in range(t.dim()) if d != 1]
+        x = t.detach().float()
+        mean = x.mean(dim=dims)
+        std = x.var(dim=dims, unbiased=False).sqrt_()
+        std = torch.where(std > 0, std, torch.ones_like(std))
+        view = (1, -1) + (1,) * (t.dim() - 2)
+        z = ((x - mean.view(view)) / std.view(view)).to(t.dtype).contiguous()
+        if self._probe is not None:
+            return self._probe.pack(t, key, z=z, std=std)
+        h = _C.store_put(z.data_ptr(), _compat.DTYPE_NAMES[z.dtype], tuple(z.shape), tuple(z.stride()),
+                         _compat.device_index(z), 0, key64(key), bits, self.group_size, self.seed,
+                         _compat.current_stream(z))
+        _C.store_forget(h)  # z is a temporary: its address must never match a later tensor
+        if self._policy is not None and hasattr(self._policy, "on_stored"):
+            self._policy.on_stored(key, _C.store_info(h))
+        return _Packed(h, t.shape, t.dtype, t.device, key, affine=(mean, std))
 
     def _pack_relu_mask(self, t: torch.Tensor, key: str) -> Any:
         mask = t > 0

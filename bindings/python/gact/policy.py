@@ -564,7 +564,9 @@ class _ProbeRecorder:
         self.var1: list[torch.Tensor] = []
         self.holders: list[_ProbeSaved] = []
 
-    def pack(self, t: torch.Tensor, key: str) -> Any:
+    def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Any:
+        """``z``, ``std``: a tensor the store keeps channel-normalized (batch-norm inputs): its
+        rounding variance is z's, scaled back by std_c² per channel."""
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
         ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else t.storage().data_ptr()
@@ -573,7 +575,12 @@ class _ProbeRecorder:
             self.index[ident] = len(self.tensors)
             self.keys.append(key)
             self.tensors.append(t)
-            self.var1.append(rounding_variance_1bit(t, self.group_size))
+            if z is None:
+                self.var1.append(rounding_variance_1bit(t, self.group_size))
+            else:
+                view = (1, -1) + (1,) * (t.dim() - 2)
+                var = rounding_variance_1bit(z, self.group_size).view(z.shape) * std.view(view).pow(2)
+                self.var1.append(var.reshape(-1))
         h = _ProbeSaved(t)
         self.holders.append(h)
         return h
