@@ -406,3 +406,27 @@ def test_batch_norm_input_is_stored_channel_normalized():
     # 4 bits on normalized values: cosine 0.988 (stored as is: -0.06)
     assert C.stats_document()["store"]["quant_bits"]["4"] > 0
     assert cos > 0.98, float(cos)
+
+
+def test_batch_norm_input_kept_at_full_precision_is_exact():
+    """A policy that keeps a batch-norm input at full precision gets it back bit for bit (the
+    channel normalization applies to quantized widths only)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    x, w = torch.randn(4, 3, 10, 10), torch.randn(4, 8, 8, 8)
+
+    class KeepBN:
+        def bits_for(self, key, numel):
+            return 32 if key.startswith("1:") else 8
+
+    m.zero_grad()
+    (m(x) * w).sum().backward()
+    g = [p.grad.clone() for p in m.parameters()]
+    comp = gact.Compressor(m, bits=8, policy=KeepBN(), exclude=[w])
+    m.zero_grad()
+    with comp:
+        loss = (m(x) * w).sum()
+    loss.backward()
+    comp.step()
+    comp.close()
+    assert all(torch.equal(p.grad, q) for p, q in zip(m.parameters(), g))

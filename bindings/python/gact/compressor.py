@@ -546,7 +546,7 @@ class Compressor:
         log_space = t.dtype in _compat.FLOAT_DTYPES and _is_log_space(t)
         if log_space:
             bits = max(bits, LOG_SPACE_MIN_BITS)
-        if in_norm and t.dim() >= 2:
+        if in_norm and t.dim() >= 2 and bits in _VALID_BITS:  # kept at full precision: as it is
             return self._pack_channel_normalized(t, key, bits)
         h = _C.store_put(
             t.data_ptr(),
