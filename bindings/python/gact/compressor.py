@@ -24,6 +24,18 @@ Skip rules, in order (the first that matches names the reason):
               input batch): the caller keeps it alive anyway, so a compressed copy would only
               add memory. (Other leaves that do not require grad, like torch 1.13's float
               dropout masks on the CPU, are op-internal temporaries and are compressed.)
+``stats``     a training-mode batch norm's per-channel mean and 1/std (1-D, read exactly)
+
+Tensors stored differently, by what their backward reads:
+
+* a ReLU's own save of its output: an exact 1-bit mask (its backward reads result > 0;
+  a small positive output rounded to 0 would drop its gradient). A later save of the
+  same tensor (the next layer) stores its values.
+* a log-softmax output (cross-entropy's log-probabilities): at least 4 bits, outside an
+  adaptive policy's budget (its backward exponentiates it).
+* a training-mode batch norm's input: channel-normalized, (x − mean_c)/std_c with the
+  per-channel mean and std kept exactly, so that a group spanning channels does not give
+  a narrow channel the widest channel's noise.
 
 Lifetime: a :class:`_Packed` releases its handle when it is garbage collected,
 which happens when autograd frees the graph (after ``backward()`` without
