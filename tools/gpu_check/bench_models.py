@@ -203,6 +203,15 @@ class Bench:
                        losses=[round(v, 4) for v in losses])
             if self.cuda:
                 out["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+            pol = getattr(comp, "policy", None) if comp is not None else None
+            if pol is not None and getattr(pol, "decisions", 0):
+                # the adaptive policy's estimate (made after the first warm-up step) in ordinary steps
+                per = pol.estimate_seconds / pol.decisions / (dt / self.a.steps)
+                out["policy"] = {"estimator": pol.estimator, "decisions": pol.decisions,
+                                 "estimate_s": round(pol.estimate_seconds / pol.decisions, 4),
+                                 "estimate_steps": round(per, 2), "adapt_interval": pol.adapt_interval,
+                                 "overhead_pct": round(100.0 * per / pol.adapt_interval, 3),
+                                 "achieved_avg_bits": pol.stats()["last_decision"].get("achieved_avg_bits")}
             if comp is None:
                 out["saved_activation_bytes"] = self.saved_bytes(name, model, x, y)
             else:
