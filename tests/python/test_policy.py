@@ -13,6 +13,7 @@
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -94,14 +95,6 @@ def test_estimator_recovers_planted_sensitivities(estimator):
         assert 1 / (1 + tol) < ratio < 1 + tol, (estimator, i, ratio, cs)
     bits = [t[k]["bits"] for k in keys]
     assert bits == sorted(bits) and bits[0] < bits[-1], bits
-
-
-def _resnet_batch():
-    torchvision = pytest.importorskip("torchvision")
-    m = torchvision.models.resnet18(num_classes=10)
-    x = torch.randn(8, 3, 32, 32)
-    y = torch.randint(0, 10, (8,))
-    return m, x, y
 
 
 def _grad(m, x, y, comp=None):
@@ -240,27 +233,21 @@ def test_default_probe_falls_back_to_online_with_a_warning():
     x = torch.randn(32, 64)
     comp = gact.Compressor(m, bits="auto", adapt_interval=1, min_bytes=0)
     assert comp.policy.estimator == "probe"
-    for _ in range(2):
+    for step in range(2):
         with comp:
             loss = m(x=x).sum()
         loss.backward()
-        with pytest.warns(RuntimeWarning, match="online estimator") if _ == 0 else _no_warning():
-            comp.step()
+        if step == 0:
+            with pytest.warns(RuntimeWarning, match="online estimator"):
+                comp.step()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # warned once: the online estimator from now on
+                comp.step()
     comp.close()
     t = comp.policy.stats()["tensors"]
     assert comp.policy.decisions == 2
     assert t["body.2:0"]["C"] is not None and t["body.2:0"]["C"] > 0, t  # the Linear's input: online covers it
-
-
-class _no_warning:
-    def __enter__(self):
-        import warnings
-        self._cm = warnings.catch_warnings()
-        self._cm.__enter__()
-        warnings.simplefilter("error")
-
-    def __exit__(self, *exc):
-        self._cm.__exit__(*exc)
 
 
 def test_probe_leaves_batch_norm_statistics_alone():
@@ -381,8 +368,6 @@ def test_estimates_are_averaged_over_ranks(tmp_path):
 def test_probe_runs_on_a_transformer_without_falling_back():
     """Regression: the replayed loss saves the recorded output gradient outside the model
     ("<none>:0", no grad); it must be left out of the probe, not fail it."""
-    import warnings
-
     import evalkit as k
 
     torch.manual_seed(0)

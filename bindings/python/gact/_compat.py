@@ -54,6 +54,15 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.storage().data_ptr()
 
 
+def flatten(obj) -> list:
+    """The leaves of nested tuples, lists and dicts (dict values in insertion order), in order."""
+    if isinstance(obj, (tuple, list)):
+        return [x for o in obj for x in flatten(o)]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in flatten(v)]
+    return [obj]
+
+
 def device_index(t: torch.Tensor) -> int:
     """-1 for a CPU tensor, the CUDA device index otherwise."""
     if t.device.type == "cpu":

@@ -93,12 +93,12 @@ def key64(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
-_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})  # ReluBackward1: relu_ in older torch
 # Log-space outputs whose backward exponentiates them (log_softmax: grad - exp(out)·Σgrad). A
 # rounding step of a few nats is a multiplicative error of e^step in the probabilities: at 2 bits
 # the char LM lost 0.38 nats/char, at 4 bits 0.02. They are stored with at least this many bits,
 # outside the adaptive policy's budget.
-_LOG_SPACE_NODES = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
+_LOG_SPACE_NODES = frozenset({"LogSoftmaxBackward0"})
 LOG_SPACE_MIN_BITS = 4
 
 
@@ -379,13 +379,8 @@ class Compressor:
         s.append((self._names.get(id(m)) or type(m).__name__, excluded, norm))
 
     def _note_inputs(self, inputs: Any) -> None:
-        items = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        for a in items:
-            if isinstance(a, (tuple, list)):
-                self._note_inputs(a)
-            elif isinstance(a, dict):
-                self._note_inputs(tuple(a.values()))
-            elif isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
+        for a in _compat.flatten(inputs):
+            if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
                 self._input_ptrs.add(_compat.storage_ptr(a))
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
@@ -550,15 +545,14 @@ class Compressor:
             # the ReLU keeps an exact 1-bit mask; a consumer that saves the same tensor for its
             # values (the next conv) stores it quantized under its own key.
             return self._pack_relu_mask(t, key)
+        normalize = in_norm and t.dim() >= 2  # a batch-norm input
         if self._probe is not None:
-            if in_norm and t.dim() >= 2:
-                return self._pack_channel_normalized(t, key, 0)
-            return self._probe.pack(t, key)
+            return self._pack_channel_normalized(t, key, 0) if normalize else self._probe.pack(t, key)
         bits = self._bits_for(key, t.numel()) if t.dtype in _compat.FLOAT_DTYPES else 1
         log_space = t.dtype in _compat.FLOAT_DTYPES and _is_log_space(t)
         if log_space:
             bits = max(bits, LOG_SPACE_MIN_BITS)
-        if in_norm and t.dim() >= 2 and bits in _VALID_BITS:  # kept at full precision: as it is
+        if normalize and bits in _VALID_BITS:  # kept at full precision: stored as it is
             return self._pack_channel_normalized(t, key, bits)
         h = _C.store_put(
             t.data_ptr(),
@@ -599,21 +593,30 @@ class Compressor:
         z = ((x - mean.view(view)) / std.view(view)).to(t.dtype).contiguous()
         if self._probe is not None:
             return self._probe.pack(t, key, z=z, std=std)
-        h = _C.store_put(z.data_ptr(), _compat.DTYPE_NAMES[z.dtype], tuple(z.shape), tuple(z.stride()),
-                         _compat.device_index(z), 0, key64(key), bits, self.group_size, self.seed,
-                         _compat.current_stream(z))
-        _C.store_forget(h)  # z is a temporary: its address must never match a later tensor
+        h = self._put_temporary(z, key, bits)
         if self._policy is not None and hasattr(self._policy, "on_stored"):
             self._policy.on_stored(key, _C.store_info(h))
         return _Packed(h, t.shape, t.dtype, t.device, key, affine=(mean, std))
+
+    def _put_temporary(self, z: torch.Tensor, key: str, bits: int) -> int:
+        """Store a contiguous tensor made for the store (a mask, a normalized copy). Its identity
+        is forgotten at once: a temporary's address must never match a later tensor's."""
+        h = _C.store_put(z.data_ptr(), _compat.DTYPE_NAMES[z.dtype], tuple(z.shape), tuple(z.stride()),
+                         _compat.device_index(z), 0, key64(key), bits, self.group_size, self.seed,
+                         _compat.current_stream(z))
+        _C.store_forget(h)
+        return h
+
+    def _discard_step(self) -> None:
+        """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances."""
+        _C.store_end_step()
+        self._step_open = False
 
     def _pack_relu_mask(self, t: torch.Tensor, key: str) -> Any:
         mask = t > 0
         if self._probe is not None:
             return mask.to(t.dtype)  # exact: nothing to probe
-        h = _C.store_put(mask.data_ptr(), "bool", tuple(mask.shape), tuple(mask.stride()), _compat.device_index(mask),
-                         0, key64(key), 1, self.group_size, self.seed, _compat.current_stream(mask))
-        _C.store_forget(h)  # the mask is a temporary: its address must never match a later tensor
+        h = self._put_temporary(mask, key, 1)
         return _Packed(h, mask.shape, mask.dtype, mask.device, key, mask_of=t.dtype)
 
     def _unpack(self, obj: Any) -> Any:

@@ -61,13 +61,13 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     full precision and l at 1 bit (seed s), 1 bit (seed s+1) and 8 bits (seed s+2);
     Ĉ_l = (d01² + d02² + d12²)/(2 + 2·(1 + 1/255²)) with d = gradient differences.
     It replays the sampled step or takes a closure, as the probe does (a closure that
-    runs backward itself and returns None also works). The closure is called inside ``comp.step()`` at each adaptation;
-    the model's ``.grad`` are saved before and restored after. Cost: 3 passes per saved
-    tensor.
+    runs backward itself and returns None also works). Either runs inside ``comp.step()``
+    at each adaptation; the model's ``.grad`` are saved before and restored after. Cost:
+    3 passes per saved tensor.
 
-Raises ValueError for an unknown estimator name, RuntimeError when the probe or the
-reference estimator adapts without a closure, TypeError when the probe's closure does
-not return a scalar loss.
+Raises ValueError for an unknown estimator name; RuntimeError when an explicitly chosen
+probe or reference estimator adapts with neither a closure nor a replayable step;
+TypeError when the probe's closure does not return a scalar loss.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ from typing import Any, Callable
 import torch
 
 import _gact as _C
+
+from . import _compat
 
 _CODE_WIDTHS = (1, 2, 4, 8)
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -251,8 +253,7 @@ class AutoPolicy:
                 out = forward()
             nbytes = _C.store_stored_bytes()
             del out
-            _C.store_end_step()
-            comp._step_open = False
+            comp._discard_step()
             if nbytes <= max_bytes:
                 lo = mid
             else:
@@ -388,8 +389,8 @@ class AutoPolicy:
             return
         if self._override is not None or self._comp._probe is not None:
             return
-        tensors = [a for a in _flatten(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
-        outs = [o for o in _flatten(output) if isinstance(o, torch.Tensor) and o.requires_grad]
+        tensors = [a for a in _compat.flatten(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
+        outs = [o for o in _compat.flatten(output) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not tensors or not outs:
             return
         n = tensors[0].shape[0]
@@ -411,7 +412,7 @@ class AutoPolicy:
         def replay() -> torch.Tensor:
             # Σ out·δ has the sampled step's output gradient δ as its own: the parameter gradients
             # are the step's, on its first k samples (noise in a saved tensor does not change δ).
-            outs = [o for o in _flatten(model(*rec["args"])) if isinstance(o, torch.Tensor) and o.requires_grad]
+            outs = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor) and o.requires_grad]
             if len(outs) != rec["count"]:
                 raise RuntimeError("the replayed forward returned other outputs than the sampled step")
             return sum((o[: rec["k"]] * g).sum() if o.dim() >= 1 else (o * g).sum()
@@ -498,7 +499,8 @@ class AutoPolicy:
                     at += x.numel()
                 us = torch.autograd.grad(dot, [rec.tensors[i] for i in idx], retain_graph=r + 1 < n,
                                          allow_unused=True)
-                per: dict[str, torch.Tensor] = {}
+                per: dict[str, torch.Tensor] = {}  # controller key -> Jᵀv over the blob's elements
+                var: dict[str, torch.Tensor] = {}
                 for i, u in zip(idx, us):
                     if u is None:
                         continue  # the tensor's noise reaches no parameter gradient (max-pool input)
@@ -506,11 +508,9 @@ class AutoPolicy:
                     k = blob_of[i]
                     w = u.detach().float().reshape(-1)
                     per[k] = per[k] + w if k in per else w
-                    var1 = rec.var1[i]
-                    per.setdefault(("var", k), var1)
-                for k in c:
-                    if k in per:
-                        c[k] += float((per[k].double().pow(2) * per[("var", k)].double()).sum()) / n
+                    var.setdefault(k, rec.var1[i])
+                for k, w in per.items():
+                    c[k] += float((w.double().pow(2) * var[k].double()).sum()) / n
         for p in params:
             p.grad = None
         return c
@@ -530,8 +530,7 @@ class AutoPolicy:
                 loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
                 del loss
         finally:
-            _C.store_end_step()
-            comp._step_open = False
+            comp._discard_step()
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
                           for p in params])
 
@@ -567,10 +566,9 @@ class _ProbeRecorder:
     def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Any:
         """``z``, ``std``: a tensor the store keeps channel-normalized (batch-norm inputs): its
         rounding variance is z's, scaled back by std_c² per channel."""
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if not t.is_floating_point():
             return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
-        ptr = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else t.storage().data_ptr()
-        ident = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
+        ident = (_compat.storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
         if ident not in self.index:  # the tensor stays referenced, so its address is not reused
             self.index[ident] = len(self.tensors)
             self.keys.append(key)
@@ -593,21 +591,13 @@ class _ProbeRecorder:
         self.var1.clear()
 
 
-def _flatten(obj: Any) -> list:
-    """The leaves of nested tuples, lists and dicts (dict values in key order), in order."""
-    if isinstance(obj, (tuple, list)):
-        return [x for o in obj for x in _flatten(o)]
-    if isinstance(obj, dict):
-        return [x for k in obj for x in _flatten(obj[k])]
-    return [obj]
-
-
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """obj with every tensor in its nested tuples, lists and dicts replaced by fn(tensor)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(o, fn) for o in obj) if isinstance(obj, list) else tuple(
-            _map_tensors(o, fn) for o in obj)
+        out = [_map_tensors(o, fn) for o in obj]
+        return out if isinstance(obj, list) else tuple(out)
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
@@ -628,7 +618,7 @@ class _frozen_norm_stats:
         if model is not None:
             for m in model.modules():
                 if isinstance(m, torch.nn.modules.batchnorm._NormBase):
-                    self.saved += [(b, b.detach().clone()) for b in m.buffers() if b is not None]
+                    self.saved += [(b, b.detach().clone()) for b in m.buffers()]
 
     def __enter__(self) -> "_frozen_norm_stats":
         return self
