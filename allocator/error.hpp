@@ -45,6 +45,12 @@ class corrupt_blob : public error {
   using error::error;
 };
 
+/// A worker thread could not be created (process or container thread limit, address space).
+class thread_error : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace gact
 
 #define GACT_STRINGIFY_DETAIL(x) #x

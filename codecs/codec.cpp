@@ -13,6 +13,7 @@
 #include "allocator/stats_registry.hpp"
 #endif
 #include "codecs/float16.hpp"
+#include "codecs/mask_math.hpp"
 #include "codecs/quant_math.hpp"
 
 #include <algorithm>
@@ -35,9 +36,12 @@ struct counters {
   std::atomic<std::uint64_t> decodes[k_codec_count]{};
   std::atomic<std::uint64_t> decode_bytes_out[k_codec_count]{};
   std::atomic<std::uint64_t> nonfinite_refusals{0};
+  std::atomic<std::uint64_t> refusals{0};
   std::atomic<std::uint64_t> nonfinite_groups_decoded{0};
   std::atomic<std::uint64_t> mask_rejections{0};
   std::atomic<std::uint64_t> corrupt_blobs{0};
+  std::atomic<std::uint64_t> gpu_decodes{0};  // decode_cuda launches (the codec is known on the device only)
+  std::atomic<std::uint64_t> gpu_decode_bytes_out{0};
 };
 
 counters& ctr() {
@@ -45,9 +49,9 @@ counters& ctr() {
   return c;
 }
 
-[[noreturn]] void fail_corrupt(hd::blob_status s) {
+[[noreturn]] void fail_corrupt(hd::blob_status s, std::string const& where = {}) {
   ctr().corrupt_blobs.fetch_add(1, std::memory_order_relaxed);
-  GACT_FAIL(std::string("corrupt blob: ") + status_name(s), ::gact::corrupt_blob);
+  GACT_FAIL(std::string("corrupt blob: ") + status_name(s) + where, ::gact::corrupt_blob);
 }
 
 /// Copy in parallel (raw codec); small copies stay on the calling thread.
@@ -57,15 +61,18 @@ void parallel_copy(void* dst, void const* src, std::size_t n, int threads) {
     if (n != 0) std::memcpy(dst, src, n);
     return;
   }
-  std::vector<std::thread> pool;
-  std::size_t const per = (n + std::size_t(t) - 1) / std::size_t(t);
-  for (int i = 1; i < t; ++i) {
-    std::size_t const b = std::size_t(i) * per, e = std::min(n, b + per);
-    if (b < e)
-      pool.emplace_back([=] { std::memcpy(static_cast<char*>(dst) + b, static_cast<char const*>(src) + b, e - b); });
-  }
-  std::memcpy(dst, src, std::min(n, per));
-  for (auto& th : pool) th.join();
+  struct ctx_t {
+    char* d;
+    char const* s;
+    std::size_t n;
+  } ctx{static_cast<char*>(dst), static_cast<char const*>(src), n};
+  // Split into 64 KiB-aligned slices, one contiguous range of slices per thread.
+  std::uint64_t const slices = (n + 65535) / 65536;
+  detail::parallel_for(slices, t, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    std::size_t const lo = std::size_t(a) * 65536, hi = std::min(x->n, std::size_t(b) * 65536);
+    if (lo < hi) std::memcpy(x->d + lo, x->s + lo, hi - lo);
+  }, &ctx);
 }
 
 /// Pack bytes (0/1) into bits, element e at bit e%8 of byte e/8. Returns false if a value is > 1
@@ -98,6 +105,213 @@ void mask_unpack(std::uint8_t const* in, std::uint64_t numel, std::uint8_t* out)
   for (std::uint64_t e = 0; e < numel; ++e) out[e] = std::uint8_t((in[e / 8] >> (e % 8)) & 1u);
 }
 
+// ---- float element access (predicate masks) ------------------------------------------------
+
+template <dtype Dt>
+struct fio;
+template <>
+struct fio<dtype::float32> {
+  using S = float;
+  static float load(S v) { return v; }
+  static S store(float v) { return v; }
+};
+template <>
+struct fio<dtype::float16> {
+  using S = std::uint16_t;
+  static float load(S v) { return hd::half_to_float(v); }
+  static S store(float v) { return hd::float_to_half(v); }
+};
+template <>
+struct fio<dtype::bfloat16> {
+  using S = std::uint16_t;
+  static float load(S v) { return hd::bf16_to_float(v); }
+  static S store(float v) { return hd::float_to_bf16(v); }
+};
+template <>
+struct fio<dtype::float64> {
+  using S = double;
+  static float load(S v) { return float(v); }
+  static S store(float v) { return double(v); }
+};
+
+template <typename F>
+decltype(auto) with_float_dtype(dtype dt, F&& f) {
+  switch (dt) {
+    case dtype::float16: return f(fio<dtype::float16>{});
+    case dtype::bfloat16: return f(fio<dtype::bfloat16>{});
+    case dtype::float64: return f(fio<dtype::float64>{});
+    default: return f(fio<dtype::float32>{});
+  }
+}
+
+/// What a predicate-mask encode found besides the bits.
+struct predicate_scan {
+  bool in_range = true;     // every value finite and inside the predicate's closed range
+  bool two_level = true;    // ne: every nonzero value equal
+  bool have_level = false;
+  float level = 0.0f;
+};
+
+template <typename IO>
+void predicate_encode_range(typename IO::S const* in, predicate_params const& q, std::uint64_t b0, std::uint64_t b1,
+                            std::uint64_t numel, std::uint8_t* out, predicate_scan* scan) {
+  predicate const pr = predicate(q.pred);
+  float lo = -hd::k_float_max * 2.0f, hi = hd::k_float_max * 2.0f;  // -Inf, +Inf
+  if (pr == predicate::gt || pr == predicate::ge) lo = q.a;
+  if (pr == predicate::lt || pr == predicate::le) hi = q.a;
+  if (pr == predicate::open || pr == predicate::closed) {
+    lo = q.a;
+    hi = q.b;
+  }
+  bool in_range = true, two = true, have = false;
+  float level = 0.0f;
+  for (std::uint64_t m = b0; m < b1; ++m) {
+    unsigned v = 0;
+    for (int j = 0; j < 8; ++j) {
+      std::uint64_t const e = 8 * m + std::uint64_t(j);
+      if (e >= numel) break;
+      float const x = IO::load(in[e]);
+      v |= unsigned(hd::eval_predicate(q.pred, q.a, q.b, x)) << j;
+      in_range = in_range && hd::finite_bits(x) && x >= lo && x <= hi;
+      if (pr == predicate::ne && x != 0.0f) {
+        if (!have) {
+          level = x;
+          have = true;
+        } else {
+          two = two && hd::float_bits(x) == hd::float_bits(level);
+        }
+      }
+    }
+    out[m] = std::uint8_t(v);
+  }
+  scan->in_range = in_range;
+  scan->two_level = two && (!have || hd::finite_bits(level));
+  scan->have_level = have;
+  scan->level = level;
+}
+
+/// Encode a predicate mask on `threads` threads; returns the merged scan.
+predicate_scan predicate_encode(void const* src, dtype dt, predicate_params const& q, std::uint64_t numel,
+                                std::uint8_t* out, int threads) {
+  std::uint64_t const nbytes = (numel + 7) / 8;
+  int const t = detail::resolve_threads(threads, nbytes, 1u << 16);
+  std::vector<predicate_scan> scans(std::size_t(std::max(t, 1)));
+  struct ctx_t {
+    void const* src;
+    dtype dt;
+    predicate_params q;
+    std::uint64_t numel, nbytes, per;
+    std::uint8_t* out;
+    predicate_scan* scans;
+  } ctx{src, dt, q, numel, nbytes, (nbytes + std::uint64_t(t) - 1) / std::uint64_t(t), out, scans.data()};
+  detail::parallel_for(std::uint64_t(t), t, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    for (std::uint64_t i = a; i < b; ++i) {
+      std::uint64_t const b0 = i * x->per, b1 = std::min(x->nbytes, b0 + x->per);
+      if (b0 >= b1) continue;
+      with_float_dtype(x->dt, [&](auto io) {
+        using IO = decltype(io);
+        predicate_encode_range<IO>(static_cast<typename IO::S const*>(x->src), x->q, b0, b1, x->numel, x->out,
+                                   &x->scans[i]);
+      });
+    }
+  }, &ctx);
+  predicate_scan r;
+  for (auto const& s : scans) {
+    r.in_range = r.in_range && s.in_range;
+    r.two_level = r.two_level && s.two_level;
+    if (s.have_level) {
+      if (r.have_level && hd::float_bits(s.level) != hd::float_bits(r.level)) r.two_level = false;
+      r.have_level = true;
+      r.level = s.level;
+    }
+  }
+  return r;
+}
+
+void predicate_decode(unsigned char const* codes, dtype dt, std::uint64_t numel, float tv, float fv, void* dst,
+                      int threads) {
+  int const t = detail::resolve_threads(threads, numel, 1u << 18);
+  struct ctx_t {
+    unsigned char const* codes;
+    dtype dt;
+    std::uint64_t numel;
+    float tv, fv;
+    void* dst;
+  } ctx{codes, dt, numel, tv, fv, dst};
+  std::uint64_t const chunks = (numel + 4095) / 4096;
+  detail::parallel_for(chunks, t, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    with_float_dtype(x->dt, [&](auto io) {
+      using IO = decltype(io);
+      auto* out = static_cast<typename IO::S*>(x->dst);
+      typename IO::S const t1 = IO::store(x->tv), f1 = IO::store(x->fv);
+      std::uint64_t const e1 = std::min(x->numel, b * 4096);
+      for (std::uint64_t e = a * 4096; e < e1; ++e) out[e] = ((x->codes[e / 8] >> (e % 8)) & 1u) ? t1 : f1;
+    });
+  }, &ctx);
+}
+
+// ---- window codec --------------------------------------------------------------------------
+
+template <typename I>
+bool window_encode_all(I const* in, window_params const& w, std::uint64_t numel, int bits, std::uint8_t* codes) {
+  hd::window_geometry const g = hd::make_window_geometry(w);
+  std::uint64_t const nchunks = (numel + 7) / 8;
+  for (std::uint64_t c = 0; c < nchunks; ++c) {
+    std::uint64_t word = 0;
+    for (int j = 0; j < 8; ++j) {
+      std::uint64_t const e = 8 * c + std::uint64_t(j);
+      if (e >= numel) break;
+      std::int64_t o[k_window_max_nd];
+      hd::window_out_coords(g, e, o);
+      std::int64_t const code = hd::window_encode(g, o, std::int64_t(in[e]));
+      if (code < 0) return false;
+      word |= std::uint64_t(code) << (j * bits);
+    }
+    for (int b = 0; b < bits; ++b) codes[c * std::uint64_t(bits) + std::uint64_t(b)] = std::uint8_t(word >> (8 * b));
+  }
+  return true;
+}
+
+template <typename I>
+std::uint64_t window_decode_all(unsigned char const* codes, window_params const& w, std::uint64_t numel, int bits,
+                                I* out) {
+  hd::window_geometry const g = hd::make_window_geometry(w);
+  std::uint64_t const mask = (std::uint64_t{1} << bits) - 1;
+  std::uint64_t const nchunks = (numel + 7) / 8;
+  for (std::uint64_t c = 0; c < nchunks; ++c) {
+    std::uint64_t word = 0;
+    for (int b = 0; b < bits; ++b) word |= std::uint64_t(codes[c * std::uint64_t(bits) + std::uint64_t(b)]) << (8 * b);
+    for (int j = 0; j < 8; ++j) {
+      std::uint64_t const e = 8 * c + std::uint64_t(j);
+      if (e >= numel) break;
+      std::int64_t o[k_window_max_nd];
+      hd::window_out_coords(g, e, o);
+      std::int64_t const idx = hd::window_decode(g, o, std::int64_t((word >> (j * bits)) & mask));
+      if (idx < 0) return e + 1;  // 1-based position of the first impossible code
+      out[e] = I(idx);
+    }
+  }
+  return 0;
+}
+
+/// Read the metadata value v (0 = min, 1 = max) of group g.
+float meta_value(unsigned char const* meta, dtype dt, std::uint8_t variant, std::uint64_t g, int v) {
+  if (hd::meta_value_bytes(std::uint8_t(dt), variant) == 4) {
+    float f;
+    std::memcpy(&f, meta + 8 * g + 4 * std::uint64_t(v), 4);
+    return f;
+  }
+  std::uint16_t h;
+  std::memcpy(&h, meta + 4 * g + 2 * std::uint64_t(v), 2);
+  return dt == dtype::float16 ? hd::half_to_float(h) : hd::bf16_to_float(h);
+}
+
+std::uint8_t variant_of(encode_params const& p) {
+  return p.codec == codec_id::quant || p.codec == codec_id::mask ? p.variant : std::uint8_t{0};
+}
+
 }  // namespace
 
 std::size_t dtype_size(dtype dt) noexcept { return std::size_t(hd::dtype_bytes(std::uint8_t(dt))); }
@@ -123,6 +337,50 @@ char const* codec_name(codec_id c) noexcept {
     case codec_id::raw: return "raw";
     case codec_id::quant: return "quant";
     case codec_id::mask: return "mask";
+    case codec_id::window: return "window";
+  }
+  return "invalid";
+}
+
+char const* variant_name(codec_id c, std::uint8_t variant) noexcept {
+  if (c == codec_id::quant) {
+    switch (quant_mode(variant)) {
+      case quant_mode::plain: return "plain";
+      case quant_mode::normalized: return "normalized";
+      case quant_mode::boundary: return "boundary";
+    }
+    return "invalid";
+  }
+  if (c == codec_id::mask) {
+    switch (mask_mode(variant)) {
+      case mask_mode::bytes: return "bytes";
+      case mask_mode::predicate: return "predicate";
+    }
+    return "invalid";
+  }
+  return variant == 0 ? "" : "invalid";
+}
+
+char const* predicate_name(predicate p) noexcept {
+  switch (p) {
+    case predicate::gt: return "gt";
+    case predicate::ge: return "ge";
+    case predicate::lt: return "lt";
+    case predicate::le: return "le";
+    case predicate::open: return "open";
+    case predicate::closed: return "closed";
+    case predicate::ne: return "ne";
+  }
+  return "invalid";
+}
+
+char const* refusal_name(refusal r) noexcept {
+  switch (r) {
+    case refusal::none: return "none";
+    case refusal::nonfinite: return "nonfinite";
+    case refusal::out_of_range: return "out_of_range";
+    case refusal::not_two_level: return "not_two_level";
+    case refusal::not_window: return "not_window";
   }
   return "invalid";
 }
@@ -140,9 +398,9 @@ char const* status_name(hd::blob_status s) noexcept {
     case S::bad_codec: return "unknown codec";
     case S::bad_dtype: return "unknown dtype";
     case S::bad_codec_dtype: return "codec does not accept this dtype";
-    case S::bad_bits: return "bad bits (quant: 1, 2, 4 or 8; others: 0)";
+    case S::bad_bits: return "bad bits (quant and window: 1, 2, 4 or 8, boundary quant at least 2; others: 0)";
     case S::bad_group_size: return "bad group_size (quant: power of two in [64, 1024]; others: 0)";
-    case S::bad_flags: return "nonzero reserved flags";
+    case S::bad_flags: return "bad flags (unknown variant or nonzero reserved bits)";
     case S::bad_shape: return "bad shape (negative dim or more than 2^56 elements)";
     case S::bad_numel: return "numel differs from the product of the shape";
     case S::bad_meta_bytes: return "meta_bytes differs from the layout";
@@ -150,12 +408,48 @@ char const* status_name(hd::blob_status s) noexcept {
     case S::truncated: return "truncated (blob length shorter than its sections)";
     case S::bad_group_meta: return "bad group metadata (min > max, or infinite)";
     case S::dst_too_small: return "destination too small";
+    case S::bad_params: return "bad variant parameters";
+    case S::bad_stats: return "bad normalization statistics (non-finite shift, or scale not finite and positive)";
+    case S::bad_codes: return "impossible code (a window offset outside the input plane)";
     case S::count_: break;
   }
   return "unknown status";
 }
 
 namespace detail {
+
+/// The parameter block of a header for encode parameters `p` (params_bytes(codec, variant) bytes).
+void fill_params(encode_params const& p, std::uint8_t variant, unsigned char* out) {
+  if (p.codec == codec_id::quant && variant == std::uint8_t(quant_mode::normalized)) {
+    normalized_params const n{p.norm_count, p.norm_inner};
+    std::memcpy(out, &n, sizeof n);
+  } else if (p.codec == codec_id::quant && variant == std::uint8_t(quant_mode::boundary)) {
+    boundary_params b = p.boundary;
+    if (b.has_hi == 0) b.hi = 0.0f;
+    b.reserved = 0;
+    std::memcpy(out, &b, sizeof b);
+  } else if (p.codec == codec_id::mask && variant == std::uint8_t(mask_mode::predicate)) {
+    predicate_params q = p.pred;
+    predicate const pr = predicate(q.pred);
+    if (pr != predicate::open && pr != predicate::closed) q.b = 0.0f;
+    if (pr == predicate::ne) q.a = 0.0f;
+    q.level = 0.0f;  // the encoder fills in ne's level
+    std::memcpy(out, &q, sizeof q);
+  } else if (p.codec == codec_id::window) {
+    window_params w = p.window;
+    w.reserved = 0;
+    for (std::uint32_t d = w.nd; d < std::uint32_t(k_window_max_nd) && w.nd <= std::uint32_t(k_window_max_nd); ++d)
+      w.in[d] = w.out[d] = w.kernel[d] = w.stride[d] = w.pad[d] = w.dilation[d] = 0;
+    std::memcpy(out, &w, sizeof w);
+  }
+}
+
+
+void count_gpu_decode(std::uint64_t out_bytes) noexcept {
+  auto& k = ctr();
+  k.gpu_decodes.fetch_add(1, std::memory_order_relaxed);
+  k.gpu_decode_bytes_out.fetch_add(out_bytes, std::memory_order_relaxed);
+}
 
 void count_encode(codec_id c, std::uint64_t in_bytes, std::uint64_t out_bytes) noexcept {
   auto& k = ctr();
@@ -198,16 +492,25 @@ blob_header make_header(dtype dt, std::span<std::int64_t const> shape, encode_pa
   std::uint8_t const c = std::uint8_t(p.codec), d = std::uint8_t(dt);
   GACT_EXPECTS(c < k_codec_count, "codec: unknown codec id " + std::to_string(int(c)));
   GACT_EXPECTS(d < k_dtype_count, "dtype: unknown dtype id " + std::to_string(int(d)));
-  bool const quant = p.codec == codec_id::quant;
-  switch (hd::check_params(c, d, quant ? p.bits : 0, quant ? p.group_size : 0)) {
+  bool const quant = p.codec == codec_id::quant, window = p.codec == codec_id::window;
+  std::uint8_t const variant = variant_of(p);
+  int const bits = quant || window ? p.bits : 0;
+  int const gsize = quant ? p.group_size : 0;
+  switch (hd::check_params(c, variant, d, bits, gsize)) {
     case hd::blob_status::ok: break;
     case hd::blob_status::bad_codec_dtype:
-      GACT_FAIL(std::string("codec ") + codec_name(p.codec) + " does not accept dtype " + dtype_name(dt) +
-                (quant ? " (quant takes float32, float16, bfloat16)" : " (mask takes bool, uint8)"));
+      GACT_FAIL(std::string("codec ") + codec_name(p.codec) + (p.codec == codec_id::mask ? std::string("/") +
+                variant_name(p.codec, variant) : std::string()) + " does not accept dtype " + dtype_name(dt) +
+                (quant ? " (quant takes float32, float16, bfloat16, float64)"
+                 : window ? " (window takes int64, int32)"
+                 : variant == 0 ? " (mask takes bool, uint8)" : " (a predicate mask takes float32, float16, bfloat16, float64)"));
     case hd::blob_status::bad_bits:
-      GACT_FAIL("bits: " + std::to_string(p.bits) + " is not one of 1, 2, 4, 8");
+      GACT_FAIL("bits: " + std::to_string(p.bits) + " is not one of 1, 2, 4, 8" +
+                (quant && variant == std::uint8_t(quant_mode::boundary) ? " (boundary quant needs at least 2)" : ""));
     case hd::blob_status::bad_group_size:
       GACT_FAIL("group_size: " + std::to_string(p.group_size) + " is not a power of two in [64, 1024]");
+    case hd::blob_status::bad_flags:
+      GACT_FAIL("variant: " + std::to_string(int(variant)) + " is not a variant of codec " + codec_name(p.codec));
     default:
       GACT_FAIL("bad codec parameters");
   }
@@ -220,19 +523,39 @@ blob_header make_header(dtype dt, std::span<std::int64_t const> shape, encode_pa
     GACT_EXPECTS(s == 0 || numel <= k_max_numel / std::uint64_t(s), "shape: more than 2^56 elements");
     numel *= std::uint64_t(s);
   }
+  unsigned char params[160] = {};
+  detail::fill_params(p, variant, params);
+  std::uint64_t count = 0;
+  switch (hd::check_variant_params(c, variant, bits, numel, params, &count)) {
+    case hd::blob_status::ok: break;
+    default:
+      if (quant && variant == std::uint8_t(quant_mode::normalized))
+        GACT_FAIL("normalized quant: count " + std::to_string(p.norm_count) + " and inner " +
+                  std::to_string(p.norm_inner) + " must be in [1, max(numel, 1)] (numel " + std::to_string(numel) + ")");
+      if (quant)
+        GACT_FAIL("boundary quant: lo must be finite, and hi finite and > lo when has_hi (lo " +
+                  std::to_string(p.boundary.lo) + ", hi " + std::to_string(p.boundary.hi) + ")");
+      if (window)
+        GACT_FAIL("window: bad pooling geometry (nd in [1, 3], extents in [1, 2^20], pad >= 0, kernel volume "
+                  "<= 2^bits, the indices' numel a multiple of the output plane)");
+      GACT_FAIL("predicate mask: unknown predicate " + std::to_string(p.pred.pred) +
+                " or bounds not finite (open needs a < b, closed a <= b)");
+  }
+  if (quant && variant == std::uint8_t(quant_mode::normalized))
+    GACT_EXPECTS(p.norm_shift != nullptr && p.norm_scale != nullptr, "normalized quant: shift and scale are null");
   blob_header h{};
   h.magic = k_magic;
   h.version = k_format_version;
   h.codec = c;
   h.dtype = d;
   h.ndim = std::uint8_t(shape.size());
-  h.bits = std::uint8_t(quant ? p.bits : 0);
-  h.group_size = std::uint16_t(quant ? p.group_size : 0);
-  h.flags = 0;
+  h.bits = std::uint8_t(bits);
+  h.group_size = std::uint16_t(gsize);
+  h.flags = variant;
   h.numel = numel;
   h.seed = p.seed;
   h.key = p.key;
-  *lay = hd::compute_layout(c, d, h.ndim, numel, h.bits, h.group_size);
+  *lay = hd::compute_layout(c, variant, d, h.ndim, numel, h.bits, h.group_size, count);
   h.meta_bytes = lay->meta_bytes;
   h.code_bytes = lay->code_bytes;
   h.header_bytes = std::uint32_t(lay->header_bytes);
@@ -253,31 +576,36 @@ blob_info parse(void const* blob, std::size_t len) {
   blob_header h;
   std::int64_t shape[k_max_ndim];
   hd::blob_layout lay;
-  hd::blob_status const s = hd::check_blob(p, len, &h, shape, &lay);
+  std::uint64_t count = 0;
+  hd::blob_status const s = hd::check_blob(p, len, &h, shape, &lay, &count);
   if (s != hd::blob_status::ok) fail_corrupt(s);
   blob_info info{codec_id(h.codec), dtype(h.dtype), h.bits, h.group_size, h.seed, h.key, h.numel,
                  std::vector<std::int64_t>(shape, shape + h.ndim), std::size_t(lay.total), 0};
+  info.variant = std::uint8_t(h.flags & 0xFFu);
+  unsigned char const* params = p + 64 + 8 * h.ndim;
+  if (info.codec == codec_id::quant && info.variant == std::uint8_t(quant_mode::normalized))
+    std::memcpy(&info.normalized, params, sizeof info.normalized);
+  if (info.codec == codec_id::quant && info.variant == std::uint8_t(quant_mode::boundary))
+    std::memcpy(&info.boundary, params, sizeof info.boundary);
+  if (info.codec == codec_id::mask && info.variant == std::uint8_t(mask_mode::predicate))
+    std::memcpy(&info.pred, params, sizeof info.pred);
+  if (info.codec == codec_id::window) std::memcpy(&info.window, params, sizeof info.window);
   if (info.codec == codec_id::quant) {
-    unsigned char const* meta = p + lay.header_bytes;
-    bool const f32 = info.dt == dtype::float32;
+    unsigned char const* stats = p + lay.header_bytes;
+    for (std::uint64_t b = 0; b < count; ++b) {
+      float v[2];
+      std::memcpy(v, stats + 8 * b, 8);
+      if (!hd::stats_ok(v[0], v[1])) fail_corrupt(hd::blob_status::bad_stats, " in block " + std::to_string(b));
+    }
+    unsigned char const* meta = stats + lay.stats_bytes;
+    bool const boundary = info.variant == std::uint8_t(quant_mode::boundary);
     for (std::uint64_t g = 0; g < lay.n_groups; ++g) {
-      float lo, hi;
-      if (f32) {
-        std::memcpy(&lo, meta + 8 * g, 4);
-        std::memcpy(&hi, meta + 8 * g + 4, 4);
-      } else {
-        std::uint16_t v[2];
-        std::memcpy(v, meta + 4 * g, 4);
-        bool const half = info.dt == dtype::float16;
-        lo = half ? hd::half_to_float(v[0]) : hd::bf16_to_float(v[0]);
-        hi = half ? hd::half_to_float(v[1]) : hd::bf16_to_float(v[1]);
-      }
-      if (!hd::meta_ok(lo, hi)) {
-        ctr().corrupt_blobs.fetch_add(1, std::memory_order_relaxed);
-        GACT_FAIL("corrupt blob: " + std::string(status_name(hd::blob_status::bad_group_meta)) + " in group " +
-                      std::to_string(g),
-                  ::gact::corrupt_blob);
-      }
+      float const lo = meta_value(meta, info.dt, info.variant, g, 0), hi = meta_value(meta, info.dt, info.variant, g, 1);
+      // A boundary group's interior lies inside [lo, hi] of the blob (or is the (lo, lo) placeholder).
+      bool ok = hd::meta_ok(lo, hi);
+      if (ok && boundary && lo == lo)
+        ok = lo >= info.boundary.lo && (info.boundary.has_hi == 0 || hi <= info.boundary.hi);
+      if (!ok) fail_corrupt(hd::blob_status::bad_group_meta, " in group " + std::to_string(g));
       if (lo != lo) ++info.nonfinite_groups;
     }
   }
@@ -288,7 +616,7 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
                          void* blob, std::size_t capacity, int threads) {
   detail::ensure_stats_registered();
   hd::blob_layout lay;
-  blob_header const h = detail::make_header(dt, shape, p, &lay);
+  blob_header h = detail::make_header(dt, shape, p, &lay);
   GACT_EXPECTS(capacity >= lay.total, "encode: capacity " + std::to_string(capacity) + " < blob size " +
                                           std::to_string(lay.total));
   GACT_EXPECTS(blob != nullptr, "encode: blob is null");
@@ -297,41 +625,94 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
   GACT_EXPECTS(reinterpret_cast<std::uintptr_t>(src) % esize == 0,
                "encode: src is not aligned to its dtype's size (" + std::to_string(esize) + " bytes)");
   auto* out = static_cast<unsigned char*>(blob);
-  unsigned char* meta = out + lay.header_bytes;
-  unsigned char* codes = meta + lay.meta_bytes;
+  unsigned char* stats = out + lay.header_bytes;
+  unsigned char* meta = stats + lay.stats_bytes;
+  unsigned char* codes = out + lay.header_bytes + lay.meta_bytes;
   std::uint64_t const in_bytes = h.numel * esize;
+  std::uint8_t const variant = std::uint8_t(h.flags);
+  unsigned char params[160] = {};
+  detail::fill_params(p, variant, params);
+  encode_result res{std::size_t(lay.total), p.codec, false, refusal::none, false};
+  auto refuse = [&](refusal r) {
+    std::memset(out, 0, sizeof(std::uint32_t));  // no valid magic: the bytes are not a blob
+    ctr().refusals.fetch_add(1, std::memory_order_relaxed);
+    if (r == refusal::nonfinite) {
+      detail::count_nonfinite_refusal();
+      GACT_WARN_CAPPED(4, "codecs: quant refused a tensor holding NaN/Inf (numel {}); store it raw", h.numel);
+    }
+    return encode_result{0, p.codec, r == refusal::nonfinite, r, false};
+  };
   switch (p.codec) {
     case codec_id::raw:
       parallel_copy(codes, src, std::size_t(in_bytes), threads);
       break;
     case codec_id::mask:
-      if (!mask_pack(static_cast<std::uint8_t const*>(src), h.numel, codes, dt == dtype::uint8)) {
+      if (variant == std::uint8_t(mask_mode::predicate)) {
+        predicate_params q;
+        std::memcpy(&q, params, sizeof q);
+        predicate_scan const sc = predicate_encode(src, dt, q, h.numel, codes, threads);
+        if (predicate(q.pred) == predicate::ne) {
+          if (!sc.two_level) return refuse(refusal::not_two_level);
+          q.level = sc.have_level ? sc.level : 0.0f;
+          std::memcpy(params, &q, sizeof q);
+        }
+        res.in_range = sc.in_range;
+      } else if (!mask_pack(static_cast<std::uint8_t const*>(src), h.numel, codes, dt == dtype::uint8)) {
         ctr().mask_rejections.fetch_add(1, std::memory_order_relaxed);
         GACT_FAIL("mask: the uint8 tensor holds values other than 0 and 1; store it with codec raw");
       }
       break;
+    case codec_id::window: {
+      window_params w;
+      std::memcpy(&w, params, sizeof w);
+      bool const ok = dt == dtype::int64
+                          ? window_encode_all(static_cast<std::int64_t const*>(src), w, h.numel, h.bits, codes)
+                          : window_encode_all(static_cast<std::int32_t const*>(src), w, h.numel, h.bits, codes);
+      if (!ok) return refuse(refusal::not_window);
+      break;
+    }
     case codec_id::quant: {
-      std::uint64_t const used = lay.n_groups * 2 * esize;
-      std::memset(meta + used, 0, std::size_t(lay.meta_bytes - used));  // the section's zero padding
-      int const t = detail::resolve_threads(threads, lay.n_groups, 256);
-      if (!detail::quant_encode_cpu(src, dt, h.numel, p.bits, p.group_size, p.seed, p.key, meta, codes, t)) {
-        std::memset(out, 0, sizeof(std::uint32_t));  // no valid magic: the bytes are not a blob
-        detail::count_nonfinite_refusal();
-        GACT_WARN_CAPPED(4, "codecs: quant refused a tensor holding NaN/Inf (shape numel {}); store it raw",
-                         h.numel);
-        return {0, codec_id::quant, true};
+      if (lay.stats_bytes != 0) {  // the statistics as the decoder will read them
+        for (std::uint64_t b = 0; b < p.norm_count; ++b) {
+          float const v[2] = {p.norm_shift[b], p.norm_scale[b]};
+          GACT_EXPECTS(hd::stats_ok(v[0], v[1]),
+                       "normalized quant: block " + std::to_string(b) + " has shift " + std::to_string(v[0]) +
+                           " and scale " + std::to_string(v[1]) + " (shift must be finite, scale finite and > 0)");
+          std::memcpy(stats + 8 * b, v, 8);
+        }
+        std::memset(stats + 8 * p.norm_count, 0, std::size_t(lay.stats_bytes - 8 * p.norm_count));
       }
+      std::uint64_t const used = lay.n_groups * 2 * std::uint64_t(hd::meta_value_bytes(std::uint8_t(dt), variant));
+      std::memset(meta + used, 0, std::size_t(lay.group_bytes - used));  // the section's zero padding
+      detail::quant_job job{};
+      job.dt = dt;
+      job.variant = variant;
+      job.numel = h.numel;
+      job.bits = p.bits;
+      job.group_size = p.group_size;
+      job.seed = p.seed;
+      job.key = p.key;
+      job.count = p.norm_count;
+      job.inner = p.norm_inner;
+      job.stats = stats;
+      std::memcpy(&job.boundary, params, variant == std::uint8_t(quant_mode::boundary) ? sizeof job.boundary : 0);
+      job.meta = meta;
+      job.codes = codes;
+      int const t = detail::resolve_threads(threads, lay.n_groups, 256);
+      refusal const r = detail::quant_encode_cpu(src, job, t);
+      if (r != refusal::none) return refuse(r);
       break;
     }
   }
   std::int64_t sh[k_max_ndim] = {};
   std::copy(shape.begin(), shape.end(), sh);
-  hd::write_header(out, h, sh);
+  hd::write_header(out, h, sh, params);
   detail::count_encode(p.codec, in_bytes, lay.total);
-  return {std::size_t(lay.total), p.codec, false};
+  return res;
 }
 
-void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, int threads) {
+void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, int threads,
+                decode_params const& dp) {
   detail::ensure_stats_registered();
   blob_info const info = parse(blob, len);
   std::size_t const esize = dtype_size(info.dt);
@@ -342,21 +723,56 @@ void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_by
   GACT_EXPECTS(info.numel == 0 || dst != nullptr, "decode: dst is null");
   GACT_EXPECTS(reinterpret_cast<std::uintptr_t>(dst) % esize == 0,
                "decode: dst is not aligned to its dtype's size (" + std::to_string(esize) + " bytes)");
+  bool const boundary = info.codec == codec_id::quant && info.variant == std::uint8_t(quant_mode::boundary);
+  GACT_EXPECTS(!dp.predicate || boundary || info.codec == codec_id::mask,
+               std::string("decode: a predicate was asked of a ") + codec_name(info.codec) + " blob (variant '" +
+                   variant_name(info.codec, info.variant) + "'), which holds none");
   auto const* p = static_cast<unsigned char const*>(blob);
-  hd::blob_layout const lay = hd::compute_layout(std::uint8_t(info.codec), std::uint8_t(info.dt),
-                                                 int(info.shape.size()), info.numel, info.bits, info.group_size);
-  unsigned char const* meta = p + lay.header_bytes;
-  unsigned char const* codes = meta + lay.meta_bytes;
+  hd::blob_layout const lay =
+      hd::compute_layout(std::uint8_t(info.codec), info.variant, std::uint8_t(info.dt), int(info.shape.size()),
+                         info.numel, info.bits, info.group_size, info.normalized.count);
+  unsigned char const* stats = p + lay.header_bytes;
+  unsigned char const* codes = p + lay.header_bytes + lay.meta_bytes;
   switch (info.codec) {
     case codec_id::raw:
       parallel_copy(dst, codes, std::size_t(out_bytes), threads);
       break;
     case codec_id::mask:
-      mask_unpack(codes, info.numel, static_cast<std::uint8_t*>(dst));
+      if (info.variant == std::uint8_t(mask_mode::predicate)) {
+        // A two-level (ne) mask decodes its true value to the stored level unless the caller asks for another.
+        bool const ne = predicate(info.pred.pred) == predicate::ne;
+        float const tv = ne && !dp.predicate ? info.pred.level : dp.true_value;
+        predicate_decode(codes, info.dt, info.numel, tv, dp.false_value, dst, threads);
+      } else {
+        mask_unpack(codes, info.numel, static_cast<std::uint8_t*>(dst));
+      }
       break;
+    case codec_id::window: {
+      std::uint64_t const bad =
+          info.dt == dtype::int64
+              ? window_decode_all(codes, info.window, info.numel, info.bits, static_cast<std::int64_t*>(dst))
+              : window_decode_all(codes, info.window, info.numel, info.bits, static_cast<std::int32_t*>(dst));
+      if (bad != 0) fail_corrupt(hd::blob_status::bad_codes, " at element " + std::to_string(bad - 1));
+      break;
+    }
     case codec_id::quant: {
+      detail::quant_job job{};
+      job.dt = info.dt;
+      job.variant = info.variant;
+      job.numel = info.numel;
+      job.bits = info.bits;
+      job.group_size = info.group_size;
+      job.count = info.normalized.count;
+      job.inner = info.normalized.inner;
+      job.stats = stats;
+      job.boundary = info.boundary;
+      job.predicate = dp.predicate;
+      job.true_value = dp.true_value;
+      job.false_value = dp.false_value;
+      job.meta = const_cast<unsigned char*>(stats + lay.stats_bytes);
+      job.codes = const_cast<unsigned char*>(codes);
       int const t = detail::resolve_threads(threads, lay.n_groups, 256);
-      detail::quant_decode_cpu(meta, codes, info.dt, info.numel, info.bits, info.group_size, dst, t);
+      detail::quant_decode_cpu(job, dst, t);
       if (info.nonfinite_groups != 0)
         GACT_WARN_CAPPED(4, "codecs: decoded {} group(s) marked non-finite by the GPU encoder as NaN",
                          info.nonfinite_groups);
@@ -380,9 +796,12 @@ nlohmann::json stats_json() {
     };
   }
   j["nonfinite_refusals"] = rd(k.nonfinite_refusals);
+  j["refusals"] = rd(k.refusals);
   j["nonfinite_groups_decoded"] = rd(k.nonfinite_groups_decoded);
   j["mask_rejections"] = rd(k.mask_rejections);
   j["corrupt_blobs"] = rd(k.corrupt_blobs);
+  j["gpu_decodes"] = rd(k.gpu_decodes);
+  j["gpu_decode_bytes_out"] = rd(k.gpu_decode_bytes_out);
   j["cpu_executor_isa"] = detail::quant_cpu_isa();
   return j;
 }

@@ -1,25 +1,32 @@
 // gact/codecs/codec.hpp
 //
-// The public interface of gact's codecs: compress a contiguous tensor into a
-// self-describing blob and back.
+// The public interface of gact's codecs: compress a contiguous tensor (or the
+// dense memory image of a strided one) into a self-describing blob and back.
 //
-//   quant  per-group (G = 64..1024 elements) min/max quantization to 1/2/4/8 bits
-//          with unbiased stochastic rounding (Philox4x32-10 noise keyed by seed
-//          and tensor key); float32/float16/bfloat16 in, the same dtype out
-//   mask   lossless 1 bit per element, for bool and 0/1 uint8 tensors
-//   raw    lossless pass-through for any dtype
+//   quant   per-group (G = 64..1024 elements) min/max quantization to 1/2/4/8 bits
+//           with unbiased stochastic rounding (Philox4x32-10 noise keyed by seed
+//           and tensor key); float32/float16/bfloat16/float64 in, the same dtype out.
+//           Variants: plain; normalized (per-block shift/scale applied in the same
+//           pass, for normalization-layer inputs); boundary (codes 0 and 2^b-1 reserved
+//           for exact boundary values, so a ReLU's mask is read from the codes)
+//   mask    lossless 1 bit per element: bool and 0/1 uint8 tensors, or a predicate
+//           evaluated on a float tensor in the encode pass (no bool temporary)
+//   window  lossless max-pool indices as offsets inside their pooling window
+//   raw     lossless pass-through for any dtype
 //
 // Sizes: blob_size() is the one size function; the encoders write exactly that
 // many bytes and the decoders accept a buffer at least that long. The format is
-// in codecs/format.hpp and codecs/README.md; the math in codecs/quant_math.hpp,
-// shared by the CPU executor (encode_cpu/decode_cpu) and the CUDA executor
-// (encode_cuda/decode_cuda), which produce identical blobs bit for bit.
+// in codecs/format.hpp and codecs/README.md; the math in codecs/quant_math.hpp
+// and codecs/mask_math.hpp, shared by the CPU executor (encode_cpu/decode_cpu) and
+// the CUDA executor (encode_cuda/decode_cuda), which produce identical blobs bit
+// for bit.
 //
 // Statistics: the first encode or decode registers the provider "codecs" in the
 // stats registry (allocator/stats_registry.hpp); stats_json() returns the same.
 #pragma once
 
 #include "codecs/format.hpp"
+#include "codecs/quant_job.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -39,36 +46,62 @@ namespace gact::codec {
 std::size_t dtype_size(dtype dt) noexcept;
 /// Lower-case name of `dt` ("float32", "bool", ...; "invalid" for an out-of-range value).
 char const* dtype_name(dtype dt) noexcept;
-/// Name of a codec ("raw", "quant", "mask"; "invalid" otherwise).
+/// Name of a codec ("raw", "quant", "mask", "window"; "invalid" otherwise).
 char const* codec_name(codec_id c) noexcept;
+/// Name of a codec's variant ("plain", "normalized", "boundary" for quant; "bytes", "predicate" for
+/// mask; "" for raw and window).
+char const* variant_name(codec_id c, std::uint8_t variant) noexcept;
+/// Name of a predicate ("gt", "ge", "lt", "le", "open", "closed", "ne"; "invalid" otherwise).
+char const* predicate_name(predicate p) noexcept;
 
-/// How to encode. bits and group_size matter to quant only; seed and key are the
-/// Philox key and counter half of the stochastic rounding (fold a step counter into
-/// the seed if rounding must differ between steps).
+/// How to encode. bits and group_size matter to quant (bits also to window); seed and key are
+/// the Philox key and counter half of the stochastic rounding (fold a step counter into the seed
+/// if rounding must differ between steps). `variant` selects a quant_mode or mask_mode; each
+/// variant reads its own parameter block below and ignores the others.
 struct encode_params {
   codec_id codec = codec_id::quant;
-  int bits = 4;            ///< 1, 2, 4 or 8
-  int group_size = 256;    ///< power of two in [64, 1024]
+  int bits = 4;            ///< quant: 1, 2, 4 or 8 (boundary: 2, 4 or 8); window: code bits
+  int group_size = 256;    ///< quant: power of two in [64, 1024]
   std::uint64_t seed = 0;
   std::uint64_t key = 0;
+  std::uint8_t variant = 0;  ///< quant_mode (quant) or mask_mode (mask); 0 otherwise
+
+  /// quant/normalized: `count` float32 shift and scale values (host memory for encode_cpu,
+  /// device memory for encode_cuda); element e uses block (e / inner) % count.
+  std::uint64_t norm_count = 0;
+  std::uint64_t norm_inner = 1;
+  float const* norm_shift = nullptr;
+  float const* norm_scale = nullptr;
+  /// quant/boundary: the values of codes 0 and 2^b - 1.
+  boundary_params boundary{};
+  /// mask/predicate: the predicate and its bounds (`level` is found by the encoder).
+  predicate_params pred{};
+  /// window: the pooling geometry.
+  window_params window{};
 };
 
 /// Exact blob size in bytes; the one function the encoders, the decoders and allocator sizing use.
 /// @throws gact::invalid_argument naming the bad parameter: bits not in {1,2,4,8}, group size not
-///         a power of two in [64,1024], codec/dtype mismatch (quant takes float32/float16/bfloat16,
-///         mask takes bool/uint8), more than 8 dims, a negative dim, more than 2^56 elements.
+///         a power of two in [64,1024], codec/dtype mismatch (quant and predicate masks take float32,
+///         float16, bfloat16, float64; byte masks take bool, uint8; window takes int64, int32), bad
+///         variant parameters, more than 8 dims, a negative dim, more than 2^56 elements.
 std::size_t blob_size(dtype dt, std::span<std::int64_t const> shape, encode_params const& p);
 
 /// A validated blob header.
 struct blob_info {
   codec_id codec;
   dtype dt;
-  int bits;                          ///< quant: 1/2/4/8; otherwise 0
+  int bits;                          ///< quant and window: 1/2/4/8; otherwise 0
   int group_size;                    ///< quant: 64..1024; otherwise 0
   std::uint64_t seed, key, numel;
   std::vector<std::int64_t> shape;
   std::size_t size;                  ///< total blob bytes (<= the len given to parse)
   std::uint64_t nonfinite_groups;    ///< quant groups marked non-finite by the CUDA encoder (decode to NaN)
+  std::uint8_t variant = 0;          ///< quant_mode or mask_mode
+  normalized_params normalized{};    ///< quant/normalized
+  boundary_params boundary{};        ///< quant/boundary
+  predicate_params pred{};           ///< mask/predicate
+  window_params window{};            ///< window
 };
 
 /// Validate every header field, every section size against `len`, and (quant) every group's metadata.
@@ -76,26 +109,48 @@ struct blob_info {
 /// @throws gact::corrupt_blob naming the bad field (truncated, bad magic, bad checksum, ...)
 blob_info parse(void const* blob, std::size_t len);
 
+/// Stable name of a refusal ("none", "nonfinite", ...).
+char const* refusal_name(refusal r) noexcept;
+
 /// Result of an encode.
 struct encode_result {
-  std::size_t bytes;  ///< bytes written (== blob_size); 0 when nonfinite
+  std::size_t bytes;  ///< bytes written (== blob_size); 0 when refused
   codec_id codec;     ///< codec of the blob written (the requested one)
   bool nonfinite;     ///< quant refused a tensor holding NaN/±Inf: no valid blob was written
                       ///< (its magic is cleared); store the tensor with codec raw instead
+  refusal refused = refusal::none;  ///< why no valid blob was written (nonfinite is one reason)
+  /// mask/predicate (CPU only): every value lies in the predicate's closed range ([a, +inf) for gt/ge,
+  /// (-inf, a] for lt/le, [a, b] for open/closed) and is finite: the tensor is the output of a clamp
+  /// to that range, so a boundary quant blob can serve both its predicate and its values.
+  bool in_range = false;
 };
 
 /// Encode a contiguous host tensor on the CPU, on `threads` threads (0 = hardware concurrency).
 /// @throws gact::invalid_argument for bad parameters (see blob_size), capacity < blob_size, a null
 ///         pointer with numel > 0, or (mask) a uint8 tensor holding a value other than 0 and 1
 ///         (store such a tensor raw; the message says so).
+/// @throws gact::thread_error when a worker thread cannot be created (no bytes of the blob are valid)
 encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const> shape,
                          encode_params const& p, void* blob, std::size_t capacity, int threads = 0);
 
+/// How to decode. Values are decoded by default; a predicate mask always decodes to its two values.
+struct decode_params {
+  /// quant/boundary: write the predicate the codes hold (code != 0, and != 2^b - 1 with has_hi) as
+  /// true_value / false_value instead of the values.
+  bool predicate = false;
+  float true_value = 1.0f;   ///< predicate masks and boundary predicates: the value where it holds
+  float false_value = 0.0f;  ///< ... and where it does not (both rounded to the blob's float dtype)
+};
+
 /// Decode a host blob into `dst` (contiguous, the blob's dtype, numel elements).
 /// Groups the CUDA encoder marked non-finite decode to NaN (and are counted in the stats).
-/// @throws gact::corrupt_blob for a blob that fails validation (see parse)
-/// @throws gact::invalid_argument if dst_bytes < numel * dtype_size or dst is null with numel > 0
-void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, int threads = 0);
+/// @throws gact::corrupt_blob for a blob that fails validation (see parse), or whose codes decode to
+///         something impossible (a window index outside the input plane)
+/// @throws gact::invalid_argument if dst_bytes < numel * dtype_size, dst is null with numel > 0, or
+///         `dp.predicate` is asked of a blob that holds no predicate
+/// @throws gact::thread_error when a worker thread cannot be created
+void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, int threads = 0,
+                decode_params const& dp = {});
 
 /// Human-readable name of a validation status (for messages and the CUDA status word).
 char const* status_name(hd::blob_status s) noexcept;
@@ -122,7 +177,7 @@ encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t cons
 /// set to 0 == ok by a valid decode). Read *status after synchronizing to learn the outcome.
 /// @throws gact::cuda_error if the launch fails
 void decode_cuda(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, cudaStream_t stream,
-                 std::uint32_t* status = nullptr);
+                 std::uint32_t* status = nullptr, decode_params const& dp = {});
 #endif
 
 namespace detail {
@@ -130,22 +185,28 @@ namespace detail {
 void count_encode(codec_id c, std::uint64_t in_bytes, std::uint64_t out_bytes) noexcept;
 void count_decode(codec_id c, std::uint64_t out_bytes, std::uint64_t nonfinite_groups) noexcept;
 void count_nonfinite_refusal() noexcept;
+void count_gpu_decode(std::uint64_t out_bytes) noexcept;
+/// The header's parameter block for encode parameters `p` (hd::params_bytes(codec, variant) bytes
+/// at `out`, which holds 160): one definition for both executors.
+void fill_params(encode_params const& p, std::uint8_t variant, unsigned char* out);
 void ensure_stats_registered() noexcept;
 // Shared host-side checks and header construction.
 blob_header make_header(dtype dt, std::span<std::int64_t const> shape, encode_params const& p,
                             hd::blob_layout* lay);
 int resolve_threads(int threads, std::uint64_t work_items, std::uint64_t min_items_per_thread) noexcept;
-// The quant CPU executor (quant_cpu.cpp). Returns false (nonfinite) if the input holds NaN/±Inf.
-bool quant_encode_cpu(void const* src, dtype dt, std::uint64_t numel, int bits, int group_size,
-                      std::uint64_t seed, std::uint64_t key, unsigned char* meta, unsigned char* codes,
-                      int threads);
-void quant_decode_cpu(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel,
-                      int bits, int group_size, void* dst, int threads);
+// The quant CPU executor (quant_cpu.cpp). Returns the refusal (none, nonfinite, out_of_range).
+refusal quant_encode_cpu(void const* src, quant_job const& job, int threads);
+void quant_decode_cpu(quant_job const& job, void* dst, int threads);
+/// Run fn(begin, end) over [0, n) split into `threads` contiguous ranges, the calling thread taking
+/// the first. @throws gact::thread_error (after joining the threads it started) when one cannot be created.
+void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx);
 /// Name of the build of the per-group loops in use ("avx2" or "generic").
 char const* quant_cpu_isa() noexcept;
 /// Tests and benchmarks: use the baseline build of the loops (true) or the best one (false).
 /// Returns whether a faster build than the baseline exists on this CPU.
 bool force_generic_quant_cpu(bool generic) noexcept;
+/// Tests: make the creation of worker thread k (1-based, k >= 1) and later ones fail; 0 = never.
+void fail_thread_creation_after(int k) noexcept;
 }  // namespace detail
 
 }  // namespace gact::codec

@@ -1,13 +1,22 @@
 // gact/codecs/quant_cpu.cpp
 //
-// The CPU executor of the quant codec: splits the groups of a tensor into one
-// contiguous range per thread and runs the per-group loops of quant_groups.cpp
-// on each, choosing at run time the build of those loops that the CPU can run
-// (avx2 + f16c on x86-64 CPUs that have them, the baseline build otherwise; both give
-// identical bytes). The threads parameter is resolved by the caller (codec.cpp).
+// The CPU executor's threads and the quant codec's entry into its loops: splits
+// the groups of a tensor into one contiguous range per thread and runs the
+// per-group loops of quant_groups.cpp on each, choosing at run time the build of
+// those loops that the CPU can run (avx2 + f16c on x86-64 CPUs that have them,
+// the baseline build otherwise; both give identical bytes). The threads
+// parameter is resolved by the caller (codec.cpp).
+//
+// A thread that cannot be created (a container's pid limit, ulimit -v) becomes
+// gact::thread_error after the threads already started have been joined: never
+// a std::thread destroyed while joinable (std::terminate), never a partial blob.
 #include "codecs/codec.hpp"
 
+#include "allocator/error.hpp"
+
 #include <atomic>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -18,20 +27,14 @@
 namespace gact::codec::detail {
 
 namespace generic {
-bool encode_range(void const* src, dtype dt, std::uint64_t numel, int bits, int G, std::uint64_t seed,
-                  std::uint64_t key, unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
-                  int* failed);
-void decode_range(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel, int bits,
-                  int G, void* dst, std::uint64_t g0, std::uint64_t g1);
+bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
+void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
 }  // namespace generic
 
 #if defined(GACT_CODEC_HAVE_AVX2)
 namespace avx2 {
-bool encode_range(void const* src, dtype dt, std::uint64_t numel, int bits, int G, std::uint64_t seed,
-                  std::uint64_t key, unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
-                  int* failed);
-void decode_range(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel, int bits,
-                  int G, void* dst, std::uint64_t g0, std::uint64_t g1);
+bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
+void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
 }  // namespace avx2
 #endif
 
@@ -66,11 +69,14 @@ isa_table const& isa() {
   return *t;
 }
 
-/// Run fn(begin, end) over [0, n) split into `threads` contiguous ranges (the caller runs the first).
-template <typename Fn>
-void parallel_ranges(std::uint64_t n, int threads, Fn const& fn) {
+// Test hook: fail the creation of the N-th worker thread (0 = never).
+std::atomic<int> g_fail_thread_after{0};
+
+}  // namespace
+
+void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx) {
   if (threads <= 1 || n < 2) {
-    fn(std::uint64_t{0}, n);
+    fn(ctx, 0, n);
     return;
   }
   std::vector<std::thread> pool;
@@ -78,20 +84,35 @@ void parallel_ranges(std::uint64_t n, int threads, Fn const& fn) {
   std::uint64_t const per = n / std::uint64_t(threads), extra = n % std::uint64_t(threads);
   std::uint64_t begin = 0;
   std::uint64_t first_end = 0;
+  std::string failure;
   for (int t = 0; t < threads; ++t) {
     std::uint64_t const end = begin + per + (std::uint64_t(t) < extra ? 1 : 0);
     if (t == 0) {
       first_end = end;
     } else {
-      pool.emplace_back([&fn, begin, end] { fn(begin, end); });
+      try {
+        int const k = g_fail_thread_after.load(std::memory_order_relaxed);
+        if (k > 0 && t >= k) throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again));
+        pool.emplace_back([fn, ctx, begin, end] { fn(ctx, begin, end); });
+      } catch (std::system_error const& e) {
+        failure = e.what();
+        break;
+      }
     }
     begin = end;
   }
-  fn(std::uint64_t{0}, first_end);
+  if (!failure.empty()) {
+    for (auto& th : pool) th.join();
+    GACT_FAIL("codecs: could not start worker thread " + std::to_string(pool.size() + 1) + " of " +
+                  std::to_string(threads) + " (" + failure +
+                  "); lower GACT_THREADS or the torch thread count, or raise the process's thread limit",
+              ::gact::thread_error);
+  }
+  fn(ctx, 0, first_end);
   for (auto& th : pool) th.join();
 }
 
-}  // namespace
+void fail_thread_creation_after(int k) noexcept { g_fail_thread_after.store(k, std::memory_order_relaxed); }
 
 char const* quant_cpu_isa() noexcept { return isa().name; }
 
@@ -100,27 +121,34 @@ bool force_generic_quant_cpu(bool generic) noexcept {
   return best_isa() != &k_generic;
 }
 
-bool quant_encode_cpu(void const* src, dtype dt, std::uint64_t numel, int bits, int group_size,
-                      std::uint64_t seed, std::uint64_t key, unsigned char* meta, unsigned char* codes,
-                      int threads) {
-  if (numel == 0) return true;
-  std::uint64_t const n_groups = (numel + std::uint64_t(group_size) - 1) / std::uint64_t(group_size);
-  int failed = 0;
-  auto const enc = isa().encode;
-  parallel_ranges(n_groups, threads, [&](std::uint64_t a, std::uint64_t b) {
-    enc(src, dt, numel, bits, group_size, seed, key, meta, codes, a, b, &failed);
-  });
-  return __atomic_load_n(&failed, __ATOMIC_RELAXED) == 0;
+refusal quant_encode_cpu(void const* src, quant_job const& job, int threads) {
+  if (job.numel == 0) return refusal::none;
+  std::uint64_t const n_groups = (job.numel + std::uint64_t(job.group_size) - 1) / std::uint64_t(job.group_size);
+  struct ctx_t {
+    void const* src;
+    quant_job const* job;
+    int failed;
+    decltype(&generic::encode_range) enc;
+  } ctx{src, &job, 0, isa().encode};
+  parallel_for(n_groups, threads, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    x->enc(x->src, *x->job, a, b, &x->failed);
+  }, &ctx);
+  return refusal(__atomic_load_n(&ctx.failed, __ATOMIC_RELAXED));
 }
 
-void quant_decode_cpu(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel,
-                      int bits, int group_size, void* dst, int threads) {
-  if (numel == 0) return;
-  std::uint64_t const n_groups = (numel + std::uint64_t(group_size) - 1) / std::uint64_t(group_size);
-  auto const dec = isa().decode;
-  parallel_ranges(n_groups, threads, [&](std::uint64_t a, std::uint64_t b) {
-    dec(meta, codes, dt, numel, bits, group_size, dst, a, b);
-  });
+void quant_decode_cpu(quant_job const& job, void* dst, int threads) {
+  if (job.numel == 0) return;
+  std::uint64_t const n_groups = (job.numel + std::uint64_t(job.group_size) - 1) / std::uint64_t(job.group_size);
+  struct ctx_t {
+    quant_job const* job;
+    void* dst;
+    decltype(&generic::decode_range) dec;
+  } ctx{&job, dst, isa().decode};
+  parallel_for(n_groups, threads, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    x->dec(*x->job, x->dst, a, b);
+  }, &ctx);
 }
 
 }  // namespace gact::codec::detail

@@ -9,10 +9,13 @@
 // Inside a group every step is a plain loop over a fixed-size stack buffer,
 // written for the auto-vectorizer (see codecs/README.md, "Vectorization"):
 //
-//   encode:  load (+ widen 16-bit input) -> min/max + finiteness over 8 lanes
+//   encode:  load (+ widen 16/64-bit input, + normalize) -> min/max + finiteness over 8 lanes
 //            -> Philox noise for the group (one call per 8 elements)
-//            -> quantize (hd::quantize_u) -> pack b-bit codes into bytes
-//   decode:  unpack codes -> hd::dequantize -> narrow to the dtype -> store
+//            -> quantize (hd::quantize_u / hd::quantize_boundary) -> pack b-bit codes into bytes
+//   decode:  unpack codes -> hd::dequantize (+ denormalize) -> narrow to the dtype -> store
+//
+// The three variants (plain, normalized, boundary; format.hpp) are template
+// parameters of the same loops, so each compiles to straight-line code.
 //
 // This file uses no C++ library code beyond <cstdint>/<cstring>: an inline
 // library function compiled here with -mavx2 could otherwise be picked by the
@@ -20,10 +23,12 @@
 #include "codecs/float16.hpp"
 #include "codecs/format.hpp"
 #include "codecs/philox.hpp"
+#include "codecs/quant_job.hpp"
 #include "codecs/quant_math.hpp"
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -62,6 +67,26 @@ struct io<dtype::bfloat16> {
   static float load(storage v) { return hd::bf16_to_float(v); }
   static storage store(float v) { return hd::float_to_bf16(v); }
 };
+// float64 is quantized in float32 (a value beyond float's range becomes Inf and the tensor is
+// refused as non-finite); its metadata is float32.
+template <>
+struct io<dtype::float64> {
+  using storage = double;
+  static float load(storage v) { return float(v); }
+  static storage store(float v) { return double(v); }
+};
+
+/// Storage of one metadata value: the input dtype for the 16-bit floats, float32 otherwise.
+template <dtype Dt>
+struct meta_io {
+  using storage = float;
+  static float load(storage v) { return v; }
+  static storage store(float v) { return v; }
+};
+template <>
+struct meta_io<dtype::float16> : io<dtype::float16> {};
+template <>
+struct meta_io<dtype::bfloat16> : io<dtype::bfloat16> {};
 
 // ---- encode ---------------------------------------------------------------------------------
 
@@ -330,123 +355,277 @@ GACT_LOOP void dequantize_group<dtype::bfloat16>(std::int32_t const* __restrict 
 }
 #endif
 
-template <dtype Dt>
+constexpr int k_plain = int(quant_mode::plain);
+constexpr int k_normalized = int(quant_mode::normalized);
+constexpr int k_boundary = int(quant_mode::boundary);
+
+/// Metadata storage of a variant: normalized groups keep float32 bounds whatever the dtype.
+template <dtype Dt, int V>
+using meta_of = std::conditional_t<V == k_normalized, meta_io<dtype::float32>, meta_io<Dt>>;
+
+template <dtype Dt, int V>
 void store_meta(unsigned char* meta, std::uint64_t g, float lo, float hi) {
-  using S = typename io<Dt>::storage;
-  S const v[2] = {io<Dt>::store(lo), io<Dt>::store(hi)};
+  using M = meta_of<Dt, V>;
+  using S = typename M::storage;
+  S const v[2] = {M::store(lo), M::store(hi)};
   std::memcpy(meta + g * sizeof v, v, sizeof v);
 }
 
-template <dtype Dt>
+template <dtype Dt, int V>
 void load_meta(unsigned char const* meta, std::uint64_t g, float& lo, float& hi) {
-  using S = typename io<Dt>::storage;
+  using M = meta_of<Dt, V>;
+  using S = typename M::storage;
   S v[2];
   std::memcpy(v, meta + g * sizeof v, sizeof v);
-  lo = io<Dt>::load(v[0]);
-  hi = io<Dt>::load(v[1]);
+  lo = M::load(v[0]);
+  hi = M::load(v[1]);
 }
 
-template <dtype Dt, int Bits>
-bool encode_groups(void const* src, std::uint64_t numel, int G, std::uint64_t seed, std::uint64_t key,
-                   unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
-                   int* failed) {
+/// Statistics block of element e and its position inside the block run (normalized variant).
+struct block_cursor {
+  std::uint64_t block, pos, count, inner;
+  block_cursor(std::uint64_t e, std::uint64_t count_, std::uint64_t inner_)
+      : block((e / inner_) % count_), pos(e % inner_), count(count_), inner(inner_) {}
+  void next() {
+    if (++pos == inner) {
+      pos = 0;
+      if (++block == count) block = 0;
+    }
+  }
+};
+
+inline void load_stat(unsigned char const* stats, std::uint64_t b, float& shift, float& scale) {
+  float v[2];
+  std::memcpy(v, stats + 8 * b, 8);
+  shift = v[0];
+  scale = v[1];
+}
+
+/// Interior min/max of a boundary group (values strictly between lo and hi); false if a value is
+/// non-finite or outside [lo, hi] (*why says which).
+bool boundary_minmax(float const* x, int n, boundary_params const& b, float& imin, float& imax, refusal* why) {
+  float mn = b.lo, mx = b.lo;
+  bool any = false, finite = true, inside = true;
+  bool const has_hi = b.has_hi != 0;
+  for (int i = 0; i < n; ++i) {
+    float const v = x[i];
+    finite = finite && hd::is_finite_bits(v);
+    inside = inside && v >= b.lo && (!has_hi || v <= b.hi);
+    bool const interior = v > b.lo && (!has_hi || v < b.hi);
+    if (interior) {
+      if (!any) {
+        mn = v;
+        mx = v;
+        any = true;
+      } else {
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+      }
+    }
+  }
+  imin = hd::canonical_zero(mn);
+  imax = hd::canonical_zero(mx);
+  if (!finite) {
+    *why = refusal::nonfinite;
+    return false;
+  }
+  if (!inside) {
+    *why = refusal::out_of_range;
+    return false;
+  }
+  return true;
+}
+
+GACT_LOOP void quantize_boundary_group(float const* __restrict x, float const* __restrict u, int n,
+                                       boundary_params const b, std::int32_t top, group_params const p,
+                                       std::int32_t* __restrict q) {
+  bool const has_hi = b.has_hi != 0;
+  for (int i = 0; i < n; ++i) q[i] = hd::quantize_boundary(x[i], b.lo, b.hi, has_hi, top, p, u[i]);
+}
+
+template <dtype Dt, int Bits, int V>
+bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed) {
   using S = typename io<Dt>::storage;
   alignas(64) float xbuf[k_buf];
   alignas(64) float u[k_buf];
   alignas(64) std::int32_t q[k_buf];
   S const* in = static_cast<S const*>(src);
+  std::uint64_t const numel = job.numel;
+  int const G = job.group_size;
+  constexpr std::int32_t top = (1 << Bits) - 1;
   for (std::uint64_t g = g0; g < g1; ++g) {
     if ((g & 63) == 0 && __atomic_load_n(failed, __ATOMIC_RELAXED) != 0) return false;
     std::uint64_t const e0 = g * std::uint64_t(G);
     int const n = int(numel - e0 < std::uint64_t(G) ? numel - e0 : std::uint64_t(G));
     int const nchunks = (n + 7) / 8;
     float const* x;
-    if constexpr (Dt == dtype::float32) {
+    if constexpr (V == k_normalized) {
+      block_cursor c(e0, job.count, job.inner);
+      float shift = 0.f, scale = 1.f;
+      std::uint64_t loaded = ~std::uint64_t{0};
+      for (int i = 0; i < n; ++i, c.next()) {
+        if (c.block != loaded) {
+          load_stat(job.stats, c.block, shift, scale);
+          loaded = c.block;
+        }
+        xbuf[i] = hd::normalize(io<Dt>::load(in[e0 + std::uint64_t(i)]), shift, scale);
+      }
+      x = xbuf;
+    } else if constexpr (Dt == dtype::float32) {
       x = in + e0;
     } else {
       widen<Dt>(in + e0, n, xbuf);
       x = xbuf;
     }
-    float lo, hi;
-    if (!group_minmax(x, n, lo, hi)) {
-      __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
-      return false;
-    }
-    store_meta<Dt>(meta, g, lo, hi);
-    group_params const p = hd::make_params(lo, hi, Bits);
-    std::uint8_t* out = codes + (e0 / 8) * std::uint64_t(Bits);
-    if (p.step > 0.0f) {
-      group_noise(seed, key, e0 / 8, nchunks, u);
-      quantize_group(x, u, n, p, q);
+    std::uint8_t* out = job.codes + (e0 / 8) * std::uint64_t(Bits);
+    if constexpr (V == k_boundary) {
+      float imin, imax;
+      refusal why = refusal::none;
+      if (!boundary_minmax(x, n, job.boundary, imin, imax, &why)) {
+        __atomic_store_n(failed, int(why), __ATOMIC_RELAXED);
+        return false;
+      }
+      store_meta<Dt, V>(job.meta, g, imin, imax);
+      // The metadata as stored (a 16-bit dtype rounds nothing: imin/imax are input values).
+      float lo, hi;
+      load_meta<Dt, V>(job.meta, g, lo, hi);
+      group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, job.boundary.has_hi != 0));
+      group_noise(job.seed, job.key, e0 / 8, nchunks, u);
+      quantize_boundary_group(x, u, n, job.boundary, top, p, q);
       for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
       pack_codes<Bits>(q, nchunks, out);
     } else {
-      std::memset(out, 0, std::size_t(nchunks) * Bits);  // constant group: every code is 0
+      float lo, hi;
+      if (!group_minmax(x, n, lo, hi)) {
+        __atomic_store_n(failed, int(refusal::nonfinite), __ATOMIC_RELAXED);
+        return false;
+      }
+      store_meta<Dt, V>(job.meta, g, lo, hi);
+      group_params const p = hd::make_params(lo, hi, Bits);
+      if (p.step > 0.0f) {
+        group_noise(job.seed, job.key, e0 / 8, nchunks, u);
+        quantize_group(x, u, n, p, q);
+        for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
+        pack_codes<Bits>(q, nchunks, out);
+      } else {
+        std::memset(out, 0, std::size_t(nchunks) * Bits);  // constant group: every code is 0
+      }
     }
   }
   return true;
 }
 
-template <dtype Dt, int Bits>
-void decode_groups(unsigned char const* meta, unsigned char const* codes, std::uint64_t numel, int G,
-                   void* dst, std::uint64_t g0, std::uint64_t g1) {
+template <dtype Dt, int Bits, int V>
+void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
   using S = typename io<Dt>::storage;
   alignas(64) std::int32_t q[k_buf];
+  alignas(64) float zbuf[k_buf];
   S* out = static_cast<S*>(dst);
+  std::uint64_t const numel = job.numel;
+  int const G = job.group_size;
+  constexpr std::int32_t top = (1 << Bits) - 1;
   for (std::uint64_t g = g0; g < g1; ++g) {
     std::uint64_t const e0 = g * std::uint64_t(G);
     int const n = int(numel - e0 < std::uint64_t(G) ? numel - e0 : std::uint64_t(G));
     int const nchunks = (n + 7) / 8;
     float lo, hi;
-    load_meta<Dt>(meta, g, lo, hi);
-    group_params const p = hd::make_params(lo, hi, Bits);
-    unpack_codes<Bits>(codes + (e0 / 8) * std::uint64_t(Bits), nchunks, q);
-    dequantize_group<Dt>(q, n, p, out + e0);
+    load_meta<Dt, V>(job.meta, g, lo, hi);
+    unpack_codes<Bits>(job.codes + (e0 / 8) * std::uint64_t(Bits), nchunks, q);
+    if constexpr (V == k_boundary) {
+      boundary_params const b = job.boundary;
+      bool const has_hi = b.has_hi != 0;
+      if (job.predicate) {
+        S const tv = io<Dt>::store(job.true_value), fv = io<Dt>::store(job.false_value);
+        for (int i = 0; i < n; ++i) out[e0 + std::uint64_t(i)] = (q[i] != 0 && !(has_hi && q[i] == top)) ? tv : fv;
+      } else {
+        group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, has_hi));
+        for (int i = 0; i < n; ++i)
+          out[e0 + std::uint64_t(i)] = io<Dt>::store(hd::dequantize_boundary(q[i], b.lo, b.hi, has_hi, top, p));
+      }
+    } else if constexpr (V == k_normalized) {
+      group_params const p = hd::make_params(lo, hi, Bits);
+      for (int i = 0; i < n; ++i) zbuf[i] = hd::dequantize(q[i], p);
+      block_cursor c(e0, job.count, job.inner);
+      float shift = 0.f, inv = 1.f;
+      std::uint64_t loaded = ~std::uint64_t{0};
+      for (int i = 0; i < n; ++i, c.next()) {
+        if (c.block != loaded) {
+          float scale;
+          load_stat(job.stats, c.block, shift, scale);
+          inv = hd::inverse_scale(scale);
+          loaded = c.block;
+        }
+        out[e0 + std::uint64_t(i)] = io<Dt>::store(hd::denormalize(zbuf[i], shift, inv));
+      }
+    } else {
+      group_params const p = hd::make_params(lo, hi, Bits);
+      if constexpr (Dt == dtype::float64) {
+        for (int i = 0; i < n; ++i) out[e0 + std::uint64_t(i)] = double(hd::dequantize(q[i], p));
+      } else {
+        dequantize_group<Dt>(q, n, p, out + e0);
+      }
+    }
+  }
+}
+
+template <dtype Dt, int V>
+bool encode_bits(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed) {
+  switch (job.bits) {
+    case 1: return encode_groups<Dt, 1, V>(src, job, g0, g1, failed);
+    case 2: return encode_groups<Dt, 2, V>(src, job, g0, g1, failed);
+    case 4: return encode_groups<Dt, 4, V>(src, job, g0, g1, failed);
+    default: return encode_groups<Dt, 8, V>(src, job, g0, g1, failed);
+  }
+}
+
+template <dtype Dt, int V>
+void decode_bits(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
+  switch (job.bits) {
+    case 1: decode_groups<Dt, 1, V>(job, dst, g0, g1); break;
+    case 2: decode_groups<Dt, 2, V>(job, dst, g0, g1); break;
+    case 4: decode_groups<Dt, 4, V>(job, dst, g0, g1); break;
+    default: decode_groups<Dt, 8, V>(job, dst, g0, g1); break;
   }
 }
 
 template <dtype Dt>
-bool encode_bits(void const* src, std::uint64_t numel, int bits, int G, std::uint64_t seed, std::uint64_t key,
-                 unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1, int* failed) {
-  switch (bits) {
-    case 1: return encode_groups<Dt, 1>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
-    case 2: return encode_groups<Dt, 2>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
-    case 4: return encode_groups<Dt, 4>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
-    default: return encode_groups<Dt, 8>(src, numel, G, seed, key, meta, codes, g0, g1, failed);
+bool encode_variant(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed) {
+  switch (quant_mode(job.variant)) {
+    case quant_mode::normalized: return encode_bits<Dt, k_normalized>(src, job, g0, g1, failed);
+    case quant_mode::boundary: return encode_bits<Dt, k_boundary>(src, job, g0, g1, failed);
+    default: return encode_bits<Dt, k_plain>(src, job, g0, g1, failed);
   }
 }
 
 template <dtype Dt>
-void decode_bits(unsigned char const* meta, unsigned char const* codes, std::uint64_t numel, int bits, int G,
-                 void* dst, std::uint64_t g0, std::uint64_t g1) {
-  switch (bits) {
-    case 1: decode_groups<Dt, 1>(meta, codes, numel, G, dst, g0, g1); break;
-    case 2: decode_groups<Dt, 2>(meta, codes, numel, G, dst, g0, g1); break;
-    case 4: decode_groups<Dt, 4>(meta, codes, numel, G, dst, g0, g1); break;
-    default: decode_groups<Dt, 8>(meta, codes, numel, G, dst, g0, g1); break;
+void decode_variant(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
+  switch (quant_mode(job.variant)) {
+    case quant_mode::normalized: decode_bits<Dt, k_normalized>(job, dst, g0, g1); break;
+    case quant_mode::boundary: decode_bits<Dt, k_boundary>(job, dst, g0, g1); break;
+    default: decode_bits<Dt, k_plain>(job, dst, g0, g1); break;
   }
 }
 
 }  // namespace
 
-/// Encode groups [g0, g1); false (and *failed set) if a value is NaN/±Inf, or if another range failed.
-bool encode_range(void const* src, dtype dt, std::uint64_t numel, int bits, int G, std::uint64_t seed,
-                  std::uint64_t key, unsigned char* meta, unsigned char* codes, std::uint64_t g0, std::uint64_t g1,
-                  int* failed) {
-  switch (dt) {
-    case dtype::float32: return encode_bits<dtype::float32>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
-    case dtype::float16: return encode_bits<dtype::float16>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
-    default: return encode_bits<dtype::bfloat16>(src, numel, bits, G, seed, key, meta, codes, g0, g1, failed);
+/// Encode groups [g0, g1); false (and *failed set to the refusal) if a value is refused, or if
+/// another range failed.
+bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed) {
+  switch (job.dt) {
+    case dtype::float32: return encode_variant<dtype::float32>(src, job, g0, g1, failed);
+    case dtype::float16: return encode_variant<dtype::float16>(src, job, g0, g1, failed);
+    case dtype::float64: return encode_variant<dtype::float64>(src, job, g0, g1, failed);
+    default: return encode_variant<dtype::bfloat16>(src, job, g0, g1, failed);
   }
 }
 
-/// Decode groups [g0, g1) (metadata already validated by parse).
-void decode_range(unsigned char const* meta, unsigned char const* codes, dtype dt, std::uint64_t numel, int bits,
-                  int G, void* dst, std::uint64_t g0, std::uint64_t g1) {
-  switch (dt) {
-    case dtype::float32: decode_bits<dtype::float32>(meta, codes, numel, bits, G, dst, g0, g1); break;
-    case dtype::float16: decode_bits<dtype::float16>(meta, codes, numel, bits, G, dst, g0, g1); break;
-    default: decode_bits<dtype::bfloat16>(meta, codes, numel, bits, G, dst, g0, g1); break;
+/// Decode groups [g0, g1) (metadata and statistics already validated by parse).
+void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
+  switch (job.dt) {
+    case dtype::float32: decode_variant<dtype::float32>(job, dst, g0, g1); break;
+    case dtype::float16: decode_variant<dtype::float16>(job, dst, g0, g1); break;
+    case dtype::float64: decode_variant<dtype::float64>(job, dst, g0, g1); break;
+    default: decode_variant<dtype::bfloat16>(job, dst, g0, g1); break;
   }
 }
 

@@ -46,9 +46,11 @@ struct group_params {
 /// Canonical min/max: -0 becomes +0 (so every reduction order gives the same bits).
 GACT_HD float canonical_zero(float x) { return add_rn(x, 0.0f); }
 
-GACT_HD group_params make_params(float lo, float hi, int bits) {
+/// Parameters of a group quantized on `levels` intervals (2^b - 1 for plain groups; fewer for
+/// boundary groups, whose extreme codes are reserved).
+GACT_HD group_params make_params_levels(float lo, float hi, float levels) {
   group_params p;
-  p.levels = float((1u << bits) - 1u);
+  p.levels = levels;
   float const d = sub_rn(hi, lo);
   bool const huge = !(d <= k_float_max);  // overflow to +Inf (or NaN metadata)
   p.s = huge ? 0.5f : 1.0f;
@@ -59,6 +61,10 @@ GACT_HD group_params make_params(float lo, float hi, int bits) {
   if (step == 0.0f && p.hi_s > p.lo_s) step = k_denorm_min;
   p.step = step;
   return p;
+}
+
+GACT_HD group_params make_params(float lo, float hi, int bits) {
+  return make_params_levels(lo, hi, float((1u << bits) - 1u));
 }
 
 /// The uniform in (0, 1) used for 16 random bits r: (r + 1/2) / 2^16, exact in float.
@@ -92,6 +98,47 @@ GACT_HD float dequantize(std::int32_t q, group_params const& p) {
 GACT_HD bool meta_ok(float lo, float hi) {
   bool const both_nan = lo != lo && hi != hi;
   return both_nan || (is_finite_bits(lo) && is_finite_bits(hi) && lo <= hi);
+}
+
+// ---- normalized groups ---------------------------------------------------------------------
+// z = (x - shift) * scale on encode; x^ = z^ * (1 / scale) + shift on decode, with 1 / scale
+// computed once per block by both executors (div_rn), so E[x^] = x up to rounding: the affine map
+// is the same on both sides of the unbiased quantizer.
+
+GACT_HD float normalize(float x, float shift, float scale) { return mul_rn(sub_rn(x, shift), scale); }
+GACT_HD float denormalize(float z, float shift, float inv_scale) { return add_rn(mul_rn(z, inv_scale), shift); }
+GACT_HD float inverse_scale(float scale) { return div_rn(1.0f, scale); }
+/// A block's statistics as the decoder accepts them: finite shift, finite scale > 0 with a finite inverse.
+GACT_HD bool stats_ok(float shift, float scale) {
+  return is_finite_bits(shift) && is_finite_bits(scale) && scale > 0.0f && is_finite_bits(div_rn(1.0f, scale));
+}
+
+// ---- boundary groups ---------------------------------------------------------------------
+// Code 0 stands for exactly `lo`, code L = 2^b - 1 for exactly `hi` when has_hi; the values strictly
+// between (the interior) are quantized with the plain rule on codes [1, L - has_hi], i.e. on
+// L - 1 - has_hi intervals between the interior's own min and max. The group metadata holds that
+// interior (min, max); a group without interior values stores (lo, lo).
+
+/// Intervals available to the interior of a boundary group (>= 1 for bits >= 2).
+GACT_HD float boundary_levels(int bits, bool has_hi) {
+  return float((1u << bits) - 2u - (has_hi ? 1u : 0u));
+}
+
+/// Code of x in a boundary group: 0 for x <= lo, L for x >= hi (has_hi), else 1 + the interior code.
+GACT_HD std::int32_t quantize_boundary(float x, float lo, float hi, bool has_hi, std::int32_t top,
+                                       group_params const& interior, float u) {
+  if (x <= lo) return 0;
+  if (has_hi && x >= hi) return top;
+  if (!(interior.step > 0.0f)) return 1;
+  return 1 + quantize_u(x, interior, u);
+}
+
+/// Value of code q in a boundary group.
+GACT_HD float dequantize_boundary(std::int32_t q, float lo, float hi, bool has_hi, std::int32_t top,
+                                  group_params const& interior) {
+  if (q == 0) return lo;
+  if (has_hi && q == top) return hi;
+  return dequantize(q - 1, interior);
 }
 
 }  // namespace gact::codec::hd

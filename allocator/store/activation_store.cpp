@@ -120,8 +120,8 @@ std::uint16_t trace_source() {
 // ((lo, hi) per group in the input dtype, right after the header).
 double sum_sq_ranges(void const* blob, codec::dtype dt, std::uint64_t numel, int bits, int group_size,
                      std::uint64_t* groups) noexcept {
-  auto const lay = codec::hd::compute_layout(static_cast<std::uint8_t>(codec::codec_id::quant),
-                                             static_cast<std::uint8_t>(dt), 1, numel, bits, group_size);
+  auto const lay = codec::hd::compute_layout(static_cast<std::uint8_t>(codec::codec_id::quant), 0,
+                                             static_cast<std::uint8_t>(dt), 1, numel, bits, group_size, 0);
   auto const* meta = static_cast<unsigned char const*>(blob) + lay.header_bytes;
   double acc = 0.0;
   for (std::uint64_t g = 0; g < lay.n_groups; ++g) {

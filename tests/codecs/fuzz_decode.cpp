@@ -11,7 +11,8 @@
 // deeper, a fraction of inputs is turned into a blob whose header is a valid
 // prefix: when the input starts with the byte 'G', a valid header for a small
 // tensor is written in front of the remaining bytes with a correct checksum
-// (fields still come from the fuzzer's bytes).
+// (fields, the variant and its parameter block still come from the fuzzer's bytes).
+// The last byte chooses between a values decode and a predicate decode.
 #include "codecs/codec.hpp"
 
 #include "allocator/error.hpp"
@@ -37,10 +38,18 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     h.version = k_format_version;
     std::memcpy(in.data(), &h, sizeof h);
     int const ndim = in[8] <= k_max_ndim ? in[8] : 0;
-    if (in.size() >= std::size_t(64 + 8 * ndim)) {
-      std::uint32_t const c = hd::header_checksum(in.data(), ndim);
+    std::uint32_t const extra = 8u * std::uint32_t(ndim) + hd::params_bytes(in[6], in[12]);
+    if (in.size() >= std::size_t(64 + extra)) {
+      std::uint32_t const c = hd::header_checksum(in.data(), extra);
       std::memcpy(in.data() + 60, &c, 4);
     }
+  }
+  // The last byte picks the decode mode: values, or a predicate with fuzzed true/false values.
+  decode_params dp;
+  if (size >= 9 && (data[size - 1] & 1u) != 0) {
+    dp.predicate = true;
+    std::memcpy(&dp.true_value, data + size - 9, 4);
+    std::memcpy(&dp.false_value, data + size - 5, 4);
   }
   std::unique_ptr<std::uint8_t[]> buf(new std::uint8_t[in.size() == 0 ? 1 : in.size()]);
   if (!in.empty()) std::memcpy(buf.get(), in.data(), in.size());
@@ -49,8 +58,10 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     std::size_t const need = std::size_t(info.numel) * dtype_size(info.dt);
     if (need > k_max_out) return 0;
     std::unique_ptr<std::uint8_t[]> out(new std::uint8_t[need == 0 ? 1 : need]);
-    decode_cpu(buf.get(), in.size(), out.get(), need, 1);
+    decode_cpu(buf.get(), in.size(), out.get(), need, 1, dp);
   } catch (gact::corrupt_blob const&) {
+  } catch (gact::invalid_argument const&) {
+    // a valid blob asked for a predicate it does not hold
   }
   return 0;
 }

@@ -636,8 +636,9 @@ TEST_CASE("corrupt and truncated blobs never read out of bounds: decode or corru
       std::size_t const pos = rng() % 60;
       b[pos] = std::uint8_t(rng());
       int const nd = std::min<int>(b[8], 8);
-      if (b.size() >= std::size_t(64 + 8 * nd)) {
-        std::uint32_t const c = hd::header_checksum(b.data(), nd);
+      std::uint32_t const extra = 8u * std::uint32_t(nd) + hd::params_bytes(b[6], b[12]);
+      if (b.size() >= std::size_t(64 + extra)) {
+        std::uint32_t const c = hd::header_checksum(b.data(), extra);
         std::memcpy(b.data() + 60, &c, 4);
       }
     }

@@ -9,6 +9,9 @@
 // both executors), and decodes corrupted and truncated blobs on the device:
 // the status word must be set exactly when decode_cpu throws corrupt_blob, and
 // a blob that the host accepts must decode to the same bits on the device.
+// The variants (normalized with statistics in device memory, boundary values and
+// predicates, predicate masks, the window codec, float64) get the same
+// byte-for-byte comparison.
 // Exit status 0 when every check passed; each failure prints one line.
 #include "codecs/codec.hpp"
 #include "codecs/float16.hpp"
@@ -70,26 +73,36 @@ std::vector<unsigned char> make_input(dtype dt, std::size_t n, std::uint32_t see
   return t;
 }
 
-/// Encode on both executors (src copied to the device at byte offset `offset`); compare blobs and decodes.
+/// Encode on both executors (src copied to the device at byte offset `offset`); compare blobs and decodes
+/// (decoded with `dp`). A normalized encode's statistics are copied to the device for encode_cuda.
 void compare(std::vector<unsigned char> const& host, dtype dt, std::vector<std::int64_t> const& shape,
-             encode_params const& p, std::size_t offset, char const* what) {
+             encode_params const& p, std::size_t offset, char const* what, decode_params const& dp = {}) {
   std::size_t const bs = blob_size(dt, shape, p);
   std::vector<unsigned char> cpu_blob(bs), gpu_blob(bs);
   auto r = encode_cpu(host.data(), dt, shape, p, cpu_blob.data(), bs, 1);
-  CHECK_GPU(!r.nonfinite, "%s: CPU refused finite input", what);
+  CHECK_GPU(r.refused == refusal::none, "%s: CPU refused the input (%s)", what, refusal_name(r.refused));
   dev_buf src(host.size() + offset), blob(bs), out(host.size());
   auto* s = static_cast<unsigned char*>(src.p) + offset;
   cuda_ok(cudaMemcpy(s, host.data(), host.size(), cudaMemcpyHostToDevice), "H2D");
-  encode_cuda(s, dt, shape, p, blob.p, bs, nullptr);
+  encode_params pd = p;
+  std::size_t const stats_bytes = std::size_t(p.norm_count) * sizeof(float);
+  dev_buf shift(stats_bytes), scale(stats_bytes);
+  if (p.norm_shift != nullptr) {
+    cuda_ok(cudaMemcpy(shift.p, p.norm_shift, stats_bytes, cudaMemcpyHostToDevice), "H2D");
+    cuda_ok(cudaMemcpy(scale.p, p.norm_scale, stats_bytes, cudaMemcpyHostToDevice), "H2D");
+    pd.norm_shift = static_cast<float const*>(shift.p);
+    pd.norm_scale = static_cast<float const*>(scale.p);
+  }
+  encode_cuda(s, dt, shape, pd, blob.p, bs, nullptr);
   cuda_ok(cudaMemcpy(gpu_blob.data(), blob.p, bs, cudaMemcpyDeviceToHost), "D2H");
   std::size_t diff = 0;
   while (diff < bs && cpu_blob[diff] == gpu_blob[diff]) ++diff;
   CHECK_GPU(diff == bs, "%s: blobs differ first at byte %zu of %zu", what, diff, bs);
 
   std::vector<unsigned char> cpu_out(host.size()), gpu_out(host.size());
-  decode_cpu(cpu_blob.data(), bs, cpu_out.data(), cpu_out.size(), 1);
+  decode_cpu(cpu_blob.data(), bs, cpu_out.data(), cpu_out.size(), 1, dp);
   dev_buf status(4);
-  decode_cuda(blob.p, bs, out.p, host.size(), nullptr, static_cast<std::uint32_t*>(status.p));
+  decode_cuda(blob.p, bs, out.p, host.size(), nullptr, static_cast<std::uint32_t*>(status.p), dp);
   std::uint32_t st = 99;
   cuda_ok(cudaMemcpy(gpu_out.data(), out.p, host.size(), cudaMemcpyDeviceToHost), "D2H");
   cuda_ok(cudaMemcpy(&st, status.p, 4, cudaMemcpyDeviceToHost), "D2H");
@@ -221,6 +234,133 @@ int main() {
       agree += same;
     }
     std::printf("corrupt blobs: %d/2000 agree\n", agree);
+  }
+  // 5. Variants.
+  {
+    std::mt19937 rng(21);
+    std::normal_distribution<float> z(0.f, 1.f);
+    for (dtype dt : {dtype::float32, dtype::float16, dtype::bfloat16, dtype::float64}) {
+      std::size_t const esz = dtype_size(dt);
+      auto put = [&](std::vector<unsigned char>& t, std::size_t i, float v) {
+        if (dt == dtype::float32) std::memcpy(t.data() + 4 * i, &v, 4);
+        else if (dt == dtype::float64) {
+          double const d = v;
+          std::memcpy(t.data() + 8 * i, &d, 8);
+        } else {
+          std::uint16_t const h = dt == dtype::float16 ? hd::float_to_half(v) : hd::float_to_bf16(v);
+          std::memcpy(t.data() + 2 * i, &h, 2);
+        }
+      };
+      // normalized: batch-norm layouts (NCHW: inner = H*W; NHWC: inner = 1), 24 channels of 7x7
+      for (bool cl : {false, true}) {
+        std::size_t const n = 4 * 24 * 49;
+        std::vector<float> shift(24), scale(24);
+        for (int c = 0; c < 24; ++c) {
+          shift[std::size_t(c)] = 10.f * z(rng);
+          scale[std::size_t(c)] = 1.f / (0.1f + std::fabs(5.f * z(rng)));
+        }
+        std::vector<unsigned char> t(n * esz);
+        for (std::size_t e = 0; e < n; ++e) {
+          std::size_t const c = cl ? e % 24 : (e / 49) % 24;
+          put(t, e, shift[c] + z(rng) / scale[c]);
+        }
+        for (int bits : {1, 2, 4, 8}) {
+          encode_params p;
+          p.bits = bits;
+          p.variant = std::uint8_t(quant_mode::normalized);
+          p.norm_count = 24;
+          p.norm_inner = cl ? 1 : 49;
+          p.norm_shift = shift.data();
+          p.norm_scale = scale.data();
+          p.seed = 5;
+          p.key = 9;
+          std::snprintf(what, sizeof what, "normalized %s bits=%d cl=%d", dtype_name(dt), bits, int(cl));
+          compare(t, dt, {4, 24, 7, 7}, p, 0, what);
+        }
+      }
+      // boundary: a ReLU output (lo = 0) and a clamp to [0, 6]; values and the predicate
+      for (bool two : {false, true}) {
+        std::size_t const n = 5 * 256 + 77;
+        std::vector<unsigned char> t(n * esz);
+        for (std::size_t e = 0; e < n; ++e) {
+          float const v = 3.f * z(rng) + (two ? 3.f : 0.f);
+          put(t, e, two ? std::min(6.f, std::max(0.f, v)) : std::max(0.f, v));
+        }
+        for (int bits : {2, 4, 8}) {
+          encode_params p;
+          p.bits = bits;
+          p.variant = std::uint8_t(quant_mode::boundary);
+          p.boundary = {0.f, two ? 6.f : 0.f, two ? 1u : 0u, 0};
+          p.seed = 3;
+          std::snprintf(what, sizeof what, "boundary %s bits=%d two=%d", dtype_name(dt), bits, int(two));
+          compare(t, dt, {std::int64_t(n)}, p, 0, what);
+          decode_params dp;
+          dp.predicate = true;
+          dp.true_value = 3.f;
+          dp.false_value = -1.f;
+          std::snprintf(what, sizeof what, "boundary predicate %s bits=%d two=%d", dtype_name(dt), bits, int(two));
+          compare(t, dt, {std::int64_t(n)}, p, 0, what, dp);
+        }
+      }
+      // predicate masks
+      {
+        std::size_t const n = 10007;
+        std::vector<unsigned char> t(n * esz);
+        for (std::size_t e = 0; e < n; ++e) put(t, e, e % 13 == 0 ? 0.f : 4.f * z(rng));
+        for (std::uint32_t pr = 1; pr <= 6; ++pr) {
+          encode_params p;
+          p.codec = codec_id::mask;
+          p.variant = std::uint8_t(mask_mode::predicate);
+          p.pred = {pr, pr >= 5 ? -1.f : 0.f, pr >= 5 ? 1.f : 0.f, 0.f};
+          decode_params dp;
+          dp.true_value = 0.5f;
+          dp.false_value = -6.f;
+          std::snprintf(what, sizeof what, "predicate %s %s", dtype_name(dt), predicate_name(predicate(pr)));
+          compare(t, dt, {std::int64_t(n)}, p, 0, what, dp);
+        }
+      }
+      {  // float64 and the 16-bit floats through the plain path with an unaligned source
+        encode_params p;
+        p.bits = 4;
+        std::snprintf(what, sizeof what, "plain %s unaligned", dtype_name(dt));
+        std::vector<unsigned char> t(3001 * esz);
+        for (std::size_t e = 0; e < 3001; ++e) put(t, e, z(rng));
+        compare(t, dt, {3001}, p, esz, what);
+      }
+    }
+    // window: 3x3/2 max-pool indices of a 2x3x9x11 input, contiguous and channels-last
+    for (bool cl : {false, true}) {
+      window_params w{};
+      w.nd = 2;
+      w.inner = cl ? 3 : 1;
+      w.in[0] = 9; w.in[1] = 11;
+      w.kernel[0] = 3; w.kernel[1] = 3;
+      w.stride[0] = 2; w.stride[1] = 2;
+      w.pad[0] = 1; w.pad[1] = 1;
+      w.dilation[0] = 1; w.dilation[1] = 1;
+      w.out[0] = 5; w.out[1] = 6;
+      std::size_t const n = 2 * 3 * 5 * 6;
+      std::vector<std::int64_t> idx(n);
+      for (std::size_t e = 0; e < n; ++e) {
+        std::size_t const s = (e / w.inner) % 30;
+        std::int64_t const oh = std::int64_t(s / 6), ow = std::int64_t(s % 6);
+        std::int64_t kh = std::int64_t(rng() % 3), kw = std::int64_t(rng() % 3);
+        std::int64_t ih = oh * 2 - 1 + kh, iw = ow * 2 - 1 + kw;
+        if (ih < 0) ih = 0;
+        if (iw < 0) iw = 0;
+        if (ih > 8) ih = 8;
+        if (iw > 10) iw = 10;
+        idx[e] = ih * 11 + iw;
+      }
+      std::vector<unsigned char> t(n * 8);
+      std::memcpy(t.data(), idx.data(), t.size());
+      encode_params p;
+      p.codec = codec_id::window;
+      p.bits = 4;
+      p.window = w;
+      std::snprintf(what, sizeof what, "window cl=%d", int(cl));
+      compare(t, dtype::int64, {2, 3, 5, 6}, p, 0, what);  // the shape is logical; `inner` gives the memory order
+    }
   }
   cuda_ok(cudaDeviceSynchronize(), "sync");
   std::printf("%d checks, %d failures\n", g_checks, g_failures);

@@ -151,13 +151,13 @@ TEST_CASE("storage model equals the codecs' blob layout") {
         for (auto [dt, full] : {std::pair{cf::dtype::float32, 32}, std::pair{cf::dtype::float16, 16},
                                 std::pair{cf::dtype::bfloat16, 16}}) {
           for (int b : {1, 2, 4, 8}) {
-            auto const l = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::quant),
-                                                  static_cast<std::uint8_t>(dt), ndim, numel, b, gs);
+            auto const l = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::quant), 0,
+                                                  static_cast<std::uint8_t>(dt), ndim, numel, b, gs, 0);
             CHECK(m.compressed_bytes(numel, b, full) == l.total);
             ++checked;
           }
-          auto const raw = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::raw),
-                                                  static_cast<std::uint8_t>(dt), ndim, numel, 0, 0);
+          auto const raw = cf::hd::compute_layout(static_cast<std::uint8_t>(cf::codec_id::raw), 0,
+                                                  static_cast<std::uint8_t>(dt), ndim, numel, 0, 0, 0);
           CHECK(m.full_bytes(numel, full) == raw.total);
         }
       }
