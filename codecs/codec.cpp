@@ -593,9 +593,9 @@ blob_info parse(void const* blob, std::size_t len) {
   if (info.codec == codec_id::quant) {
     unsigned char const* stats = p + lay.header_bytes;
     for (std::uint64_t b = 0; b < count; ++b) {
-      float v[2];
-      std::memcpy(v, stats + 8 * b, 8);
-      if (!hd::stats_ok(v[0], v[1])) fail_corrupt(hd::blob_status::bad_stats, " in block " + std::to_string(b));
+      float shift, scale;
+      hd::load_stat(stats, b, shift, scale);
+      if (!hd::stats_ok(shift, scale)) fail_corrupt(hd::blob_status::bad_stats, " in block " + std::to_string(b));
     }
     unsigned char const* meta = stats + lay.stats_bytes;
     bool const boundary = info.variant == std::uint8_t(quant_mode::boundary);
@@ -674,13 +674,15 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
     case codec_id::quant: {
       if (lay.stats_bytes != 0) {  // the statistics as the decoder will read them
         for (std::uint64_t b = 0; b < p.norm_count; ++b) {
-          float const v[2] = {p.norm_shift[b], p.norm_scale[b]};
-          GACT_EXPECTS(hd::stats_ok(v[0], v[1]),
-                       "normalized quant: block " + std::to_string(b) + " has shift " + std::to_string(v[0]) +
-                           " and scale " + std::to_string(v[1]) + " (shift must be finite, scale finite and > 0)");
-          std::memcpy(stats + 8 * b, v, 8);
+          float const shift = hd::round_bf16(p.norm_shift[b]), scale = hd::round_bf16(p.norm_scale[b]);
+          GACT_EXPECTS(hd::stats_ok(shift, scale),
+                       "normalized quant: block " + std::to_string(b) + " has shift " + std::to_string(p.norm_shift[b]) +
+                           " and scale " + std::to_string(p.norm_scale[b]) +
+                           " (shift must be finite, scale finite and > 0 in bfloat16)");
+          hd::store_stat(stats, b, shift, scale);
         }
-        std::memset(stats + 8 * p.norm_count, 0, std::size_t(lay.stats_bytes - 8 * p.norm_count));
+        std::uint64_t const used = std::uint64_t(hd::k_stat_bytes) * p.norm_count;
+        std::memset(stats + used, 0, std::size_t(lay.stats_bytes - used));
       }
       std::uint64_t const used = lay.n_groups * 2 * std::uint64_t(hd::meta_value_bytes(std::uint8_t(dt), variant));
       std::memset(meta + used, 0, std::size_t(lay.group_bytes - used));  // the section's zero padding

@@ -213,12 +213,10 @@ __global__ void __launch_bounds__(32 * k_warps_per_block)
   std::uint64_t const gtid = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   std::uint64_t const gstride = std::uint64_t(gridDim.x) * blockDim.x;
   if constexpr (V == k_normalized) {  // the statistics section, as the decoder will read it
-    for (std::uint64_t b = gtid; b < a.count; b += gstride) {
-      float* st = reinterpret_cast<float*>(blob + a.stats_off) + 2 * b;
-      st[0] = a.shift[b];
-      st[1] = a.scale[b];
-    }
-    for (std::uint64_t i = a.stats_off + 8 * a.count + gtid; i < a.meta_off; i += gstride) blob[i] = 0;
+    for (std::uint64_t b = gtid; b < a.count; b += gstride)
+      hd::store_stat(blob + a.stats_off, b, hd::round_bf16(a.shift[b]), hd::round_bf16(a.scale[b]));
+    for (std::uint64_t i = a.stats_off + std::uint64_t(hd::k_stat_bytes) * a.count + gtid; i < a.meta_off; i += gstride)
+      blob[i] = 0;
   }
   {  // the metadata section's zero padding
     std::uint64_t const used = a.meta_off + a.n_groups * 2 * sizeof(typename M::storage);
@@ -247,7 +245,7 @@ __global__ void __launch_bounds__(32 * k_warps_per_block)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (j < n) {
-            float const sh = a.shift[cur.block], sc = a.scale[cur.block];
+            float const sh = hd::round_bf16(a.shift[cur.block]), sc = hd::round_bf16(a.scale[cur.block]);
             bad |= !hd::stats_ok(sh, sc);
             v[i][j] = hd::normalize(v[i][j], sh, sc);
             cur.next();
@@ -469,7 +467,7 @@ __device__ void quant_decode(unsigned char const* blob, decode_view const& d, de
           for (int j = 0; j < 8; ++j) {
             if (e + std::uint64_t(j) < numel) {
               float st[2];
-              memcpy(st, stats + 8 * cur.block, 8);
+              hd::load_stat(stats, cur.block, st[0], st[1]);
               if (!hd::stats_ok(st[0], st[1])) {
                 atomicMax(status, std::uint32_t(hd::blob_status::bad_stats));
                 r[j] = __int_as_float(0x7FFFFFFF);

@@ -11,7 +11,7 @@
 //
 //   [ header (64 B) | shape (8 B x ndim) | variant parameters (0, 16 or 160 B) |
 //     zero padding to a multiple of 16                                     ]   header_bytes
-//   [ normalized quant only: per-block statistics (shift, scale) as float32
+//   [ normalized quant only: per-block statistics (shift, scale) as bfloat16
 //     pairs; zero padding to a multiple of 16                              ]   stats_bytes  \ meta_bytes
 //   [ quant: per-group metadata (min, max); zero padding to a multiple of 16 ]   group_bytes  /
 //   [ packed codes                                                          ]   code_bytes
@@ -106,7 +106,7 @@ struct blob_header {
 static_assert(sizeof(blob_header) == 64, "blob_header is an on-disk struct");
 static_assert(alignof(blob_header) == 8);
 
-/// quant/normalized parameters; followed (after the header) by `count` (shift, scale) float32 pairs.
+/// quant/normalized parameters; followed (after the header) by `count` (shift, scale) bfloat16 pairs.
 struct normalized_params {
   std::uint64_t count;  ///< number of statistics blocks (>= 1)
   std::uint64_t inner;  ///< elements per block run: element e uses block (e / inner) % count (>= 1)
@@ -182,7 +182,7 @@ GACT_HD std::uint64_t align16(std::uint64_t n) { return (n + 15u) & ~std::uint64
 /// The sizes of a blob's sections.
 struct blob_layout {
   std::uint64_t header_bytes;
-  std::uint64_t stats_bytes;  ///< normalized quant: align16(count * 8); 0 otherwise
+  std::uint64_t stats_bytes;  ///< normalized quant: align16(count * 4); 0 otherwise
   std::uint64_t n_groups;     ///< quant: ceil(numel / group_size); 0 otherwise
   std::uint64_t group_bytes;  ///< quant: align16(n_groups * 2 * meta_value_bytes); 0 otherwise
   std::uint64_t meta_bytes;   ///< stats_bytes + group_bytes
@@ -198,7 +198,7 @@ GACT_HD blob_layout compute_layout(std::uint8_t codec, std::uint8_t variant, std
   blob_layout l{};
   l.header_bytes = align16(64u + 8u * std::uint64_t(ndim) + params_bytes(codec, variant));
   if (codec == std::uint8_t(codec_id::quant)) {
-    if (variant == std::uint8_t(quant_mode::normalized)) l.stats_bytes = align16(count * 8u);
+    if (variant == std::uint8_t(quant_mode::normalized)) l.stats_bytes = align16(count * 4u);
     l.n_groups = (numel + std::uint64_t(group_size) - 1) / std::uint64_t(group_size);
     // Zero-padded to a multiple of 16 so that the code section is 16-byte aligned (the kernels
     // store a chunk's codes as one 1/2/4/8-byte word).

@@ -394,12 +394,6 @@ struct block_cursor {
   }
 };
 
-inline void load_stat(unsigned char const* stats, std::uint64_t b, float& shift, float& scale) {
-  float v[2];
-  std::memcpy(v, stats + 8 * b, 8);
-  shift = v[0];
-  scale = v[1];
-}
 
 /// Interior min/max of a boundary group (values strictly between lo and hi); false if a value is
 /// non-finite or outside [lo, hi] (*why says which).
@@ -465,7 +459,7 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       std::uint64_t loaded = ~std::uint64_t{0};
       for (int i = 0; i < n; ++i, c.next()) {
         if (c.block != loaded) {
-          load_stat(job.stats, c.block, shift, scale);
+          hd::load_stat(job.stats, c.block, shift, scale);
           loaded = c.block;
         }
         xbuf[i] = hd::normalize(io<Dt>::load(in[e0 + std::uint64_t(i)]), shift, scale);
@@ -551,7 +545,7 @@ void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint6
       for (int i = 0; i < n; ++i, c.next()) {
         if (c.block != loaded) {
           float scale;
-          load_stat(job.stats, c.block, shift, scale);
+          hd::load_stat(job.stats, c.block, shift, scale);
           inv = hd::inverse_scale(scale);
           loaded = c.block;
         }

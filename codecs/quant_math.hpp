@@ -29,6 +29,7 @@
 // yields NaN for that whole group — never silent finite values.
 #pragma once
 
+#include "codecs/float16.hpp"
 #include "codecs/hd.hpp"
 
 namespace gact::codec::hd {
@@ -108,6 +109,21 @@ GACT_HD bool meta_ok(float lo, float hi) {
 GACT_HD float normalize(float x, float shift, float scale) { return mul_rn(sub_rn(x, shift), scale); }
 GACT_HD float denormalize(float z, float shift, float inv_scale) { return add_rn(mul_rn(z, inv_scale), shift); }
 GACT_HD float inverse_scale(float scale) { return div_rn(1.0f, scale); }
+/// A block's statistics are stored as bfloat16 (shift, scale), 4 bytes: exactness does not matter to
+/// unbiasedness (encoder and decoder use the same stored values), only consistency does.
+inline constexpr int k_stat_bytes = 4;
+GACT_HD float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+GACT_HD void store_stat(unsigned char* stats, std::uint64_t b, float shift, float scale) {
+  std::uint16_t const v[2] = {float_to_bf16(shift), float_to_bf16(scale)};
+  std::memcpy(stats + std::uint64_t(k_stat_bytes) * b, v, 4);
+}
+GACT_HD void load_stat(unsigned char const* stats, std::uint64_t b, float& shift, float& scale) {
+  std::uint16_t v[2];
+  std::memcpy(v, stats + std::uint64_t(k_stat_bytes) * b, 4);
+  shift = bf16_to_float(v[0]);
+  scale = bf16_to_float(v[1]);
+}
+
 /// A block's statistics as the decoder accepts them: finite shift, finite scale > 0 with a finite inverse.
 GACT_HD bool stats_ok(float shift, float scale) {
   return is_finite_bits(shift) && is_finite_bits(scale) && scale > 0.0f && is_finite_bits(div_rn(1.0f, scale));

@@ -52,6 +52,7 @@
 
 #include "allocator/caching_allocator.hpp"
 #include "allocator/device/backend.hpp"
+#include "allocator/store/offloader.hpp"
 #include "swap/pinned_pool.hpp"
 
 namespace gact::swap {
@@ -105,7 +106,7 @@ struct mover_stats {
 };
 
 /// Moves blobs between a device arena and a pinned pool on two copy streams.
-class mover {
+class mover final : public store::offloader {
  public:
   /// @param device_arena where blobs live (and where prefetched copies are allocated); its
   ///        backend supplies the streams, events and copies. Must outlive the mover.
@@ -121,7 +122,7 @@ class mover {
   /// Take ownership of `bytes` (> 0) of blob at `blob`, a block of the device arena, written by work
   /// queued on `stream`. Offloads the oldest eligible blobs while the budget is exceeded.
   /// @throws gact::invalid_argument for a null blob, zero bytes or a pointer the arena does not own.
-  blob_id put(void* blob, std::size_t bytes, device::stream_t stream);
+  blob_id put(void* blob, std::size_t bytes, device::stream_t stream) override;
 
   /// The device address of blob `id`, ready for work queued on `stream` from now on (the stream waits
   /// for the copy in flight, if any; on a host arena the host waits). Brings the blob back if needed
@@ -129,10 +130,10 @@ class mover {
   /// @throws gact::invalid_argument for an unknown or released id.
   /// @throws gact::out_of_memory when the device has no room for it even after releasing cached
   ///         blocks (the blob stays in pinned memory; the call may be retried).
-  void* acquire(blob_id id, device::stream_t stream);
+  void* acquire(blob_id id, device::stream_t stream) override;
 
   /// Drop blob `id`; its memory is freed once no copy touches it. Unknown ids are counted and ignored.
-  void release(blob_id id) noexcept;
+  void release(blob_id id) noexcept override;
 
   /// Start prefetching the most recently saved blobs (call when backward begins).
   void begin_backward();
@@ -149,7 +150,7 @@ class mover {
 
   mover_options const& options() const noexcept { return opts_; }
   /// The device arena the blobs live in.
-  alloc::caching_allocator& arena() const noexcept { return arena_; }
+  alloc::caching_allocator& arena() const noexcept override { return arena_; }
   device::stream_t d2h_stream() const noexcept { return d2h_; }
   device::stream_t h2d_stream() const noexcept { return h2d_; }
 

@@ -1,15 +1,18 @@
 // gact/allocator/store/activation_store.cpp
 //
 // Implementation of the activation store (see the header for the contract).
-// Layout of the work in put(): validate the view; look up its identity in the
-// dedup table (under the lock); choose the codec from the dtype; gather a
-// non-contiguous view into a workspace block; allocate the blob in the arena
-// (tag activation); encode outside the lock; publish the entry under the lock.
-// A quant encode refused for NaN/Inf is redone raw into a blob of raw size.
+// Layout of the work in put(): validate the view and find its dense layout; look
+// for an entry of the same storage that can serve it (under the lock); otherwise
+// take the source (the view's memory image, or a gather into a workspace block),
+// choose the codec from the role and dtype, allocate the blob in the arena (tag
+// activation), encode outside the lock, and publish the entry under the lock. A
+// quant encode refused for NaN/Inf is redone raw into a blob of raw size; a
+// refused predicate or window encode falls back to values or raw.
 //
-// Entries are shared_ptr-owned: get() copies the pointer under the lock and
-// decodes outside it, so a concurrent final release() cannot free a blob that is
-// being read; the blob goes back to its arena when the last owner lets go.
+// Entries are shared_ptr-owned: get_shared() copies the pointer under the table's
+// lock and decodes under the entry's own lock, so a concurrent final release()
+// cannot free a blob that is being read, and an upgrade cannot swap a blob under
+// a reader; the blob goes back to its arena when the last owner lets go.
 #include "allocator/store/activation_store.hpp"
 
 #include <algorithm>
@@ -22,8 +25,8 @@
 #include "allocator/log.hpp"
 #include "allocator/stats_registry.hpp"
 #include "allocator/tags.hpp"
-#include "swap/mover.hpp"
 #include "codecs/float16.hpp"
+#include "codecs/quant_math.hpp"
 
 #if defined(GACT_HAVE_KERNELS)
 #include <cuda_runtime_api.h>
@@ -33,11 +36,12 @@ namespace gact::store {
 
 namespace {
 
-constexpr std::size_t k_codec_count = 3;  // raw, quant, mask
+constexpr std::size_t k_codec_count = std::size_t(codec::k_codec_count);
 constexpr std::size_t k_max_rank = 64;
 
 bool is_float(codec::dtype t) noexcept {
-  return t == codec::dtype::float32 || t == codec::dtype::float16 || t == codec::dtype::bfloat16;
+  return t == codec::dtype::float32 || t == codec::dtype::float16 || t == codec::dtype::bfloat16 ||
+         t == codec::dtype::float64;
 }
 
 // splitmix64 finalizer: a bijective mixer, so distinct (seed, step) give distinct streams.
@@ -77,32 +81,36 @@ struct arena_block {
   }
 };
 
-// Copy a strided host view into contiguous `dst` (element size `es`).
-// Precondition: numel > 0, rank >= 1, strides >= 0.
-void gather_strided(void const* src, std::size_t es, std::span<std::int64_t const> shape,
-                    std::span<std::int64_t const> strides, void* dst) {
+/// Copy the elements of a strided host view into `dst` in the order of the dense layout `dstrides`
+/// (dst element at offset sum(i_d * dstrides_d) gets the view's element i). Precondition: numel > 0.
+void gather_dense(void const* src, std::size_t es, std::span<std::int64_t const> shape,
+                  std::span<std::int64_t const> strides, std::span<std::int64_t const> dstrides, void* dst) {
   std::size_t const rank = shape.size();
   auto const* s = static_cast<unsigned char const*>(src);
   auto* d = static_cast<unsigned char*>(dst);
+  if (rank == 0) {
+    std::memcpy(d, s, es);
+    return;
+  }
   std::int64_t const inner = shape[rank - 1];
-  std::int64_t const inner_stride = strides[rank - 1];
+  std::int64_t const in_stride = strides[rank - 1], out_stride = dstrides[rank - 1];
   std::array<std::int64_t, k_max_rank> idx{};
   std::int64_t outer = 1;
   for (std::size_t i = 0; i + 1 < rank; ++i) outer *= shape[i];
+  auto const ses = static_cast<std::int64_t>(es);
   for (std::int64_t o = 0; o < outer; ++o) {
-    std::int64_t off = 0;
-    for (std::size_t i = 0; i + 1 < rank; ++i) off += idx[i] * strides[i];
-    unsigned char const* row = s + off * static_cast<std::int64_t>(es);
-    if (inner_stride == 1) {
-      std::memcpy(d, row, static_cast<std::size_t>(inner) * es);
-      d += static_cast<std::size_t>(inner) * es;
-    } else {
-      for (std::int64_t j = 0; j < inner; ++j) {
-        std::memcpy(d, row + j * inner_stride * static_cast<std::int64_t>(es), es);
-        d += es;
-      }
+    std::int64_t so = 0, dof = 0;
+    for (std::size_t i = 0; i + 1 < rank; ++i) {
+      so += idx[i] * strides[i];
+      dof += idx[i] * dstrides[i];
     }
-    // advance the multi-index over the outer dimensions (last outer dim fastest)
+    unsigned char const* row = s + so * ses;
+    unsigned char* out = d + dof * ses;
+    if (in_stride == 1 && out_stride == 1) {
+      std::memcpy(out, row, static_cast<std::size_t>(inner) * es);
+    } else {
+      for (std::int64_t j = 0; j < inner; ++j) std::memcpy(out + j * out_stride * ses, row + j * in_stride * ses, es);
+    }
     for (std::size_t i = rank - 1; i-- > 0;) {
       if (++idx[i] < shape[i]) break;
       idx[i] = 0;
@@ -116,27 +124,38 @@ std::uint16_t trace_source() {
   return id;
 }
 
-// Sum over the groups of a host quant blob of (hi - lo)^2, read from its metadata section
-// ((lo, hi) per group in the input dtype, right after the header).
-double sum_sq_ranges(void const* blob, codec::dtype dt, std::uint64_t numel, int bits, int group_size,
-                     std::uint64_t* groups) noexcept {
-  auto const lay = codec::hd::compute_layout(static_cast<std::uint8_t>(codec::codec_id::quant), 0,
-                                             static_cast<std::uint8_t>(dt), 1, numel, bits, group_size, 0);
-  auto const* meta = static_cast<unsigned char const*>(blob) + lay.header_bytes;
+// Sum over the groups of a host quant blob of (hi - lo)^2 in the tensor's own units, read from its
+// metadata section (a normalized group's range is scaled back by its first element's block statistics).
+double sum_sq_ranges(void const* blob, std::size_t len, std::uint64_t* groups) {
+  codec::blob_info const info = codec::parse(blob, len);
+  auto const lay = codec::hd::compute_layout(std::uint8_t(codec::codec_id::quant), info.variant, std::uint8_t(info.dt),
+                                             int(info.shape.size()), info.numel, info.bits, info.group_size,
+                                             info.normalized.count);
+  auto const* stats = static_cast<unsigned char const*>(blob) + lay.header_bytes;
+  auto const* meta = stats + lay.stats_bytes;
+  bool const wide = codec::hd::meta_value_bytes(std::uint8_t(info.dt), info.variant) == 4;
+  bool const normalized = info.variant == std::uint8_t(codec::quant_mode::normalized);
   double acc = 0.0;
   for (std::uint64_t g = 0; g < lay.n_groups; ++g) {
     float lo = 0.f, hi = 0.f;
-    if (dt == codec::dtype::float32) {
+    if (wide) {
       std::memcpy(&lo, meta + g * 8, 4);
       std::memcpy(&hi, meta + g * 8 + 4, 4);
     } else {
       std::uint16_t l16 = 0, h16 = 0;
       std::memcpy(&l16, meta + g * 4, 2);
       std::memcpy(&h16, meta + g * 4 + 2, 2);
-      lo = dt == codec::dtype::float16 ? codec::hd::half_to_float(l16) : codec::hd::bf16_to_float(l16);
-      hi = dt == codec::dtype::float16 ? codec::hd::half_to_float(h16) : codec::hd::bf16_to_float(h16);
+      bool const half = info.dt == codec::dtype::float16;
+      lo = half ? codec::hd::half_to_float(l16) : codec::hd::bf16_to_float(l16);
+      hi = half ? codec::hd::half_to_float(h16) : codec::hd::bf16_to_float(h16);
     }
-    double const r = static_cast<double>(hi) - static_cast<double>(lo);
+    double r = static_cast<double>(hi) - static_cast<double>(lo);
+    if (normalized) {
+      std::uint64_t const e0 = g * std::uint64_t(info.group_size);
+      float shift = 0.f, scale = 1.f;
+      codec::hd::load_stat(stats, (e0 / info.normalized.inner) % info.normalized.count, shift, scale);
+      r /= static_cast<double>(scale);
+    }
     acc += r * r;
   }
   *groups = lay.n_groups;
@@ -150,9 +169,21 @@ bool all_zero_one(void const* p, std::size_t n) noexcept {
   return acc == 0;
 }
 
+/// A predicate whose data range makes a boundary blob possible: x > lo read from a clamp to [lo, inf),
+/// lo < x < hi read from a clamp to [lo, hi].
+bool upgradable(codec::predicate_params const& q) noexcept {
+  auto const p = codec::predicate(q.pred);
+  return p == codec::predicate::gt || p == codec::predicate::open;
+}
+
+bool same_predicate(codec::predicate_params const& a, codec::predicate_params const& b) noexcept {
+  return a.pred == b.pred && codec::hd::float_bits(a.a) == codec::hd::float_bits(b.a) &&
+         codec::hd::float_bits(a.b) == codec::hd::float_bits(b.b);
+}
+
 }  // namespace
 
-// ---- dtype helpers --------------------------------------------------------------------
+// ---- names and dtype helpers -----------------------------------------------------------
 
 std::size_t element_size(codec::dtype t) noexcept { return codec::dtype_size(t); }
 
@@ -183,6 +214,15 @@ codec::dtype parse_dtype(std::string const& name) {
             "int64 or float64");
 }
 
+char const* role_name(role r) noexcept {
+  switch (r) {
+    case role::values: return "values";
+    case role::predicate: return "predicate";
+    case role::indices: return "indices";
+  }
+  return "unknown";
+}
+
 char const* skip_reason_name(skip_reason r) noexcept {
   switch (r) {
     case skip_reason::parameter: return "parameter";
@@ -193,6 +233,7 @@ char const* skip_reason_name(skip_reason r) noexcept {
     case skip_reason::layout: return "layout";
     case skip_reason::device: return "device";
     case skip_reason::stats: return "stats";
+    case skip_reason::exact: return "exact";
     case skip_reason::k_count: break;
   }
   return "unknown";
@@ -204,54 +245,158 @@ skip_reason parse_skip_reason(std::string const& name) {
     if (name == skip_reason_name(r)) return r;
   }
   GACT_FAIL("skip reason: '" + name +
-            "' is unknown; use parameter, small, dtype, excluded, input, layout, device or stats");
+            "' is unknown; use parameter, small, dtype, excluded, input, layout, device, stats or exact");
 }
+
+char const* unstored_name(unstored u) noexcept {
+  switch (u) {
+    case unstored::shape: return "shape";
+    case unstored::held: return "held";
+    case unstored::k_count: break;
+  }
+  return "unknown";
+}
+
+unstored parse_unstored(std::string const& name) {
+  for (std::size_t i = 0; i < static_cast<std::size_t>(unstored::k_count); ++i) {
+    auto const u = static_cast<unstored>(i);
+    if (name == unstored_name(u)) return u;
+  }
+  GACT_FAIL("unstored kind: '" + name + "' is unknown; use shape or held");
+}
+
+// ---- layouts -------------------------------------------------------------------------------
+
+bool is_dense(std::vector<std::int64_t> const& shape, std::vector<std::int64_t> const& strides) {
+  std::size_t const rank = shape.size();
+  if (strides.empty()) return true;
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < rank; ++i) {
+    if (shape[i] == 0) return true;  // no elements
+    if (shape[i] != 1) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return strides[a] < strides[b]; });
+  std::int64_t expect = 1;
+  for (std::size_t i : order) {
+    if (strides[i] != expect) return false;
+    expect *= shape[i];
+  }
+  return true;
+}
+
+std::vector<std::int64_t> dense_strides(std::vector<std::int64_t> const& shape, std::vector<std::int64_t> const& strides) {
+  std::size_t const rank = shape.size();
+  std::vector<std::int64_t> out(rank, 1);
+  if (strides.empty()) {
+    std::int64_t acc = 1;
+    for (std::size_t i = rank; i-- > 0;) {
+      out[i] = acc;
+      acc *= std::max<std::int64_t>(shape[i], 1);
+    }
+    return out;
+  }
+  if (is_dense(shape, strides)) return strides;
+  // torch's infer_dense_strides (what empty_like gives a non-dense tensor): an insertion sort of the dims,
+  // innermost first, by stride; a zero stride compares as ambiguous (the dim keeps its place), equal
+  // strides put the smaller size first.
+  std::vector<std::size_t> perm(rank);
+  for (std::size_t i = 0; i < rank; ++i) perm[i] = rank - 1 - i;
+  auto should_swap = [&](std::size_t d0, std::size_t d1) {
+    std::int64_t const s0 = strides[d0], s1 = strides[d1];
+    if (s0 == 0 || s1 == 0) return 0;
+    if (s0 < s1) return -1;
+    if (s0 > s1) return 1;
+    return shape[d0] > shape[d1] ? 1 : 0;
+  };
+  for (std::size_t i = 1; i < rank; ++i) {
+    std::size_t d1 = i;
+    for (std::size_t d0 = i; d0-- > 0;) {
+      int const c = should_swap(perm[d0], perm[d1]);
+      if (c > 0) {
+        std::swap(perm[d0], perm[d1]);
+        d1 = d0;
+      } else if (c < 0) {
+        break;
+      }
+    }
+  }
+  std::int64_t acc = 1;
+  for (std::size_t i : perm) {
+    out[i] = acc;
+    acc *= std::max<std::int64_t>(shape[i], 1);
+  }
+  return out;
+}
+
+// ---- decoded images ------------------------------------------------------------------------
+
+decoded_image::decoded_image(alloc::caching_allocator& arena, std::size_t bytes, device::stream_t stream,
+                             alloc::tag_id tag)
+    : arena_(&arena), data_(arena.allocate(std::max<std::size_t>(bytes, 1), stream, tag)), bytes_(bytes) {}
+
+decoded_image::~decoded_image() { arena_->deallocate(data_); }
 
 // ---- internal structures ---------------------------------------------------------------
 
-// Identity of a saved tensor for dedup. Two views with equal identities alias the same
-// elements with the same contents (the version counter moves on every in-place write),
-// provided the first one is still alive: forget() removes identities of dead tensors.
-struct activation_store::identity {
-  std::uintptr_t data = 0;
+// Identity of a storage's contents within a step. Views of one storage share its version counter,
+// which moves on every in-place write, so equal keys mean equal contents while the first view is
+// alive (forget() removes entries whose saved tensor died).
+struct activation_store::storage_key {
+  std::uintptr_t storage = 0;
   int device = -1;
   codec::dtype dtype = codec::dtype::float32;
   std::int64_t version = 0;
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;  // always rank-sized (contiguous strides filled in)
-  bool operator==(identity const&) const = default;
+  bool operator==(storage_key const&) const = default;
 };
 
-std::size_t activation_store::identity_hash::operator()(identity const& id) const noexcept {
-  std::uint64_t h = mix64(id.data);
-  h = mix64(h ^ static_cast<std::uint64_t>(id.version));
-  h = mix64(h ^ (static_cast<std::uint64_t>(id.device + 1) << 8) ^ static_cast<std::uint64_t>(id.dtype));
-  for (auto x : id.shape) h = mix64(h ^ static_cast<std::uint64_t>(x));
-  for (auto x : id.strides) h = mix64(h ^ static_cast<std::uint64_t>(x));
+std::size_t activation_store::storage_key_hash::operator()(storage_key const& k) const noexcept {
+  std::uint64_t h = mix64(k.storage);
+  h = mix64(h ^ static_cast<std::uint64_t>(k.version));
+  h = mix64(h ^ (static_cast<std::uint64_t>(k.device + 1) << 8) ^ static_cast<std::uint64_t>(k.dtype));
   return static_cast<std::size_t>(h);
 }
 
-// One stored tensor. Invariant: blob != nullptr iff numel > 0; bytes_stored <= capacity;
-// refcount >= 1 while the entry is in entries_.
+// One stored tensor. Invariant: blob != nullptr iff numel > 0; refcount >= 1 while the entry is in
+// entries_; a dense entry's image is the storage's elements [span_lo, span_lo + numel).
 struct activation_store::entry {
   alloc::caching_allocator* arena = nullptr;
   void* blob = nullptr;
   device::stream_t stream = 0;  // allocation stream of the blob
   tensor_info info;
   std::uint64_t key = 0;        // put_params::key, for the event trace
+  handle self = 0;              // this entry's handle
+  // identity
   bool has_identity = false;
-  identity id;
-  swap::mover* mover = nullptr;  // owns the blob when set (blob is then no longer dereferenced)
+  storage_key skey;
+  bool dense = false;
+  std::int64_t span_lo = 0;     // element offset of the image in the storage
+  std::int64_t numel = 0;
+  std::vector<std::int64_t> view_strides;  // a non-dense entry matches only this exact view
+  // representation
+  bool in_range = false;        // a predicate entry's data is a clamp's output (upgradable)
+  offloader* mover = nullptr;   // owns the blob when set (blob is then no longer dereferenced)
   std::uint64_t swap_id = 0;
+  // decoded images, one per way of decoding (values; a predicate's true/false values)
+  struct cache_slot {
+    bool predicate = false;
+    float tv = 0.f, fv = 0.f;
+    std::weak_ptr<decoded_image> image;
+  };
+  mutable std::mutex mu;        // guards blob/mover/info.codec while decoding or upgrading, and the cache
+  mutable std::vector<cache_slot> cache;
+
   entry() = default;
   entry(entry const&) = delete;
   entry& operator=(entry const&) = delete;
-  ~entry() {
+  ~entry() { free_blob(); }
+  void free_blob() noexcept {
     if (mover != nullptr) {
       mover->release(swap_id);
     } else if (blob != nullptr) {
       arena->deallocate(blob);
     }
+    mover = nullptr;
+    blob = nullptr;
   }
 };
 
@@ -259,20 +404,27 @@ struct activation_store::counters {
   struct per_codec {
     std::uint64_t tensors = 0, bytes_in = 0, bytes_stored = 0;
   };
-  struct per_skip {
+  struct per_count {
     std::uint64_t tensors = 0, bytes = 0;
   };
   std::uint64_t tensors_in = 0;
   std::uint64_t bytes_in = 0;
   std::uint64_t bytes_stored = 0;
   std::array<per_codec, k_codec_count> codecs{};
+  std::array<per_count, 3> roles{};          // tensors put per role (new blobs), bytes in
   std::array<std::uint64_t, 9> quant_bits{};  // index = bits (1, 2, 4, 8 used)
-  std::array<per_skip, static_cast<std::size_t>(skip_reason::k_count)> skipped{};
+  std::array<per_count, static_cast<std::size_t>(skip_reason::k_count)> skipped{};
+  std::array<per_count, static_cast<std::size_t>(unstored::k_count)> unstored_{};
   std::uint64_t dedup_hits = 0;
   std::uint64_t dedup_bytes = 0;
+  std::uint64_t view_hits = 0;               // of which: a different view of the same storage
+  std::uint64_t upgrades = 0;                // predicate entries turned into boundary blobs
   std::uint64_t nonfinite_fallbacks = 0;
+  std::uint64_t refusal_fallbacks = 0;       // predicate/window encodes refused and stored another way
   std::uint64_t gathers = 0;
   std::uint64_t gets = 0;
+  std::uint64_t decodes = 0;                 // images decoded (gets served by a live image are not)
+  std::uint64_t decode_bytes = 0;
   std::uint64_t releases = 0;
   std::uint64_t bad_releases = 0;
   std::uint64_t leaks = 0;
@@ -283,10 +435,27 @@ struct activation_store::counters {
   std::uint64_t current_in = 0;  // numel*elem of live entries
 };
 
+/// What encode() produced.
+struct activation_store::encoded {
+  arena_block blob;
+  std::size_t bytes = 0;
+  codec::codec_id codec = codec::codec_id::raw;
+  std::uint8_t variant = 0;
+  int bits = 0;
+  bool nonfinite = false;
+  bool refused = false;      // a predicate or window encode that had to be stored another way
+  bool in_range = false;
+  role served = role::values;
+  codec::predicate_params pred{};
+  double sum_sq_ranges = 0.0;
+  std::uint64_t groups = 0;
+};
+
 // ---- construction ----------------------------------------------------------------------
 
 activation_store::activation_store(alloc::caching_allocator& host_arena, store_options opts)
-    : host_arena_(host_arena), opts_(std::move(opts)), c_(std::make_unique<counters>()) {
+    : host_arena_(host_arena), opts_(std::move(opts)), decoded_tag_(alloc::intern_tag("decoded")),
+      c_(std::make_unique<counters>()) {
   GACT_EXPECTS(host_arena_.backend().kind() != device::memory_kind::device,
                "activation_store: the host arena must hold host memory, not '" +
                    std::string(host_arena_.backend().name()) + "'");
@@ -303,7 +472,7 @@ activation_store::~activation_store() {
     GACT_LOG_WARN("activation_store: {} handles still alive at destruction; their blobs are freed",
                   entries_.size());
   }
-  dedup_.clear();
+  by_storage_.clear();
   entries_.clear();
 }
 
@@ -317,7 +486,7 @@ void activation_store::set_device_arena(int device, alloc::caching_allocator* ar
   device_arenas_[static_cast<std::size_t>(device)] = arena;
 }
 
-void activation_store::set_mover(int device, swap::mover* m) {
+void activation_store::set_mover(int device, offloader* m) {
   GACT_EXPECTS(device >= -1 && static_cast<std::size_t>(device + 1) < movers_.size(),
                "activation_store::set_mover: device " + std::to_string(device) + " is out of range [-1, 64)");
   if (m != nullptr) {
@@ -359,8 +528,116 @@ void trace_store_event(alloc::event_trace::event_kind kind, Entry const& e) noex
 }
 }  // namespace
 
+activation_store::encoded activation_store::encode(tensor_view const& v, put_params const& p, role what,
+                                                   void const* src, std::uint64_t numel, std::uint64_t step,
+                                                   alloc::caching_allocator& arena) const {
+  encoded out;
+  std::int64_t const flat[1] = {static_cast<std::int64_t>(numel)};
+  std::span<std::int64_t const> const shp(flat);  // the codecs encode the 1-D image
+  codec::encode_params ep;
+  ep.group_size = p.group_size;
+  ep.seed = mix64(p.seed ^ mix64(step));
+  ep.key = p.key;
+  ep.bits = p.bits;
+  bool const host = v.device < 0;
+  int const threads = p.threads > 0 ? p.threads : opts_.threads;
+  bool const fl = is_float(v.dtype);
 
-handle activation_store::put(tensor_view const& v, put_params const& p) {
+  // The codec for the role (and what the blob then serves).
+  out.served = what;
+  if (what == role::predicate && fl && !(!host && codec::predicate(p.pred.pred) == codec::predicate::ne)) {
+    ep.codec = codec::codec_id::mask;
+    ep.variant = std::uint8_t(codec::mask_mode::predicate);
+    ep.pred = p.pred;
+    out.pred = p.pred;
+  } else if (what == role::indices && (v.dtype == codec::dtype::int64 || v.dtype == codec::dtype::int32)) {
+    ep.codec = codec::codec_id::window;
+    ep.window = p.window;
+  } else {
+    out.served = role::values;
+    if (what != role::values) out.refused = true;
+    if (fl && p.bits <= 8) {
+      ep.codec = codec::codec_id::quant;
+      if (p.norm_count > 0) {
+        ep.variant = std::uint8_t(codec::quant_mode::normalized);
+        ep.norm_count = p.norm_count;
+        ep.norm_inner = p.norm_inner;
+        ep.norm_shift = p.norm_shift;
+        ep.norm_scale = p.norm_scale;
+      }
+    } else if (v.dtype == codec::dtype::boolean ||
+               (host && v.dtype == codec::dtype::uint8 && all_zero_one(src, numel))) {
+      ep.codec = codec::codec_id::mask;
+      ep.bits = 1;
+    } else {
+      ep.codec = codec::codec_id::raw;
+    }
+  }
+  if (ep.codec == codec::codec_id::window) {
+    // the fewest code bits that hold the window's positions
+    std::int64_t vol = 1;
+    for (std::uint32_t d = 0; d < p.window.nd && d < std::uint32_t(codec::k_window_max_nd); ++d) vol *= p.window.kernel[d];
+    ep.bits = vol <= 2 ? 1 : vol <= 4 ? 2 : vol <= 16 ? 4 : 8;
+  }
+
+  auto run = [&](codec::encode_params const& e) {
+    std::size_t const cap = codec::blob_size(v.dtype, shp, e);
+    out.blob = arena_block(arena, cap, p.stream, alloc::tag_activation);
+    codec::encode_result r{};
+    if (host) {
+      r = codec::encode_cpu(src, v.dtype, shp, e, out.blob.p, cap, threads);
+    } else {
+#if defined(GACT_HAVE_KERNELS)
+      r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, reinterpret_cast<cudaStream_t>(p.stream));
+#else
+      GACT_FAIL("activation_store::put: tensor on CUDA device " + std::to_string(v.device) +
+                " but this build of gact has no CUDA kernels");
+#endif
+    }
+    return r;
+  };
+  codec::encode_result r = run(ep);
+  if (r.refused != codec::refusal::none) {
+    out.blob.reset();
+    if (r.refused == codec::refusal::nonfinite) {
+      out.nonfinite = true;
+      ep = codec::encode_params{};
+      ep.codec = codec::codec_id::raw;
+    } else {  // a refused predicate (not two-level) or window: keep the exact values
+      out.refused = true;
+      out.served = role::values;
+      codec::encode_params q = ep;
+      q.variant = 0;
+      if (fl && p.bits <= 8) {
+        q.codec = codec::codec_id::quant;
+        q.bits = p.bits;
+      } else {
+        q.codec = codec::codec_id::raw;
+      }
+      ep = q;
+    }
+    r = run(ep);
+    if (r.refused == codec::refusal::nonfinite) {
+      out.nonfinite = true;
+      out.blob.reset();
+      ep = codec::encode_params{};
+      ep.codec = codec::codec_id::raw;
+      r = run(ep);
+    }
+  }
+  GACT_ASSERT_INTERNAL(r.refused == codec::refusal::none);
+  out.bytes = r.bytes;
+  out.codec = r.codec;
+  out.variant = ep.codec == codec::codec_id::quant || ep.codec == codec::codec_id::mask ? ep.variant : 0;
+  out.in_range = r.in_range || (!host && p.clamped);
+  out.bits = out.codec == codec::codec_id::quant || out.codec == codec::codec_id::window ? ep.bits
+             : out.codec == codec::codec_id::mask                                       ? 1
+                                                                                        : int(element_size(v.dtype) * 8);
+  if (host && out.codec == codec::codec_id::quant) out.sum_sq_ranges = sum_sq_ranges(out.blob.p, out.bytes, &out.groups);
+  return out;
+}
+
+put_result activation_store::put(tensor_view const& v, put_params const& p) {
   // Validate the view.
   std::size_t const rank = v.shape.size();
   GACT_EXPECTS(rank <= k_max_rank, "activation_store::put: rank " + std::to_string(rank) + " exceeds 64");
@@ -380,169 +657,201 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
                "activation_store::put: bits=" + std::to_string(p.bits) +
                    " is not supported; use 1, 2, 4 or 8 (16 or 32 store raw)");
   GACT_EXPECTS(p.group_size > 0, "activation_store::put: group_size must be positive");
+  GACT_EXPECTS(p.what == role::values || p.what == role::predicate || p.what == role::indices,
+               "activation_store::put: unknown role " + std::to_string(int(p.what)));
+  GACT_EXPECTS(p.threads >= 0, "activation_store::put: threads must be >= 0");
   std::size_t const es = element_size(v.dtype);
   GACT_EXPECTS(es != 0, "activation_store::put: unknown dtype");
   std::size_t const bytes_in = numel * es;
+  GACT_EXPECTS(p.what != role::predicate || is_float(v.dtype),
+               std::string("activation_store::put: a predicate is read from a float tensor, not ") + store::dtype_name(v.dtype));
 
-  // Contiguous strides, and whether the view is contiguous.
-  std::vector<std::int64_t> strides(rank);
-  {
-    std::int64_t acc = 1;
-    for (std::size_t i = rank; i-- > 0;) {
-      strides[i] = acc;
-      acc *= v.shape[i];
-    }
-  }
-  bool contiguous = true;
-  if (!v.strides.empty()) {
-    for (std::size_t i = 0; i < rank; ++i) {
-      if (v.shape[i] != 1 && v.strides[i] != strides[i]) contiguous = false;
-    }
-  }
-  identity id{reinterpret_cast<std::uintptr_t>(v.data), v.device, v.dtype, v.version, v.shape,
-              v.strides.empty() ? strides : v.strides};
-
+  std::vector<std::int64_t> const strides_in = v.strides.empty() ? dense_strides(v.shape, {}) : v.strides;
+  bool const dense = is_dense(v.shape, strides_in);
+  std::vector<std::int64_t> const dstr = dense_strides(v.shape, strides_in);
+  // The view's element offset in its storage, and its span there (dense: exactly numel elements).
+  std::uintptr_t const storage = v.storage != 0 ? v.storage : reinterpret_cast<std::uintptr_t>(v.data);
+  auto const data_addr = reinterpret_cast<std::uintptr_t>(v.data);
+  GACT_EXPECTS(data_addr >= storage && (data_addr - storage) % es == 0,
+               "activation_store::put: the data pointer is not an element of its storage");
+  std::int64_t const view_off = static_cast<std::int64_t>((data_addr - storage) / es);
+  std::int64_t view_max = view_off;  // last element reached
+  for (std::size_t i = 0; i < rank; ++i)
+    if (v.shape[i] > 0) view_max += (v.shape[i] - 1) * strides_in[i];
+  storage_key const skey{storage, v.device, v.dtype, v.version};
   alloc::caching_allocator& arena = arena_for(v.device);
 
-  // Dedup lookup.
+  // Look for an entry that serves the view.
   std::uint64_t step = 0;
+  std::shared_ptr<entry> upgrade;
   {
     std::lock_guard lock(mu_);
     step = step_;
-    auto it = dedup_.find(id);
-    if (it != dedup_.end()) {
-      auto e = entries_.find(it->second);
-      if (e != entries_.end()) {
-        ++e->second->info.refcount;
+    auto it = by_storage_.find(skey);
+    if (it != by_storage_.end() && numel > 0) {
+      for (handle h : it->second) {
+        auto eit = entries_.find(h);
+        if (eit == entries_.end()) continue;
+        entry& e = *eit->second;
+        bool const inside = e.dense ? (view_off >= e.span_lo && view_max < e.span_lo + e.numel)
+                                    : (view_off == e.span_lo && v.shape == e.info.shape && strides_in == e.view_strides);
+        if (!inside) continue;
+        bool serves = false;
+        switch (p.what) {
+          case role::values: serves = e.info.values; break;
+          case role::predicate: serves = e.info.predicate && same_predicate(e.info.pred, p.pred); break;
+          case role::indices: serves = e.info.values && !is_float(e.info.dtype); break;
+        }
+        if (!serves && p.what == role::values && e.info.predicate && !e.info.values && e.dense && e.in_range &&
+            upgradable(e.info.pred) && is_float(v.dtype) && p.bits <= 8 && p.norm_count == 0) {
+          upgrade = eit->second;  // a clamp's mask, now also read for its values: one boundary blob
+          break;
+        }
+        if (!serves) continue;
+        ++e.info.refcount;
         ++c_->dedup_hits;
         c_->dedup_bytes += bytes_in;
-        return it->second;
+        if (view_off != e.span_lo || v.shape != e.info.shape) ++c_->view_hits;
+        return {h, view_off - e.span_lo, true};
       }
-      dedup_.erase(it);
     }
   }
 
+  if (upgrade != nullptr) {
+    entry& e = *upgrade;
+    // Encode the entry's whole image (the same storage and version: the same data) as a boundary blob.
+    auto const* image = reinterpret_cast<void const*>(storage + static_cast<std::uintptr_t>(e.span_lo) * es);
+    codec::encode_params ep;
+    ep.codec = codec::codec_id::quant;
+    ep.variant = std::uint8_t(codec::quant_mode::boundary);
+    // A boundary blob needs 2 bits; at 1 bit the mask (1) and the values (1) would cost the same and serve worse.
+    int const ubits = std::max(p.bits, 2);
+    ep.bits = ubits;
+    ep.group_size = p.group_size;
+    ep.seed = mix64(p.seed ^ mix64(step));
+    ep.key = p.key;
+    bool const open = codec::predicate(e.info.pred.pred) == codec::predicate::open;
+    ep.boundary = {e.info.pred.a, open ? e.info.pred.b : 0.0f, open ? 1u : 0u, 0u};
+    std::int64_t const flat[1] = {e.numel};
+    std::size_t const cap = codec::blob_size(v.dtype, std::span<std::int64_t const>(flat), ep);
+    arena_block blob(arena, cap, p.stream, alloc::tag_activation);
+    codec::encode_result r{};
+    if (v.device < 0) {
+      r = codec::encode_cpu(image, v.dtype, std::span<std::int64_t const>(flat), ep, blob.p, cap,
+                            p.threads > 0 ? p.threads : opts_.threads);
+    } else {
+#if defined(GACT_HAVE_KERNELS)
+      r = codec::encode_cuda(image, v.dtype, std::span<std::int64_t const>(flat), ep, blob.p, cap,
+                             reinterpret_cast<cudaStream_t>(p.stream));
+#endif
+    }
+    if (r.refused == codec::refusal::none) {
+      std::uint64_t groups = 0;
+      double const ssr = v.device < 0 ? sum_sq_ranges(blob.p, r.bytes, &groups) : 0.0;
+      std::size_t old_bytes = 0;
+      {
+        std::lock_guard elock(e.mu);
+        old_bytes = e.info.bytes_stored;
+        trace_store_event(alloc::event_trace::event_kind::store_release, e);  // the mask's blob goes
+        e.free_blob();
+        e.blob = blob.release();
+        e.stream = p.stream;
+        e.info.codec = codec::codec_id::quant;
+        e.info.variant = ep.variant;
+        e.info.bits = ubits;
+        e.info.bytes_stored = r.bytes;
+        e.info.values = true;
+        e.info.groups = groups;
+        e.info.sum_sq_ranges = ssr;
+        e.cache.clear();  // images of the mask stay valid for their readers; new ones come from the new blob
+        trace_store_event(alloc::event_trace::event_kind::store_put, e);  // the boundary blob comes
+      }
+      offload(e);
+      std::lock_guard lock(mu_);
+      if (!entries_.contains(e.self)) goto fresh;  // released meanwhile: store the view on its own below
+      ++e.info.refcount;
+      ++c_->upgrades;
+      ++c_->dedup_hits;
+      c_->dedup_bytes += bytes_in;
+      // The entry is now a quant blob: move it from the mask codec's counts to quant's.
+      auto& mk = c_->codecs[std::size_t(codec::codec_id::mask)];
+      auto& qt = c_->codecs[std::size_t(codec::codec_id::quant)];
+      mk.tensors -= std::min<std::uint64_t>(mk.tensors, 1);
+      mk.bytes_in -= std::min<std::uint64_t>(mk.bytes_in, e.info.bytes_in);
+      mk.bytes_stored -= std::min<std::uint64_t>(mk.bytes_stored, old_bytes);
+      ++qt.tensors;
+      qt.bytes_in += e.info.bytes_in;
+      qt.bytes_stored += r.bytes;
+      c_->bytes_stored -= std::min<std::uint64_t>(c_->bytes_stored, old_bytes);
+      c_->bytes_stored += r.bytes;
+      c_->current_stored += r.bytes;
+      c_->current_stored -= std::min<std::uint64_t>(c_->current_stored, old_bytes);
+      c_->peak_stored = std::max(c_->peak_stored, c_->current_stored);
+      ++c_->quant_bits[static_cast<std::size_t>(ubits)];
+      return {e.self, view_off - e.span_lo, true, true};
+    }
+  }
+
+fresh:
   auto ent = std::make_shared<entry>();
   ent->arena = &arena;
   ent->stream = p.stream;
   ent->info.dtype = v.dtype;
   ent->info.shape = v.shape;
+  ent->info.strides = dstr;
   ent->info.device = v.device;
   ent->info.bytes_in = bytes_in;
   ent->info.refcount = 1;
   ent->key = p.key;
+  ent->dense = dense;
+  ent->numel = static_cast<std::int64_t>(numel);
+  ent->span_lo = view_off;
+  if (!dense) ent->view_strides = strides_in;
+  ent->skey = skey;
 
-  bool nonfinite = false;
+  encoded enc;
+  bool gathered = false;
   if (numel > 0) {
-    codec::encode_params ep;
-    ep.group_size = p.group_size;
-    ep.seed = mix64(p.seed ^ mix64(step));
-    ep.key = p.key;
-    ep.bits = p.bits;
-    // The codecs group the row-major flattening of the tensor, so the store hands them the
-    // 1-D view (any rank works; the shape is kept in the entry).
-    std::int64_t const flat[1] = {static_cast<std::int64_t>(numel)};
-    std::span<std::int64_t const> const shp(flat);
-
-    if (v.device < 0) {
-      // Host: gather if needed, then pick the codec.
-      arena_block work;
-      void const* src = v.data;
-      if (!contiguous) {
-        work = arena_block(host_arena_, bytes_in, 0, alloc::tag_workspace);
-        gather_strided(v.data, es, std::span<std::int64_t const>(v.shape), std::span<std::int64_t const>(id.strides), work.p);
-        src = work.p;
-      }
-      if (is_float(v.dtype) && p.bits <= 8) {
-        ep.codec = codec::codec_id::quant;
-      } else if (v.dtype == codec::dtype::boolean ||
-                 (v.dtype == codec::dtype::uint8 && all_zero_one(src, numel))) {
-        ep.codec = codec::codec_id::mask;
-        ep.bits = 1;
-      } else {
-        ep.codec = codec::codec_id::raw;
-      }
-      std::size_t cap = codec::blob_size(v.dtype, shp, ep);
-      arena_block blob(arena, cap, 0, alloc::tag_activation);
-      codec::encode_result r = codec::encode_cpu(src, v.dtype, shp, ep, blob.p, cap, opts_.threads);
-      if (r.nonfinite) {
-        nonfinite = true;
-        blob.reset();
-        ep.codec = codec::codec_id::raw;
-        cap = codec::blob_size(v.dtype, shp, ep);
-        blob = arena_block(arena, cap, 0, alloc::tag_activation);
-        r = codec::encode_cpu(src, v.dtype, shp, ep, blob.p, cap, opts_.threads);
-      }
-      GACT_ASSERT_INTERNAL(r.bytes <= cap);
-      ent->info.codec = r.codec;
-      ent->info.bytes_stored = r.bytes;
-      if (r.codec == codec::codec_id::quant) {
-        ent->info.sum_sq_ranges = sum_sq_ranges(blob.p, v.dtype, numel, ep.bits, ep.group_size, &ent->info.groups);
-      }
-      ent->blob = blob.release();
-      if (!contiguous) {
-        std::lock_guard lock(mu_);
-        ++c_->gathers;
-      }
+    void const* src = v.data;
+    arena_block work;
+    if (!dense) {
+      GACT_EXPECTS(v.device < 0, "activation_store::put: a CUDA view must be non-overlapping and dense (copy it "
+                                 "with empty_like + copy_ first)");
+      work = arena_block(host_arena_, bytes_in, 0, alloc::tag_workspace);
+      gather_dense(v.data, es, std::span<std::int64_t const>(v.shape), std::span<std::int64_t const>(strides_in),
+                   std::span<std::int64_t const>(dstr), work.p);
+      src = work.p;
+      gathered = true;
     } else {
-#if defined(GACT_HAVE_KERNELS)
-      // CUDA: the Python layer hands over contiguous tensors (torch gathers on the device);
-      // 0/1 detection of uint8 would need a device reduction, so uint8 is stored raw here.
-      GACT_EXPECTS(contiguous,
-                   "activation_store::put: CUDA tensors must be contiguous (call .contiguous() first)");
-      if (is_float(v.dtype) && p.bits <= 8) {
-        ep.codec = codec::codec_id::quant;
-      } else if (v.dtype == codec::dtype::boolean) {
-        ep.codec = codec::codec_id::mask;
-        ep.bits = 1;
-      } else {
-        ep.codec = codec::codec_id::raw;
-      }
-      auto const stream = reinterpret_cast<cudaStream_t>(p.stream);
-      std::size_t cap = codec::blob_size(v.dtype, shp, ep);
-      arena_block blob(arena, cap, p.stream, alloc::tag_activation);
-      codec::encode_result r = codec::encode_cuda(v.data, v.dtype, shp, ep, blob.p, cap, stream);
-      if (r.nonfinite) {
-        nonfinite = true;
-        blob.reset();
-        ep.codec = codec::codec_id::raw;
-        cap = codec::blob_size(v.dtype, shp, ep);
-        blob = arena_block(arena, cap, p.stream, alloc::tag_activation);
-        r = codec::encode_cuda(v.data, v.dtype, shp, ep, blob.p, cap, stream);
-      }
-      GACT_ASSERT_INTERNAL(r.bytes <= cap);
-      ent->info.codec = r.codec;
-      ent->info.bytes_stored = r.bytes;
-      ent->blob = blob.release();
-#else
-      GACT_FAIL("activation_store::put: tensor on CUDA device " + std::to_string(v.device) +
-                " but this build of gact has no CUDA kernels");
-#endif
+      // the image starts at the element with the lowest address (strides are >= 0: element [0, ..., 0])
+      src = v.data;
     }
-    ent->info.bits = ent->info.codec == codec::codec_id::quant   ? ep.bits
-                     : ent->info.codec == codec::codec_id::mask ? 1
-                                                                 : static_cast<int>(es * 8);
+    enc = encode(v, p, p.what, src, numel, step, arena);
+    ent->blob = enc.blob.release();
+    ent->info.codec = enc.codec;
+    ent->info.variant = enc.variant;
+    ent->info.bits = enc.bits;
+    ent->info.bytes_stored = enc.bytes;
+    ent->info.groups = enc.groups;
+    ent->info.sum_sq_ranges = enc.sum_sq_ranges;
+    ent->in_range = enc.in_range;
+    // a two-level (ne) mask decodes to its exact values as well
+    ent->info.values = enc.served != role::predicate || codec::predicate(enc.pred.pred) == codec::predicate::ne;
+    ent->info.predicate = enc.served == role::predicate;
+    ent->info.pred = enc.pred;
   } else {
     ent->info.codec = codec::codec_id::raw;
     ent->info.bits = static_cast<int>(es * 8);
+    ent->info.values = true;
+    ent->info.predicate = p.what == role::predicate;
+    ent->info.pred = p.pred;
   }
-
-  // Swap: the mover takes the blob over (offloads it over its budget, brings it back for get).
-  if (ent->blob != nullptr) {
-    swap::mover* m = nullptr;
-    {
-      std::lock_guard lock(mu_);
-      m = movers_[static_cast<std::size_t>(v.device + 1)];
-    }
-    if (m != nullptr) {
-      ent->swap_id = m->put(ent->blob, ent->info.bytes_stored, ent->stream);
-      ent->mover = m;
-    }
-  }
+  offload(*ent);
 
   // Publish.
   std::lock_guard lock(mu_);
   handle const h = next_handle_++;
+  ent->self = h;
   auto& c = *c_;
   ++c.tensors_in;
   c.bytes_in += bytes_in;
@@ -551,19 +860,35 @@ handle activation_store::put(tensor_view const& v, put_params const& p) {
   ++pc.tensors;
   pc.bytes_in += bytes_in;
   pc.bytes_stored += ent->info.bytes_stored;
+  auto& pr = c.roles[static_cast<std::size_t>(p.what)];
+  ++pr.tensors;
+  pr.bytes += bytes_in;
   if (ent->info.codec == codec::codec_id::quant) ++c.quant_bits[static_cast<std::size_t>(ent->info.bits)];
-  if (nonfinite) ++c.nonfinite_fallbacks;
+  if (enc.nonfinite) ++c.nonfinite_fallbacks;
+  if (enc.refused) ++c.refusal_fallbacks;
+  if (gathered) ++c.gathers;
   c.current_stored += ent->info.bytes_stored;
   c.current_in += bytes_in;
   c.peak_stored = std::max(c.peak_stored, c.current_stored);
-  if (!dedup_.contains(id)) {
-    ent->has_identity = true;
-    ent->id = id;
-    dedup_.emplace(std::move(id), h);
-  }
+  ent->has_identity = true;
+  by_storage_[skey].push_back(h);
   trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
   entries_.emplace(h, std::move(ent));
-  return h;
+  return {h, 0, false};
+}
+
+// Hand the entry's blob to the offloader of its device, if one is set.
+void activation_store::offload(entry& e) {
+  if (e.blob == nullptr || e.mover != nullptr) return;
+  offloader* m = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    m = movers_[static_cast<std::size_t>(e.info.device + 1)];
+  }
+  if (m == nullptr) return;
+  std::lock_guard elock(e.mu);
+  e.swap_id = m->put(e.blob, e.info.bytes_stored, e.stream);
+  e.mover = m;
 }
 
 // ---- get / release ---------------------------------------------------------------------
@@ -577,28 +902,80 @@ std::shared_ptr<activation_store::entry> activation_store::find(handle h) const 
   return it->second;
 }
 
-void activation_store::get(handle h, void* dst, std::size_t dst_bytes, device::stream_t stream) const {
+std::shared_ptr<decoded_image const> activation_store::get_shared(handle h, get_params const& gp) const {
+  return decode_image(find(h), gp);
+}
+
+std::shared_ptr<decoded_image const> activation_store::decode_image(std::shared_ptr<entry> const& e,
+                                                                    get_params const& gp) const {
+  handle const h = e->self;
+  GACT_EXPECTS(!gp.predicate || e->info.predicate,
+               "activation_store::get: handle " + std::to_string(h) + " holds no predicate (stored as " +
+                   codec::codec_name(e->info.codec) + ")");
+  GACT_EXPECTS(gp.predicate || e->info.values,
+               "activation_store::get: handle " + std::to_string(h) + " holds only a predicate, not the values");
+  std::lock_guard elock(e->mu);
+  for (auto const& s : e->cache) {
+    if (s.predicate != gp.predicate) continue;
+    if (gp.predicate && (codec::hd::float_bits(s.tv) != codec::hd::float_bits(gp.true_value) ||
+                         codec::hd::float_bits(s.fv) != codec::hd::float_bits(gp.false_value)))
+      continue;
+    if (auto img = s.image.lock()) return img;
+  }
+  auto img = std::make_shared<decoded_image>(*e->arena, e->info.bytes_in, gp.stream, decoded_tag_);
+  trace_store_event(alloc::event_trace::event_kind::store_get, *e);
+  if (e->info.bytes_in > 0) {
+    // An offloaded blob is where its mover says, ready for `stream` (the mover records the stream use).
+    void const* blob = e->mover != nullptr ? e->mover->acquire(e->swap_id, gp.stream) : e->blob;
+    codec::decode_params dp;
+    // A predicate entry is decoded to its two values; a boundary blob holding one too decodes it on request.
+    dp.predicate = gp.predicate && !(e->info.codec == codec::codec_id::mask);
+    dp.true_value = gp.true_value;
+    dp.false_value = gp.false_value;
+    if (gp.predicate && e->info.codec == codec::codec_id::mask) dp.predicate = true;
+    if (e->info.device < 0) {
+      codec::decode_cpu(blob, e->info.bytes_stored, img->data(), e->info.bytes_in,
+                        gp.threads > 0 ? gp.threads : opts_.threads, dp);
+    } else {
+#if defined(GACT_HAVE_KERNELS)
+      codec::decode_cuda(blob, e->info.bytes_stored, img->data(), e->info.bytes_in,
+                         reinterpret_cast<cudaStream_t>(gp.stream), nullptr, dp);
+      // The blob may be freed (on its allocation stream) before the decode on `stream` has run.
+      if (e->mover == nullptr && gp.stream != e->stream) e->arena->record_stream(e->blob, gp.stream);
+#else
+      GACT_FAIL("activation_store::get: CUDA tensor but this build of gact has no CUDA kernels");
+#endif
+    }
+  }
+  {
+    std::lock_guard lock(mu_);
+    ++c_->decodes;
+    c_->decode_bytes += e->info.bytes_in;
+  }
+  std::erase_if(e->cache, [](entry::cache_slot const& s) { return s.image.expired(); });
+  e->cache.push_back({gp.predicate, gp.true_value, gp.false_value, img});
+  return img;
+}
+
+void activation_store::get(handle h, void* dst, std::size_t dst_bytes, get_params const& gp) const {
   std::shared_ptr<entry> e = find(h);
   GACT_EXPECTS(dst_bytes == e->info.bytes_in,
                "activation_store::get: destination holds " + std::to_string(dst_bytes) +
                    " bytes, the tensor needs " + std::to_string(e->info.bytes_in));
-  trace_store_event(alloc::event_trace::event_kind::store_get, *e);
   if (dst_bytes == 0) return;
   GACT_EXPECTS(dst != nullptr, "activation_store::get: null destination");
-  // A swapped blob is where its mover says, ready for `stream` (the mover records the stream use).
-  void const* blob = e->mover != nullptr ? e->mover->acquire(e->swap_id, stream) : e->blob;
+  auto img = decode_image(e, gp);
   if (e->info.device < 0) {
-    codec::decode_cpu(blob, e->info.bytes_stored, dst, dst_bytes, opts_.threads);
-    return;
-  }
+    std::memcpy(dst, img->data(), dst_bytes);
+  } else {
 #if defined(GACT_HAVE_KERNELS)
-  codec::decode_cuda(blob, e->info.bytes_stored, dst, dst_bytes, reinterpret_cast<cudaStream_t>(stream));
-  // The blob may be freed (on its allocation stream) before the decode on `stream` has run.
-  if (e->mover == nullptr && stream != e->stream) e->arena->record_stream(e->blob, stream);
-#else
-  (void)stream;
-  GACT_FAIL("activation_store::get: CUDA tensor but this build of gact has no CUDA kernels");
+    cudaError_t const err = cudaMemcpyAsync(dst, img->data(), dst_bytes, cudaMemcpyDeviceToDevice,
+                                            reinterpret_cast<cudaStream_t>(gp.stream));
+    GACT_EXPECTS(err == cudaSuccess, std::string("activation_store::get: cudaMemcpyAsync: ") + cudaGetErrorName(err),
+                 ::gact::cuda_error);
+    if (gp.stream != e->stream) e->arena->record_stream(img->data(), gp.stream);
 #endif
+  }
 }
 
 std::int64_t activation_store::release(handle h) noexcept {
@@ -615,11 +992,14 @@ std::int64_t activation_store::release(handle h) noexcept {
     entry& e = *it->second;
     if (--e.info.refcount > 0) return static_cast<std::int64_t>(e.info.refcount);
     if (e.has_identity) {
-      auto d = dedup_.find(e.id);
-      if (d != dedup_.end() && d->second == h) dedup_.erase(d);
+      auto d = by_storage_.find(e.skey);
+      if (d != by_storage_.end()) {
+        std::erase(d->second, h);
+        if (d->second.empty()) by_storage_.erase(d);
+      }
     }
-    c_->current_stored -= e.info.bytes_stored;
-    c_->current_in -= e.info.bytes_in;
+    c_->current_stored -= std::min<std::uint64_t>(c_->current_stored, e.info.bytes_stored);
+    c_->current_in -= std::min<std::uint64_t>(c_->current_in, e.info.bytes_in);
     trace_store_event(alloc::event_trace::event_kind::store_release, e);
     dead = std::move(it->second);
     entries_.erase(it);
@@ -633,16 +1013,25 @@ void activation_store::forget(handle h) noexcept {
   if (it == entries_.end()) return;
   entry& e = *it->second;
   if (!e.has_identity) return;
-  auto d = dedup_.find(e.id);
-  if (d != dedup_.end() && d->second == h) dedup_.erase(d);
+  auto d = by_storage_.find(e.skey);
+  if (d != by_storage_.end()) {
+    std::erase(d->second, h);
+    if (d->second.empty()) by_storage_.erase(d);
+  }
   e.has_identity = false;
 }
 
 tensor_info activation_store::info(handle h) const {
-  std::lock_guard lock(mu_);
-  auto it = entries_.find(h);
-  GACT_EXPECTS(it != entries_.end(), "activation_store::info: unknown handle " + std::to_string(h));
-  return it->second->info;
+  std::shared_ptr<entry> e;
+  {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(h);
+    GACT_EXPECTS(it != entries_.end(), "activation_store::info: unknown handle " + std::to_string(h));
+    e = it->second;
+  }
+  std::lock_guard elock(e->mu);
+  std::lock_guard lock(mu_);  // refcount is guarded by the table's lock
+  return e->info;
 }
 
 // ---- accounting ------------------------------------------------------------------------
@@ -655,12 +1044,20 @@ void activation_store::note_skip(skip_reason r, std::size_t bytes) noexcept {
   c_->skipped[i].bytes += bytes;
 }
 
+void activation_store::note_unstored(unstored u, std::size_t bytes) noexcept {
+  auto const i = static_cast<std::size_t>(u);
+  if (i >= c_->unstored_.size()) return;
+  std::lock_guard lock(mu_);
+  ++c_->unstored_[i].tensors;
+  c_->unstored_[i].bytes += bytes;
+}
+
 void activation_store::begin_step(std::uint64_t step) noexcept {
   {
     std::lock_guard lock(mu_);
     step_ = step;
     for (auto& [h, e] : entries_) e->has_identity = false;
-    dedup_.clear();
+    by_storage_.clear();
   }
   if (alloc::event_trace::enabled()) {
     try {
@@ -707,6 +1104,10 @@ nlohmann::json activation_store::stats_json() const {
         {"bytes_stored", c.codecs[i].bytes_stored}};
   }
   j["codecs"] = std::move(codecs);
+  nlohmann::json roles = nlohmann::json::object();
+  for (std::size_t i = 0; i < c.roles.size(); ++i)
+    roles[role_name(static_cast<role>(i))] = {{"tensors", c.roles[i].tensors}, {"bytes_in", c.roles[i].bytes}};
+  j["roles"] = std::move(roles);
   j["quant_bits"] = {{"1", c.quant_bits[1]}, {"2", c.quant_bits[2]}, {"4", c.quant_bits[4]}, {"8", c.quant_bits[8]}};
   nlohmann::json sk = nlohmann::json::object();
   std::uint64_t sk_t = 0, sk_b = 0;
@@ -719,11 +1120,20 @@ nlohmann::json activation_store::stats_json() const {
   j["skipped"] = std::move(sk);
   j["skipped_tensors"] = sk_t;
   j["skipped_bytes"] = sk_b;
+  nlohmann::json us = nlohmann::json::object();
+  for (std::size_t i = 0; i < c.unstored_.size(); ++i)
+    us[unstored_name(static_cast<unstored>(i))] = {{"tensors", c.unstored_[i].tensors}, {"bytes", c.unstored_[i].bytes}};
+  j["unstored"] = std::move(us);
   j["dedup_hits"] = c.dedup_hits;
   j["dedup_bytes"] = c.dedup_bytes;
+  j["view_hits"] = c.view_hits;
+  j["upgrades"] = c.upgrades;
   j["nonfinite_fallbacks"] = c.nonfinite_fallbacks;
+  j["refusal_fallbacks"] = c.refusal_fallbacks;
   j["gathers"] = c.gathers;
   j["gets"] = c.gets;
+  j["decodes"] = c.decodes;
+  j["decode_bytes"] = c.decode_bytes;
   j["releases"] = c.releases;
   j["bad_releases"] = c.bad_releases;
   j["live_handles"] = entries_.size();
@@ -734,6 +1144,24 @@ nlohmann::json activation_store::stats_json() const {
   j["leaks_last_step"] = c.leaks_last_step;
   j["steps"] = c.steps;
   j["step"] = step_;
+  if (c.tensors_in == 0) {
+    // Say why nothing was stored instead of a bare ratio of 0.
+    std::string why = "nothing stored";
+    if (sk_t > 0) {
+      why += ": " + std::to_string(sk_t) + " saved tensor(s) kept as they are (";
+      bool first = true;
+      for (std::size_t i = 0; i < c.skipped.size(); ++i) {
+        if (c.skipped[i].tensors == 0) continue;
+        if (!first) why += ", ";
+        first = false;
+        why += std::string(skip_reason_name(static_cast<skip_reason>(i))) + " " + std::to_string(c.skipped[i].tensors);
+      }
+      why += ")";
+    } else if (c.unstored_[0].tensors + c.unstored_[1].tensors == 0) {
+      why += ": no saved tensor reached the store (is the code inside `with comp:`?)";
+    }
+    j["note"] = why;
+  }
   return j;
 }
 

@@ -2,33 +2,50 @@
 //
 // The activation store: the hub the caching allocator exists for. Autograd's
 // pack hook hands it a saved tensor (a raw view: pointer, dtype, shape, strides,
-// device, version counter) and gets back an opaque handle; the unpack hook asks
-// for the tensor back by handle and receives it decoded, contiguous, into a
-// buffer it allocated; the handle is released when autograd drops the graph.
+// device, version counter, the storage it lives in) and what the tensor's reader
+// needs (its role), and gets back an opaque handle; the unpack hook asks for the
+// tensor back and receives a decoded buffer shared by every reader of the blob;
+// the handle is released when autograd drops the graph.
 //
-// What happens to a tensor on put():
-//   float32/float16/bfloat16 -> quant codec at the requested bits (1/2/4/8), or raw
-//                               for bits >= 16; a tensor holding NaN/Inf is stored
-//                               raw and counted (`nonfinite_fallbacks`)
-//   bool                     -> mask codec (1 bit per element)
-//   uint8                    -> mask codec when every element is 0 or 1, raw otherwise
-//   anything else            -> raw (the Python layer skips such tensors before put)
-// Non-contiguous input is gathered into a contiguous workspace block (tag
-// `workspace`) before encoding; get() always returns the contiguous tensor.
-// Blobs live in a caching allocator's arena under the tag `activation`: the host
-// arena for CPU tensors, the arena registered for a CUDA device for tensors on it.
+// What is stored, by role:
+//   values     float32/16/bf16/64 -> quant at the requested bits (1/2/4/8; the
+//              normalized variant when statistics are given), raw for bits >= 16;
+//              a tensor holding NaN/Inf is stored raw and counted
+//              (`nonfinite_fallbacks`); bool -> mask; uint8 -> mask when 0/1, raw
+//              otherwise; anything else raw
+//   predicate  a float tensor -> a 1-bit predicate mask (codecs/format.hpp); a
+//              two-level `ne` tensor whose nonzero values differ is stored as values
+//   indices    int64/int32 max-pool indices -> the window codec, raw when refused
 //
-// Dedup: a tensor saved more than once in a step (same data pointer, device,
-// dtype, shape, strides and version counter) is stored once; its handle is
-// reference counted and each put() must be matched by a release(). The caller
-// calls forget() when the saved tensor object dies, so that a new tensor placed
-// at the same address can never be mistaken for the stored one.
+// Layout: a view that is non-overlapping and dense (contiguous, channels-last,
+// transposed, ...) is encoded as the memory image of its span, with no gather,
+// and decodes to the same strides; any other view is gathered into a workspace
+// block in the order of its dense strides (the strides torch's empty_like would
+// give it) and decodes to those. tensor_info::strides gives the decoded layout.
+// Blobs live in a caching allocator's arena under the tag `activation`, decoded
+// images under the tag `decoded`: the host arena for CPU tensors, the arena
+// registered for a CUDA device for tensors on it.
+//
+// One blob per storage: within a step, a put whose view lies inside the span of
+// a dense entry of the same storage, dtype and version counter is served by that
+// entry (a view saved by another op, such as a loss's `output.view(-1, V)`), when
+// the entry holds what the role needs; the result gives the view's offset in the
+// decoded image. A predicate entry of a clamp's output (a ReLU's: x > 0 on x >= 0)
+// asked for values is upgraded in place to a boundary quant blob, which serves
+// both. Handles are reference counted; each put() must be matched by a release().
+// The caller calls forget() when the saved tensor object dies, so that a new
+// tensor placed at the same address can never be mistaken for the stored one.
+//
+// Decoding: get_shared() decodes a handle at most once while the decoded image is
+// alive; every reader shares it (the Python layer hands it to torch through
+// DLPack, so the memory comes from gact's warm pool and returns to it).
 //
 // Per-step accounting: begin_step()/end_step() bracket one training iteration;
 // handles still alive at end_step() are counted as leaks (they stay valid).
 //
-// Thread-safe: one mutex guards the handle table and the counters; encoding and
-// decoding run outside it (autograd runs backward on its own threads).
+// Thread-safe: one mutex guards the handle table and the counters; each entry
+// has its own mutex for its blob (decode, upgrade); encoding and decoding run
+// outside the table's lock (autograd runs backward on its own threads).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -44,11 +61,8 @@
 
 #include "allocator/caching_allocator.hpp"
 #include "allocator/device/backend.hpp"
+#include "allocator/store/offloader.hpp"
 #include "codecs/codec.hpp"
-
-namespace gact::swap {
-class mover;  // swap/mover.hpp
-}
 
 namespace gact::store {
 
@@ -64,28 +78,63 @@ struct tensor_view {
   std::vector<std::int64_t> strides;    ///< empty, or one stride (>= 0) per dimension
   int device = -1;                      ///< -1 = host memory, else the CUDA device index
   std::int64_t version = 0;             ///< the framework's version counter (in-place writes bump it)
+  /// Address of the storage the view lives in (views of one storage share it); 0 = unknown (the
+  /// view's own address stands for it, so only the same view dedups).
+  std::uintptr_t storage = 0;
 };
+
+/// What the reader of a saved tensor needs, hence how it is stored.
+enum class role : std::uint8_t { values = 0, predicate = 1, indices = 2 };
+/// Stable name of a role ("values", "predicate", "indices").
+char const* role_name(role r) noexcept;
 
 /// How one tensor is to be encoded.
 struct put_params {
   std::uint64_t key = 0;        ///< stable tensor key (saving module + order within the step)
-  int bits = 4;                 ///< 1, 2, 4 or 8 for the quant codec; 16 or 32 = store raw
+  int bits = 4;                 ///< values: 1, 2, 4 or 8 for the quant codec; 16 or 32 = store raw
   int group_size = 256;         ///< elements per quantization group
   std::uint64_t seed = 0;       ///< user seed; mixed with the step and the key into the noise stream
   device::stream_t stream = 0;  ///< stream the tensor was produced on (CUDA only)
+  role what = role::values;
+  int threads = 0;              ///< CPU encode threads (0 = the store's setting)
+  /// values, float input: normalize with per-block statistics (element e of the view's memory image
+  /// uses block (e / norm_inner) % norm_count); host pointers for CPU tensors, device pointers for
+  /// CUDA ones. norm_count == 0: plain quantization.
+  std::uint64_t norm_count = 0;
+  std::uint64_t norm_inner = 1;
+  float const* norm_shift = nullptr;
+  float const* norm_scale = nullptr;
+  /// predicate: what the reader tests.
+  codec::predicate_params pred{};
+  /// predicate on a CUDA tensor: the tensor is known to be the output of a clamp to the predicate's
+  /// range (a ReLU's result), so it may later be upgraded to a boundary blob (the CPU encoder checks
+  /// this itself).
+  bool clamped = false;
+  /// indices: the pooling geometry (codecs/format.hpp window_params); `inner` must describe the view's
+  /// memory image.
+  codec::window_params window{};
+};
+
+/// What put() returns.
+struct put_result {
+  handle h = 0;
+  std::int64_t offset = 0;  ///< element offset of the view's element [0, ..., 0] in the decoded image
+  bool shared = false;      ///< served by an entry stored earlier (no new blob)
+  bool upgraded = false;    ///< ... a predicate entry this put turned into a values blob (its bytes are this put's)
 };
 
 /// Why the framework kept a tensor out of the store (counted by note_skip()).
 enum class skip_reason : std::uint8_t {
   parameter = 0,  ///< a parameter or a view of one
   small = 1,      ///< below the size threshold
-  dtype = 2,      ///< a dtype gact does not compress (integers, float64, ...)
+  dtype = 2,      ///< a dtype gact does not compress (integers other than pooling indices, ...)
   excluded = 3,   ///< in a module or tensor the user excluded
   input = 4,      ///< a leaf that does not require grad (kept alive by the caller anyway)
   layout = 5,     ///< sparse, quantized or otherwise not a plain strided tensor
   device = 6,     ///< on a device this build cannot encode on
   stats = 7,      ///< a normalization layer's per-channel statistics (mean, 1/std): read exactly
-  k_count = 8,
+  exact = 8,      ///< read by an op whose gradient is discontinuous in it (equality with a reduction, sign with zero)
+  k_count = 9,
 };
 
 /// Stable name of a skip reason ("parameter", "small", ...).
@@ -93,19 +142,59 @@ char const* skip_reason_name(skip_reason r) noexcept;
 /// Parse a skip reason name. @throws gact::invalid_argument for an unknown name (lists the accepted ones).
 skip_reason parse_skip_reason(std::string const& name);
 
+/// Saved tensors that needed no blob (counted by note_unstored()).
+enum class unstored : std::uint8_t {
+  shape = 0,  ///< the reader uses only the tensor's shape (a pooling input, a loss's log-probabilities)
+  held = 1,   ///< the program still held the tensor, unchanged, when backward read it: used as it is
+  k_count = 2,
+};
+char const* unstored_name(unstored u) noexcept;
+unstored parse_unstored(std::string const& name);
+
 /// What the store knows about a live handle.
 struct tensor_info {
   codec::dtype dtype = codec::dtype::float32;
   std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;  ///< of the decoded image (dense): the saved view's own when it was dense
   int device = -1;
   codec::codec_id codec = codec::codec_id::raw;
-  int bits = 0;                ///< bits per element as stored (quant: 1..8, mask: 1, raw: element bits)
+  std::uint8_t variant = 0;    ///< the codec's variant (codecs/format.hpp)
+  int bits = 0;                ///< bits per element as stored (quant, window: 1..8; mask: 1; raw: element bits)
   std::size_t bytes_in = 0;    ///< numel * element size
   std::size_t bytes_stored = 0;///< blob bytes
   std::uint32_t refcount = 0;
   std::uint64_t groups = 0;    ///< quant: quantization groups; 0 otherwise
   double sum_sq_ranges = 0.0;  ///< quant on the host: sum over groups of (max - min)^2, the
                                ///< encoder-side input of the policy's online sensitivity; 0 otherwise
+  bool values = false;         ///< decodes to the values (lossy or exact)
+  bool predicate = false;      ///< decodes to a predicate mask (pred holds it)
+  codec::predicate_params pred{};
+};
+
+/// How to decode (get_shared / get).
+struct get_params {
+  bool predicate = false;      ///< decode the entry's predicate (true_value / false_value) instead of its values
+  float true_value = 1.0f;
+  float false_value = 0.0f;
+  device::stream_t stream = 0; ///< CUDA: the stream the reader runs on
+  int threads = 0;             ///< CPU decode threads (0 = the store's setting)
+};
+
+/// A decoded image, shared by every reader of one entry; its memory returns to the arena when the last
+/// reference goes (the Python layer holds one per torch tensor made from it).
+class decoded_image {
+ public:
+  decoded_image(alloc::caching_allocator& arena, std::size_t bytes, device::stream_t stream, alloc::tag_id tag);
+  ~decoded_image();
+  decoded_image(decoded_image const&) = delete;
+  decoded_image& operator=(decoded_image const&) = delete;
+  void* data() const noexcept { return data_; }
+  std::size_t bytes() const noexcept { return bytes_; }
+
+ private:
+  alloc::caching_allocator* arena_;
+  void* data_;
+  std::size_t bytes_;
 };
 
 /// Settings of a store.
@@ -129,25 +218,32 @@ class activation_store {
   /// @throws gact::invalid_argument for a negative device or a non-device arena.
   void set_device_arena(int device, alloc::caching_allocator* arena);
 
-  /// Hand the blobs of later puts on device `device` (-1 = host tensors) to swap mover `m`, which
-  /// offloads them to pinned host memory and brings them back for get(); nullptr stops swapping
-  /// (blobs already handed over stay with their mover). The mover must outlive every entry it holds.
-  /// @throws gact::invalid_argument for a device out of range or a mover over another arena.
-  void set_mover(int device, swap::mover* m);
+  /// Hand the blobs of later puts on device `device` (-1 = host tensors) to offloader `m`, which
+  /// keeps them (e.g. in pinned host memory) and brings them back for get(); nullptr stops
+  /// offloading (blobs already handed over stay with theirs). The offloader must outlive every entry it holds.
+  /// @throws gact::invalid_argument for a device out of range or an offloader over another arena.
+  void set_mover(int device, offloader* m);
 
-  /// Store `v` (encoded as described at the top of this file) and return its handle.
-  /// A dedup hit returns the existing handle with its reference count raised.
+  /// Store `v` for a reader with role `p.what` (see the top of this file) and return its handle.
+  /// A hit against an entry of the same storage returns that entry's handle with its reference count raised.
   /// @throws gact::invalid_argument for a malformed view (null data with numel > 0, negative
-  ///         extents, strides of the wrong rank, bad bits or group size, a CUDA tensor in a build
-  ///         without kernels or without an arena for its device).
+  ///         extents, strides of the wrong rank, bad bits or group size, bad role parameters, a CUDA
+  ///         tensor in a build without kernels or without an arena for its device).
   /// @throws gact::out_of_memory when the arena cannot hold the blob.
-  handle put(tensor_view const& v, put_params const& p);
+  /// @throws gact::thread_error when an encode thread cannot be created (nothing is stored).
+  put_result put(tensor_view const& v, put_params const& p);
 
-  /// Decode handle `h` into `dst` (contiguous, `dst_bytes` = numel * element size), on `stream`
-  /// for a CUDA tensor. The handle stays valid (retain_graph can ask twice).
-  /// @throws gact::invalid_argument for an unknown handle or a wrong dst_bytes.
+  /// The decoded image of handle `h` (values, or the predicate when gp.predicate), decoded now unless an
+  /// image decoded the same way is still alive. Its layout is tensor_info::strides over info.shape.
+  /// @throws gact::invalid_argument for an unknown handle, or a predicate asked of an entry without one.
   /// @throws gact::corrupt_blob if the stored blob fails validation.
-  void get(handle h, void* dst, std::size_t dst_bytes, device::stream_t stream = 0) const;
+  /// @throws gact::out_of_memory when the arena cannot hold the image.
+  std::shared_ptr<decoded_image const> get_shared(handle h, get_params const& gp = {}) const;
+
+  /// Decode handle `h` into `dst` (`dst_bytes` = numel * element size): the dense image, laid out as
+  /// tensor_info::strides says. The handle stays valid (retain_graph can ask twice).
+  /// @throws as get_shared, and gact::invalid_argument for a wrong dst_bytes.
+  void get(handle h, void* dst, std::size_t dst_bytes, get_params const& gp = {}) const;
 
   /// Drop one reference to `h`; the blob is freed when the last one goes.
   /// @returns the references left (0: the blob was freed), or -1 (counted as a bad release)
@@ -162,6 +258,8 @@ class activation_store {
 
   /// Count a tensor kept out of the store.
   void note_skip(skip_reason r, std::size_t bytes) noexcept;
+  /// Count a saved tensor that needed no blob.
+  void note_unstored(unstored u, std::size_t bytes) noexcept;
 
   /// Start step `step` (clears the dedup identities of the previous step).
   void begin_step(std::uint64_t step) noexcept;
@@ -180,24 +278,30 @@ class activation_store {
 
  private:
   struct entry;
-  struct identity;
-  struct identity_hash {
-    std::size_t operator()(identity const& id) const noexcept;
+  struct storage_key;
+  struct storage_key_hash {
+    std::size_t operator()(storage_key const& k) const noexcept;
   };
   struct counters;
+  struct encoded;
 
   alloc::caching_allocator& arena_for(int device) const;
   std::shared_ptr<entry> find(handle h) const;
+  std::shared_ptr<decoded_image const> decode_image(std::shared_ptr<entry> const& e, get_params const& gp) const;
+  encoded encode(tensor_view const& v, put_params const& p, role what, void const* src, std::uint64_t numel,
+                 std::uint64_t step, alloc::caching_allocator& arena) const;
+  void offload(entry& e);
 
   alloc::caching_allocator& host_arena_;
   store_options opts_;
   std::array<alloc::caching_allocator*, 64> device_arenas_{};
-  std::array<swap::mover*, 65> movers_{};  // index device + 1 (0 = host tensors)
+  std::array<offloader*, 65> movers_{};  // index device + 1 (0 = host tensors)
   std::uint64_t stats_token_ = 0;
+  alloc::tag_id decoded_tag_;
 
   mutable std::mutex mu_;
   std::unordered_map<handle, std::shared_ptr<entry>> entries_;
-  std::unordered_map<identity, handle, identity_hash> dedup_;
+  std::unordered_map<storage_key, std::vector<handle>, storage_key_hash> by_storage_;
   handle next_handle_ = 1;
   std::uint64_t step_ = 0;
   std::unique_ptr<counters> c_;
@@ -210,5 +314,12 @@ char const* dtype_name(codec::dtype t) noexcept;
 /// Parse a dtype name (also accepts "torch.float32" and "float"/"half"/"double"/"long"/"int").
 /// @throws gact::invalid_argument naming the bad value and the accepted ones.
 codec::dtype parse_dtype(std::string const& name);
+
+/// The strides of the dense layout a view decodes to: its own when it is non-overlapping and dense,
+/// otherwise row-major in the order of its strides (largest first; ties keep the dim order), as
+/// torch's empty_like gives it. Size-1 dims keep their stride when the view is dense.
+std::vector<std::int64_t> dense_strides(std::vector<std::int64_t> const& shape, std::vector<std::int64_t> const& strides);
+/// Whether a view with these strides is non-overlapping and dense (its elements fill a span exactly).
+bool is_dense(std::vector<std::int64_t> const& shape, std::vector<std::int64_t> const& strides);
 
 }  // namespace gact::store

@@ -110,6 +110,16 @@ struct runtime {
     for (int dev = -1; dev < 64; ++dev) store.set_mover(dev, nullptr);
   }
 
+  gact::alloc::caching_allocator& arena_for(int dev) {
+    if (dev < 0) return host_arena;
+#if defined(GACT_HAVE_KERNELS)
+    std::lock_guard lock(cuda_mu);
+    for (std::size_t i = 0; i < cuda_backends.size(); ++i)
+      if (cuda_backends[i]->device() == dev) return *cuda_arenas[i];
+#endif
+    GACT_FAIL("gact: no arena for CUDA device " + std::to_string(dev));
+  }
+
   gact::alloc::allocator_options host_options() const {
     gact::alloc::allocator_options o;
     o.name = "host";
@@ -163,6 +173,111 @@ gact::codec::codec_id parse_codec(std::string const& name) {
 
 py::object json_loads(std::string const& s) { return py::module_::import("json").attr("loads")(s); }
 
+gact::store::role parse_role(std::string const& name) {
+  if (name == "values") return gact::store::role::values;
+  if (name == "predicate") return gact::store::role::predicate;
+  if (name == "indices") return gact::store::role::indices;
+  GACT_FAIL("role: '" + name + "' is unknown; use values, predicate or indices");
+}
+
+gact::codec::predicate parse_predicate(std::string const& name) {
+  for (std::uint32_t i = 1; i <= gact::codec::k_predicate_max; ++i) {
+    auto const p = static_cast<gact::codec::predicate>(i);
+    if (name == gact::codec::predicate_name(p)) return p;
+  }
+  GACT_FAIL("predicate: '" + name + "' is unknown; use gt, ge, lt, le, open, closed or ne");
+}
+
+// ---- DLPack (the ABI, declared here: https://dmlc.github.io/dlpack; no dependency) ----------
+struct dl_device {
+  std::int32_t device_type;  // 1 = kDLCPU, 2 = kDLCUDA
+  std::int32_t device_id;
+};
+struct dl_dtype {
+  std::uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct dl_tensor {
+  void* data;
+  dl_device device;
+  std::int32_t ndim;
+  dl_dtype dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;
+  std::uint64_t byte_offset;
+};
+struct dl_managed_tensor {
+  dl_tensor dl;
+  void* manager_ctx;
+  void (*deleter)(dl_managed_tensor*);
+};
+
+/// What a capsule owns: the decoded image (its memory returns to the pool with the last owner) and the
+/// shape and strides arrays the DLPack struct points at.
+struct dl_owner {
+  dl_managed_tensor managed{};
+  std::shared_ptr<gact::store::decoded_image const> image;
+  std::vector<std::int64_t> shape, strides;
+};
+
+dl_dtype dl_dtype_of(gact::codec::dtype t) {
+  using D = gact::codec::dtype;
+  switch (t) {
+    case D::float32: return {2, 32, 1};
+    case D::float16: return {2, 16, 1};
+    case D::bfloat16: return {4, 16, 1};
+    case D::float64: return {2, 64, 1};
+    case D::uint8: return {1, 8, 1};
+    case D::boolean: return {1, 8, 1};  // torch 1.13's DLPack has no bool: uint8, viewed as bool in Python
+    case D::int8: return {0, 8, 1};
+    case D::int16: return {0, 16, 1};
+    case D::int32: return {0, 32, 1};
+    case D::int64: return {0, 64, 1};
+  }
+  GACT_FAIL("dlpack: unknown dtype");
+}
+
+py::capsule make_dlpack(std::shared_ptr<gact::store::decoded_image const> img, gact::store::tensor_info const& info,
+                        std::vector<std::int64_t> shape, std::vector<std::int64_t> strides, std::int64_t offset) {
+  GACT_EXPECTS(shape.size() == strides.size(), "dlpack: shape and strides differ in length");
+  std::size_t const es = gact::store::element_size(info.dtype);
+  // The view must lie inside the image.
+  std::int64_t lo = offset, hi = offset;
+  bool empty = false;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    GACT_EXPECTS(shape[i] >= 0 && strides[i] >= 0, "dlpack: negative extent or stride");
+    if (shape[i] == 0) empty = true;
+    else hi += (shape[i] - 1) * strides[i];
+  }
+  GACT_EXPECTS(empty || (lo >= 0 && static_cast<std::size_t>(hi + 1) * es <= std::max<std::size_t>(img->bytes(), es)),
+               "dlpack: the view (offset " + std::to_string(offset) + ") lies outside the decoded image of " +
+                   std::to_string(img->bytes()) + " bytes");
+  auto* owner = new dl_owner();
+  owner->image = std::move(img);
+  owner->shape = std::move(shape);
+  owner->strides = std::move(strides);
+  dl_tensor& t = owner->managed.dl;
+  t.data = static_cast<char*>(const_cast<void*>(owner->image->data())) + (empty ? 0 : offset * std::int64_t(es));
+  t.device = info.device < 0 ? dl_device{1, 0} : dl_device{2, info.device};
+  t.ndim = static_cast<std::int32_t>(owner->shape.size());
+  t.dtype = dl_dtype_of(info.dtype);
+  t.shape = owner->shape.data();
+  t.strides = owner->strides.data();
+  t.byte_offset = 0;
+  owner->managed.manager_ctx = owner;
+  owner->managed.deleter = [](dl_managed_tensor* self) { delete static_cast<dl_owner*>(self->manager_ctx); };
+  // A capsule that no consumer renamed ("used_dltensor") still owns its tensor.
+  return py::capsule(&owner->managed, "dltensor", [](PyObject* cap) {
+    if (PyCapsule_IsValid(cap, "dltensor")) {
+      auto* mt = static_cast<dl_managed_tensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+      if (mt != nullptr && mt->deleter != nullptr) mt->deleter(mt);
+    } else {
+      PyErr_Clear();
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_gact, m) {
@@ -196,8 +311,9 @@ PYBIND11_MODULE(_gact, m) {
   m.def(
       "store_put",
       [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
-         std::int64_t version, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
-         std::uintptr_t stream) {
+         std::int64_t version, std::uintptr_t storage, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
+         std::uintptr_t stream, std::string const& role, int threads, py::object norm, py::object pred, bool clamped,
+         py::object window) {
         gact::store::tensor_view v;
         v.data = reinterpret_cast<void const*>(ptr);
         v.dtype = gact::store::parse_dtype(dtype);
@@ -205,26 +321,111 @@ PYBIND11_MODULE(_gact, m) {
         v.strides = to_vec(strides);
         v.device = device;
         v.version = version;
-        gact::store::put_params p{key, bits, group_size, seed, stream};
+        v.storage = storage;
+        gact::store::put_params p;
+        p.key = key;
+        p.bits = bits;
+        p.group_size = group_size;
+        p.seed = seed;
+        p.stream = stream;
+        p.what = parse_role(role);
+        p.threads = threads;
+        p.clamped = clamped;
+        if (!norm.is_none()) {  // (count, inner, shift pointer, scale pointer)
+          auto t = norm.cast<py::tuple>();
+          GACT_EXPECTS(t.size() == 4, "store_put: norm must be (count, inner, shift_ptr, scale_ptr)");
+          p.norm_count = t[0].cast<std::uint64_t>();
+          p.norm_inner = t[1].cast<std::uint64_t>();
+          p.norm_shift = reinterpret_cast<float const*>(t[2].cast<std::uintptr_t>());
+          p.norm_scale = reinterpret_cast<float const*>(t[3].cast<std::uintptr_t>());
+        }
+        if (!pred.is_none()) {  // (name, a, b)
+          auto t = pred.cast<py::tuple>();
+          GACT_EXPECTS(t.size() == 3, "store_put: pred must be (predicate name, a, b)");
+          p.pred.pred = static_cast<std::uint32_t>(parse_predicate(t[0].cast<std::string>()));
+          p.pred.a = t[1].cast<float>();
+          p.pred.b = t[2].cast<float>();
+        }
+        if (!window.is_none()) {  // dict: nd, inner, in, out, kernel, stride, pad, dilation
+          auto d = window.cast<py::dict>();
+          p.window.nd = d["nd"].cast<std::uint32_t>();
+          p.window.inner = d["inner"].cast<std::uint64_t>();
+          GACT_EXPECTS(p.window.nd >= 1 && p.window.nd <= 3, "store_put: window nd must be 1, 2 or 3");
+          auto fill = [&](char const* k, std::int64_t* out) {
+            auto seq = d[k].cast<py::sequence>();
+            GACT_EXPECTS(py::len(seq) == p.window.nd, std::string("store_put: window ") + k + " needs nd values");
+            for (std::uint32_t i = 0; i < p.window.nd; ++i) out[i] = seq[i].cast<std::int64_t>();
+          };
+          fill("in", p.window.in);
+          fill("out", p.window.out);
+          fill("kernel", p.window.kernel);
+          fill("stride", p.window.stride);
+          fill("pad", p.window.pad);
+          fill("dilation", p.window.dilation);
+        }
         runtime& r = rt();
         if (device >= 0) r.ensure_device(device);
-        py::gil_scoped_release nogil;
-        return r.store.put(v, p);
+        gact::store::put_result res;
+        {
+          py::gil_scoped_release nogil;
+          res = r.store.put(v, p);
+        }
+        // The strides of the view in the decoded image: its own (a dense entry's image is its storage span),
+        // or the dense strides a gathered entry was stored in.
+        // (A dense view only ever meets dense entries; a non-dense one only its own gathered copy.)
+        std::vector<std::int64_t> const own = v.strides.empty() ? gact::store::dense_strides(v.shape, {}) : v.strides;
+        py::tuple const strides_out = py::tuple(py::cast(
+            gact::store::is_dense(v.shape, own) ? own : gact::store::dense_strides(v.shape, own)));
+        return py::make_tuple(res.h, res.offset, res.shared, strides_out, res.upgraded);
       },
       py::arg("ptr"), py::arg("dtype"), py::arg("shape"), py::arg("strides"), py::arg("device"),
-      py::arg("version"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
-      py::arg("stream") = 0,
-      "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index "
-      "(-1 = CPU), version counter); returns a handle.");
+      py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
+      py::arg("stream") = 0, py::arg("role") = "values", py::arg("threads") = 0, py::arg("norm") = py::none(),
+      py::arg("pred") = py::none(), py::arg("clamped") = false, py::arg("window") = py::none(),
+      "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index (-1 = CPU), "
+      "version counter, storage address) for a reader with role 'values', 'predicate' or 'indices'; returns "
+      "(handle, offset of the view in the decoded image, served by an earlier entry, the view's strides in the "
+      "decoded image, a predicate entry upgraded to values by this put).");
   m.def(
       "store_get",
-      [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream) {
+      [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream, bool predicate,
+         float true_value, float false_value) {
         runtime& r = rt();
+        gact::store::get_params gp;
+        gp.stream = stream;
+        gp.predicate = predicate;
+        gp.true_value = true_value;
+        gp.false_value = false_value;
         py::gil_scoped_release nogil;
-        r.store.get(h, reinterpret_cast<void*>(dst), dst_bytes, stream);
+        r.store.get(h, reinterpret_cast<void*>(dst), dst_bytes, gp);
       },
-      py::arg("handle"), py::arg("dst"), py::arg("dst_bytes"), py::arg("stream") = 0,
-      "Decode a handle into dst (contiguous, dst_bytes bytes).");
+      py::arg("handle"), py::arg("dst"), py::arg("dst_bytes"), py::arg("stream") = 0, py::arg("predicate") = false,
+      py::arg("true_value") = 1.0f, py::arg("false_value") = 0.0f,
+      "Decode a handle's image into dst (dst_bytes bytes, laid out as store_info's strides).");
+  m.def(
+      "store_get_dlpack",
+      [](std::uint64_t h, py::sequence shape, py::sequence strides, std::int64_t offset, std::uintptr_t stream,
+         int threads, bool predicate, float true_value, float false_value) {
+        runtime& r = rt();
+        gact::store::get_params gp;
+        gp.stream = stream;
+        gp.threads = threads;
+        gp.predicate = predicate;
+        gp.true_value = true_value;
+        gp.false_value = false_value;
+        gact::store::tensor_info const info = r.store.info(h);
+        std::shared_ptr<gact::store::decoded_image const> img;
+        {
+          py::gil_scoped_release nogil;
+          img = r.store.get_shared(h, gp);
+        }
+        return make_dlpack(std::move(img), info, to_vec(shape), to_vec(strides), offset);
+      },
+      py::arg("handle"), py::arg("shape"), py::arg("strides"), py::arg("offset"), py::arg("stream") = 0,
+      py::arg("threads") = 0, py::arg("predicate") = false, py::arg("true_value") = 1.0f,
+      py::arg("false_value") = 0.0f,
+      "The decoded image of a handle (decoded once while alive, shared by every reader) as a DLPack capsule "
+      "viewing it with the given shape, strides and element offset; bool comes out as uint8.");
   m.def("store_release", [](std::uint64_t h) { return rt().store.release(h); }, py::arg("handle"),
         "Drop one reference to a handle; returns the references left (0 = freed), -1 if unknown.");
   m.def("store_forget", [](std::uint64_t h) { rt().store.forget(h); }, py::arg("handle"),
@@ -236,17 +437,53 @@ PYBIND11_MODULE(_gact, m) {
         py::dict d;
         d["dtype"] = gact::store::dtype_name(i.dtype);
         d["shape"] = py::tuple(py::cast(i.shape));
+        d["strides"] = py::tuple(py::cast(i.strides));
         d["device"] = i.device;
         d["codec"] = gact::codec::codec_name(i.codec);
+        d["variant"] = gact::codec::variant_name(i.codec, i.variant);
         d["bits"] = i.bits;
         d["bytes_in"] = i.bytes_in;
         d["bytes_stored"] = i.bytes_stored;
         d["refcount"] = i.refcount;
         d["groups"] = i.groups;
         d["sum_sq_ranges"] = i.sum_sq_ranges;
+        d["values"] = i.values;
+        d["predicate"] = i.predicate;
         return d;
       },
       py::arg("handle"));
+  m.def(
+      "store_note_unstored",
+      [](std::string const& kind, std::size_t bytes) {
+        rt().store.note_unstored(gact::store::parse_unstored(kind), bytes);
+      },
+      py::arg("kind"), py::arg("bytes"), "Count a saved tensor that needed no blob ('shape' or 'held').");
+  m.def(
+      "empty_dlpack",
+      [](std::string const& dtype, py::sequence shape, py::sequence strides, int device, std::uintptr_t stream) {
+        // A buffer from gact's warm pool for a tensor whose values are never read (a shape-only save).
+        runtime& r = rt();
+        if (device >= 0) r.ensure_device(device);
+        gact::store::tensor_info info;
+        info.dtype = gact::store::parse_dtype(dtype);
+        info.shape = to_vec(shape);
+        info.strides = to_vec(strides);
+        info.device = device;
+        std::int64_t span = 1;
+        for (std::size_t i = 0; i < info.shape.size(); ++i) {
+          GACT_EXPECTS(info.shape[i] >= 0 && info.strides[i] >= 0, "empty_dlpack: negative extent or stride");
+          if (info.shape[i] == 0) span = 0;
+        }
+        if (span != 0) {
+          for (std::size_t i = 0; i < info.shape.size(); ++i) span += (info.shape[i] - 1) * info.strides[i];
+        }
+        std::size_t const bytes = static_cast<std::size_t>(span) * gact::store::element_size(info.dtype);
+        auto img = std::make_shared<gact::store::decoded_image>(r.arena_for(device), bytes, stream,
+                                                                gact::alloc::intern_tag("decoded"));
+        return make_dlpack(std::move(img), info, info.shape, info.strides, 0);
+      },
+      py::arg("dtype"), py::arg("shape"), py::arg("strides"), py::arg("device") = -1, py::arg("stream") = 0,
+      "An uninitialized tensor (DLPack capsule) of this layout from gact's pool.");
   m.def(
       "store_note_skip",
       [](std::string const& reason, std::size_t bytes) {

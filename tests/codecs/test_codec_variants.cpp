@@ -249,8 +249,9 @@ TEST_CASE("normalized quant: unbiased; the mean over 400 seeds is within 5 sigma
     std::size_t const g = i / 256, ch = (i / 25) % 8;
     float zb[2];
     std::memcpy(zb, blob.data() + lay.header_bytes + lay.stats_bytes + 8 * g, 8);
-    double const inv = 1.0 / double(k.scale[ch]);
-    double const z = (double(k.x[i]) - double(k.shift[ch])) * double(k.scale[ch]);
+    double const sh = hd::round_bf16(k.shift[ch]), sc = hd::round_bf16(k.scale[ch]);  // the statistics as stored
+    double const inv = 1.0 / sc;
+    double const z = (double(k.x[i]) - sh) * sc;
     double const tol = rounding_tolerance(z, zb[0], (double(zb[1]) - double(zb[0])) / 3.0, n) * inv;
     if (std::fabs(sum[i] / n - double(k.x[i])) > tol) ++bad;
   }
@@ -284,8 +285,8 @@ TEST_CASE("normalized quant: layer-norm rows (inner = D) and any count; bad stat
   // A corrupted statistic in a valid blob: corrupt_blob naming the statistics, never a decode.
   auto good = encode_ok(t, dtype::float32, {240}, p);
   hd::blob_layout const lay = hd::compute_layout(1, 1, 0, 1, 240, 4, 256, 6);
-  float const neg = -1.f;
-  std::memcpy(good.data() + lay.header_bytes + 8 * 3 + 4, &neg, 4);
+  std::uint16_t const neg = hd::float_to_bf16(-1.f);
+  std::memcpy(good.data() + lay.header_bytes + 4 * 3 + 2, &neg, 2);
   CHECK_THROWS_WITH_AS(parse(good.data(), good.size()), doctest::Contains("statistics"), gact::corrupt_blob);
 }
 

@@ -37,6 +37,8 @@ STORE_KEYS = {
     "dedup_hits": ("dedup_hits",),
     "live_handles": ("live_handles",),
     "leaks": ("leaks", "leaked_handles"),
+    "upgrades": ("upgrades",),
+    "decodes": ("decodes",),
 }
 
 

@@ -11,9 +11,10 @@ store's counters (before/after snapshots, since the store is process-wide):
   floating-point saved bytes, the share of the activation memory gact compresses (a
   silent skip of a tensor kind shows up here);
 * whole-step ratio = baseline saved bytes / (bytes stored + bytes kept as they are), the
-  memory of saved activations with and without gact. A ReLU output is stored twice, as
-  the ReLU's exact 1-bit mask and as the next layer's quantized values (when a layer
-  saves it), both counted here.
+  memory of saved activations with and without gact. A ReLU output read by the ReLU (its
+  predicate) and by the next layer (its values) is one boundary blob; a pooling input read
+  only for its shape costs nothing; normalization inputs carry their statistics (bfloat16,
+  4 bytes per channel) and keep at least 8 bits when a channel has fewer than 64 elements.
 
 Arithmetic behind the expected ratios (fp32, groups of 256): b bits per element plus
 per-group metadata m bits (two fp16 numbers = 32 bits per group = 0.125 bit/element
@@ -54,15 +55,20 @@ def _gcn():
 
 MODELS = {"resnet18": _resnet, "vit": _vit, "gcn": _gcn}
 
-# Minimum store ratio (bytes_in / bytes_stored) per model and bits. Measured with gact
-# (fp32 metadata, groups of 256) on 2026-12-02, 8/4/2 bits: resnet18 3.86/7.48/14.03,
-# vit 3.87/7.51/14.16, gcn 3.87/7.50/14.12; coverage 98.8 %, 99.7 %, 99.3 %; whole-step
-# ratio with ReLU outputs kept as exact masks (resnet18: batch 8, 32x32, many tensors
-# under 4 KiB) resnet18 2.99/4.54/6.13, vit 4.72/8.78/15.41, gcn 5.26/9.33/15.22.
+# Minimum store ratio (bytes_in / bytes_stored over the quant codec's blobs) and whole-step ratio
+# per model and bits. Measured (fp32 metadata, groups of 256), 8/4/2 bits: store ratio resnet18
+# 3.76/6.57/10.49 (its small late batch-norm inputs keep 8 bits), vit 3.85/7.43/13.88, gcn
+# 3.87/7.50/14.12; coverage 98.8 %, 99.7 %, 99.3 %; whole-step ratio resnet18 4.47/7.31/10.72,
+# vit 4.85/9.23/16.86, gcn 8.70/13.60/18.93.
 RATIO_MIN = {
-    "resnet18": {8: 3.5, 4: 7.0, 2: 12.0},
+    "resnet18": {8: 3.5, 4: 6.0, 2: 9.5},
     "vit":      {8: 3.5, 4: 7.0, 2: 12.0},
     "gcn":      {8: 3.5, 4: 7.0, 2: 12.0},
+}
+WHOLE_MIN = {
+    "resnet18": {8: 4.0, 4: 6.5, 2: 9.5},
+    "vit":      {8: 4.5, 4: 8.5, 2: 15.0},
+    "gcn":      {8: 8.0, 4: 12.0, 2: 17.0},
 }
 # Minimum share of the baseline's floating-point saved bytes that gact compresses.
 COVERAGE_MIN = {"resnet18": 0.9, "vit": 0.9, "gcn": 0.9}
@@ -106,6 +112,8 @@ def test_compression_ratio(name):
     for bits, r in rows.items():
         assert r["ratio"] >= RATIO_MIN[name][bits], (
             f"{name} {bits}-bit: ratio {r['ratio']:.2f}x < {RATIO_MIN[name][bits]}x")
+        assert r["whole"] >= WHOLE_MIN[name][bits], (
+            f"{name} {bits}-bit: whole-step ratio {r['whole']:.2f}x < {WHOLE_MIN[name][bits]}x")
         assert r["coverage"] >= COVERAGE_MIN[name], (
             f"{name} {bits}-bit: only {100 * r['coverage']:.1f}% of the float saved bytes compressed")
         # Quantized blobs hold distinct float tensors the baseline saved too.

@@ -1,5 +1,5 @@
 """The activation store through _gact: put/get/release per dtype and codec, dedup,
-strided input, NaN, leaks, stats keys and bad input.
+strided input kept in its layout, DLPack export, NaN, leaks, stats keys and bad input.
 
 Each test reads the store's counters before and after, so tests do not depend on
 each other through the process-wide store.
@@ -13,16 +13,23 @@ import _gact as C
 from gact import _compat
 
 
-def put(t, bits=4, key=1, seed=0, version=None):
+def put_full(t, bits=4, key=1, seed=0, version=None, **kw):
+    """(handle, offset, shared, strides, upgraded)"""
     return C.store_put(
         t.data_ptr(), _compat.DTYPE_NAMES[t.dtype], tuple(t.shape), tuple(t.stride()), -1,
-        t._version if version is None else version, key, bits, 256, seed, 0)
+        t._version if version is None else version, _compat.storage_base(t), key, bits, 256, seed, 0, **kw)
+
+
+def put(t, bits=4, key=1, seed=0, version=None, **kw):
+    return put_full(t, bits, key, seed, version, **kw)[0]
 
 
 def get(h, like):
-    out = torch.empty(like.shape, dtype=like.dtype)
-    C.store_get(h, out.data_ptr(), out.numel() * out.element_size(), 0)
-    return out
+    """The decoded tensor, through DLPack, viewed as `like` was saved."""
+    r = C.store_get_dlpack(h, tuple(like.shape), tuple(like.stride()) if _compat.is_dense(like)
+                           else C.store_info(h)["strides"], 0)
+    out = torch.utils.dlpack.from_dlpack(r)
+    return out.view(torch.bool) if like.dtype is torch.bool else out
 
 
 def delta(before, after, key):
@@ -106,6 +113,13 @@ def test_dedup_refcount_and_version():
     after = C.store_stats()
     assert delta(before, after, "dedup_hits") == 1
     assert delta(before, after, "tensors_in") == 2
+    # a view of the same storage and version is served from the same blob, at its offset
+    rows = x[8:16]
+    h4, off, shared, _, _ = put_full(rows)
+    assert h4 == h3 and off == 8 * 64 and shared
+    assert torch.equal(get(h4, rows) if off == 0 else torch.utils.dlpack.from_dlpack(
+        C.store_get_dlpack(h4, tuple(rows.shape), tuple(rows.stride()), off)), get(h3, x)[8:16])
+    C.store_release(h4)
     assert C.store_release(h1) == 1
     assert C.store_release(h1) == 0
     with pytest.raises(ValueError, match="unknown handle"):
@@ -135,26 +149,46 @@ def test_new_step_stops_dedup():
     C.store_release(h2)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(300, 200).t(),
-    lambda: torch.randn(40, 50, 60)[:, ::3, 7:],
-    lambda: torch.randn(10, 1, 500).expand(10, 4, 500),
-    lambda: torch.randn(8, 3, 32, 32).permute(0, 2, 3, 1),
+@pytest.mark.parametrize("make,gathered", [
+    (lambda: torch.randn(300, 200).t(), False),
+    (lambda: torch.randn(40, 50, 60)[:, ::3, 7:], True),
+    (lambda: torch.randn(10, 1, 500).expand(10, 4, 500), True),
+    (lambda: torch.randn(8, 3, 32, 32).permute(0, 2, 3, 1), False),
+    (lambda: torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last), False),
 ])
-def test_strided_views_decode_contiguous(make):
+def test_strided_views_decode_to_their_layout(make, gathered):
     x = make()
     assert not x.is_contiguous()
     before = C.store_stats()
-    h = put(x, bits=32)  # raw: exact, so the gather itself is checked
+    h, _, _, strides, _ = put_full(x, bits=32)  # raw: exact, so the gather itself is checked
     y = get(h, x)
-    assert y.is_contiguous() and torch.equal(y, x.contiguous())
+    assert torch.equal(y, x)
+    if not gathered:  # dense views keep their own strides (channels_last stays channels_last)
+        assert y.stride() == x.stride() and tuple(strides) == x.stride()
+    else:  # others get dense strides in their own dim order, as empty_like gives
+        assert y.stride() == torch.empty_like(x).stride() == tuple(strides)
     C.store_release(h)
     h = put(x, bits=8)
     y = get(h, x)
     step = (x.max() - x.min()) / 255
     assert (y - x).abs().max() <= step * (1 + 1e-5)
     C.store_release(h)
-    assert delta(before, C.store_stats(), "gathers") == 2
+    assert delta(before, C.store_stats(), "gathers") == (2 if gathered else 0)
+
+
+def test_decoded_tensors_share_one_image_and_return_it_to_the_pool():
+    x = torch.randn(64, 1024)
+    h = put(x, bits=4)
+    before = C.store_stats()
+    a, b = get(h, x), get(h, x)
+    assert a.data_ptr() == b.data_ptr()  # decoded once while alive
+    assert delta(before, C.store_stats(), "decodes") == 1
+    ptr = a.data_ptr()
+    del a, b
+    c = get(h, x)  # decoded again, into the block the first image returned to the pool
+    assert delta(before, C.store_stats(), "decodes") == 2 and c.data_ptr() == ptr
+    del c
+    C.store_release(h)
 
 
 def test_nonfinite_is_stored_raw_and_counted():
@@ -196,8 +230,11 @@ def test_stats_keys():
               "skipped_tensors", "skipped_bytes", "dedup_hits", "nonfinite_fallbacks", "live_handles",
               "bytes_stored_current", "bytes_stored_peak", "leaks", "leaks_last_step", "steps"):
         assert k in s, k
-    assert set(s["codecs"]) == {"raw", "quant", "mask"}
-    assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device", "stats"}
+    assert set(s["codecs"]) == {"raw", "quant", "mask", "window"}
+    assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device", "stats",
+                                 "exact"}
+    assert set(s["unstored"]) == {"shape", "held"}
+    assert set(s["roles"]) == {"values", "predicate", "indices"}
     doc = C.stats_document()
     assert doc["store"].keys() == s.keys() and "schema_version" in doc
 
@@ -215,16 +252,26 @@ def test_bad_input_is_rejected_by_name():
     x = torch.randn(10, 10)
     with pytest.raises(ValueError, match="bits=3"):
         put(x, bits=3)
+    p = x.data_ptr()
     with pytest.raises(ValueError, match="dtype"):
-        C.store_put(x.data_ptr(), "complex64", (10, 10), (10, 1), -1, 0, 0, 4, 256, 0, 0)
+        C.store_put(p, "complex64", (10, 10), (10, 1), -1, 0, p, 0, 4, 256, 0, 0)
     with pytest.raises(ValueError, match="strides"):
-        C.store_put(x.data_ptr(), "float32", (10, 10), (1,), -1, 0, 0, 4, 256, 0, 0)
+        C.store_put(p, "float32", (10, 10), (1,), -1, 0, p, 0, 4, 256, 0, 0)
     with pytest.raises(ValueError, match="null data"):
-        C.store_put(0, "float32", (10, 10), (10, 1), -1, 0, 0, 4, 256, 0, 0)
+        C.store_put(0, "float32", (10, 10), (10, 1), -1, 0, 0, 0, 4, 256, 0, 0)
     with pytest.raises(ValueError, match="group"):
-        put_bad_group = C.store_put(x.data_ptr(), "float32", (10, 10), (10, 1), -1, 0, 0, 4, 100, 0, 0)
+        put_bad_group = C.store_put(p, "float32", (10, 10), (10, 1), -1, 0, p, 0, 4, 100, 0, 0)[0]
         C.store_release(put_bad_group)
+    with pytest.raises(ValueError, match="role"):
+        C.store_put(p, "float32", (10, 10), (10, 1), -1, 0, p, 0, 4, 256, 0, 0, role="everything")
+    with pytest.raises(ValueError, match="predicate"):
+        C.store_put(p, "float32", (10, 10), (10, 1), -1, 0, p, 0, 4, 256, 0, 0, role="predicate",
+                    pred=("sometimes", 0.0, 0.0))
     h = put(x)
     with pytest.raises(ValueError, match="destination"):
         C.store_get(h, x.data_ptr(), 12, 0)
+    with pytest.raises(ValueError, match="outside the decoded image"):
+        C.store_get_dlpack(h, (10, 10), (10, 1), 5)
+    with pytest.raises(ValueError, match="holds no predicate"):
+        C.store_get_dlpack(h, (10, 10), (10, 1), 0, predicate=True)
     C.store_release(h)

@@ -66,7 +66,7 @@ TEST_CASE("float32 round trip stays within one quantization step per group") {
   fixture f;
   for (int b : {1, 2, 4, 8}) {
     auto x = randn(3000, 7);
-    auto h = f.store.put(view(x.data(), dtype::float32, {3, 1000}), bits(b));
+    auto h = f.store.put(view(x.data(), dtype::float32, {3, 1000}), bits(b)).h;
     auto info = f.store.info(h);
     CHECK(info.codec == codec_id::quant);
     CHECK(info.bits == b);
@@ -94,25 +94,27 @@ TEST_CASE("dedup: same view and version share one entry; a new version does not"
   fixture f;
   auto x = randn(4096, 1);
   auto v = view(x.data(), dtype::float32, {64, 64});
-  auto h1 = f.store.put(v, bits(4));
-  auto h2 = f.store.put(v, bits(4));
+  auto h1 = f.store.put(v, bits(4)).h;
+  auto h2 = f.store.put(v, bits(4)).h;
   CHECK(h1 == h2);
   CHECK(f.store.info(h1).refcount == 2);
   v.version = 1;
-  auto h3 = f.store.put(v, bits(4));
+  auto h3 = f.store.put(v, bits(4)).h;
   CHECK(h3 != h1);
+  // another view of the same storage and version: served by the same blob
   auto other_shape = view(x.data(), dtype::float32, {4096});
-  auto h4 = f.store.put(other_shape, bits(4));
-  CHECK(h4 != h1);
+  auto h4 = f.store.put(other_shape, bits(4)).h;
+  CHECK(h4 == h1);
   auto s = f.store.stats_json();
-  CHECK(s["dedup_hits"] == 1);
-  CHECK(s["tensors_in"] == 3);
+  CHECK(s["dedup_hits"] == 2);
+  CHECK(s["view_hits"] == 1);
+  CHECK(s["tensors_in"] == 2);
+  CHECK(f.store.release(h1) == 2);
   CHECK(f.store.release(h1) == 1);
   CHECK(f.store.release(h1) == 0);
   CHECK(f.store.release(h1) == -1);
   CHECK(f.store.stats_json()["bad_releases"] == 1);
   f.store.release(h3);
-  f.store.release(h4);
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
@@ -120,37 +122,253 @@ TEST_CASE("forget and begin_step end dedup against an entry") {
   fixture f;
   auto x = randn(1024, 2);
   auto v = view(x.data(), dtype::float32, {1024});
-  auto h1 = f.store.put(v, bits(4));
+  auto h1 = f.store.put(v, bits(4)).h;
   f.store.forget(h1);
-  auto h2 = f.store.put(v, bits(4));
+  auto h2 = f.store.put(v, bits(4)).h;
   CHECK(h2 != h1);
   f.store.begin_step(5);
-  auto h3 = f.store.put(v, bits(4));
+  auto h3 = f.store.put(v, bits(4)).h;
   CHECK(h3 != h2);
   for (auto h : {h1, h2, h3}) CHECK(f.store.release(h) == 0);
 }
 
-TEST_CASE("strided views are gathered and decode contiguous") {
+TEST_CASE("dense views keep their layout without a gather; other views are gathered in dense order") {
   fixture f;
-  // a 40x30 row-major matrix viewed transposed (30x40, strides {1, 30}) and sliced
+  // a 40x30 row-major matrix viewed transposed (30x40, strides {1, 30}): dense, stored as its memory image
   auto x = randn(1200, 3);
   auto t = view(x.data(), dtype::float32, {30, 40}, {1, 30});
-  auto h = f.store.put(t, bits(32));  // raw: exact
+  auto h = f.store.put(t, bits(32)).h;  // raw: exact
+  CHECK(f.store.info(h).strides == std::vector<std::int64_t>{1, 30});
   std::vector<float> y(1200);
   f.store.get(h, y.data(), y.size() * 4);
-  for (int i = 0; i < 30; ++i)
-    for (int j = 0; j < 40; ++j) REQUIRE(y[std::size_t(i * 40 + j)] == x[std::size_t(j * 30 + i)]);
+  CHECK(y == x);  // the image: element (i, j) at offset i + 30 j, as in the view
   f.store.release(h);
-  // every other row of the matrix, last column dropped: shape {20, 29}, strides {60, 1}
+  // channels-last (N, C, H, W) = (2, 3, 4, 5) with strides (60, 1, 15, 3): dense too
+  auto cl = view(x.data(), dtype::float32, {2, 3, 4, 5}, {60, 1, 15, 3});
+  h = f.store.put(cl, bits(32)).h;
+  CHECK(f.store.info(h).strides == std::vector<std::int64_t>{60, 1, 15, 3});
+  f.store.release(h);
+  // every other row of the matrix, last column dropped: shape {20, 29}, strides {60, 1}: gathered row-major
   auto s = view(x.data() + 1, dtype::float32, {20, 29}, {60, 1});
-  h = f.store.put(s, bits(32));
+  h = f.store.put(s, bits(32)).h;
+  CHECK(f.store.info(h).strides == std::vector<std::int64_t>{29, 1});
   std::vector<float> z(20 * 29);
   f.store.get(h, z.data(), z.size() * 4);
   for (int i = 0; i < 20; ++i)
     for (int j = 0; j < 29; ++j) REQUIRE(z[std::size_t(i * 29 + j)] == x[std::size_t(1 + i * 60 + j)]);
   f.store.release(h);
+  // a non-dense transposed slice is gathered in the order of its strides: shape {29, 20}, strides {1, 60}
+  auto ts = view(x.data() + 1, dtype::float32, {29, 20}, {1, 60});
+  h = f.store.put(ts, bits(32)).h;
+  CHECK(f.store.info(h).strides == std::vector<std::int64_t>{1, 29});
+  f.store.get(h, z.data(), z.size() * 4);
+  for (int i = 0; i < 29; ++i)
+    for (int j = 0; j < 20; ++j) REQUIRE(z[std::size_t(i + j * 29)] == x[std::size_t(1 + i + j * 60)]);
+  f.store.release(h);
   CHECK(f.store.stats_json()["gathers"] == 2);
   CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("one blob per storage: a view inside a stored dense span is served from it, at its offset") {
+  fixture f;
+  auto x = randn(64 * 64, 8);
+  auto base = f.store.put(view(x.data(), dtype::float32, {64, 64}), bits(32));
+  CHECK_FALSE(base.shared);
+  tensor_view rows = view(x.data() + 8 * 64, dtype::float32, {8, 64});
+  rows.storage = reinterpret_cast<std::uintptr_t>(x.data());
+  auto r = f.store.put(rows, bits(32));
+  CHECK(r.shared);
+  CHECK(r.h == base.h);
+  CHECK(r.offset == 8 * 64);
+  tensor_view tr = view(x.data(), dtype::float32, {64, 64}, {1, 64});  // transposed: same span
+  auto t = f.store.put(tr, bits(32));
+  CHECK(t.h == base.h);
+  CHECK(t.offset == 0);
+  // the decoded image is the storage's span: the view's elements are at their offsets in it
+  auto img = f.store.get_shared(base.h);
+  auto const* d = static_cast<float const*>(img->data());
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 64; ++j) REQUIRE(d[r.offset + i * 64 + j] == x[std::size_t((8 + i) * 64 + j)]);
+  // a view whose start is not an element of its storage is an error
+  tensor_view odd = view(reinterpret_cast<char const*>(x.data()) + 2, dtype::float32, {8});
+  odd.storage = reinterpret_cast<std::uintptr_t>(x.data());
+  CHECK_THROWS_AS(f.store.put(odd, bits(32)), gact::invalid_argument);
+  // another version is not served
+  tensor_view v1 = view(x.data(), dtype::float32, {64, 64});
+  v1.version = 1;
+  auto other = f.store.put(v1, bits(32));
+  CHECK(other.h != base.h);
+  for (int k = 0; k < 3; ++k) f.store.release(base.h);
+  f.store.release(other.h);
+  img.reset();
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("decode once: readers share a live image; a released image is decoded again") {
+  fixture f;
+  auto x = randn(5000, 9);
+  auto h = f.store.put(view(x.data(), dtype::float32, {5000}), bits(4)).h;
+  auto a = f.store.get_shared(h);
+  auto b = f.store.get_shared(h);
+  CHECK(a.get() == b.get());
+  CHECK(f.store.stats_json()["decodes"] == 1);
+  CHECK(f.store.stats_json()["gets"] == 2);
+  a.reset();
+  b.reset();
+  auto c = f.store.get_shared(h);
+  CHECK(f.store.stats_json()["decodes"] == 2);
+  c.reset();
+  f.store.release(h);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("roles: a ReLU's mask is upgraded to one boundary blob when the next layer reads the values") {
+  fixture f;
+  auto x = randn(4096, 10);
+  for (auto& v : x) v = std::max(v, 0.f);  // a ReLU's output
+  put_params mask = bits(4);
+  mask.what = gact::store::role::predicate;
+  mask.pred = {std::uint32_t(gact::codec::predicate::gt), 0.f, 0.f, 0.f};
+  auto m = f.store.put(view(x.data(), dtype::float32, {64, 64}), mask);
+  auto info = f.store.info(m.h);
+  CHECK(info.codec == codec_id::mask);
+  CHECK(info.predicate);
+  CHECK_FALSE(info.values);
+  CHECK(info.bytes_stored < 4096 / 8 + 256);
+  gact::store::get_params pg;
+  pg.predicate = true;
+  auto old_mask = f.store.get_shared(m.h, pg);  // a reader holding the mask's image across the upgrade
+  // the next layer saves the same tensor for its values: the same handle, now a boundary quant blob
+  auto v = f.store.put(view(x.data(), dtype::float32, {64, 64}), bits(2, 7));
+  CHECK(v.h == m.h);
+  info = f.store.info(m.h);
+  CHECK(info.codec == codec_id::quant);
+  CHECK(info.variant == std::uint8_t(gact::codec::quant_mode::boundary));
+  CHECK(info.values);
+  CHECK(info.predicate);
+  CHECK(f.store.stats_json()["upgrades"] == 1);
+  auto pm = f.store.get_shared(m.h, pg);
+  auto vals = f.store.get_shared(m.h);
+  auto const* pd = static_cast<float const*>(pm->data());
+  auto const* vd = static_cast<float const*>(vals->data());
+  auto const* od = static_cast<float const*>(old_mask->data());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    REQUIRE(pd[i] == (x[i] > 0.f ? 1.f : 0.f));
+    REQUIRE(od[i] == pd[i]);
+    REQUIRE((vd[i] > 0.f) == (x[i] > 0.f));  // zeros exact, positives never rounded to 0
+  }
+  f.store.release(m.h);
+  f.store.release(m.h);
+  old_mask.reset();
+  pm.reset();
+  vals.reset();
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("roles: a mask of data that is not a clamp's output stays a mask; the values get their own blob") {
+  fixture f;
+  auto x = randn(4096, 11);  // an input to leaky_relu: negative values too
+  put_params mask = bits(4);
+  mask.what = gact::store::role::predicate;
+  mask.pred = {std::uint32_t(gact::codec::predicate::gt), 0.f, 0.f, 0.f};
+  auto m = f.store.put(view(x.data(), dtype::float32, {4096}), mask);
+  auto v = f.store.put(view(x.data(), dtype::float32, {4096}), bits(4));
+  CHECK(v.h != m.h);
+  CHECK(f.store.info(m.h).codec == codec_id::mask);
+  CHECK(f.store.info(v.h).codec == codec_id::quant);
+  // asking the values of a mask-only entry, or the predicate of a values-only one, is an error
+  CHECK_THROWS_AS(f.store.get_shared(m.h), gact::invalid_argument);
+  gact::store::get_params pg;
+  pg.predicate = true;
+  CHECK_THROWS_AS(f.store.get_shared(v.h, pg), gact::invalid_argument);
+  // a second reader of the same predicate shares the mask
+  auto m2 = f.store.put(view(x.data(), dtype::float32, {4096}), mask);
+  CHECK(m2.h == m.h);
+  // a different predicate does not
+  put_params ge = mask;
+  ge.pred.pred = std::uint32_t(gact::codec::predicate::ge);
+  auto m3 = f.store.put(view(x.data(), dtype::float32, {4096}), ge);
+  CHECK(m3.h != m.h);
+  for (auto h : {m.h, m.h, v.h, m3.h}) f.store.release(h);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("roles: a two-level tensor is a mask of its level; another tensor falls back to values") {
+  fixture f;
+  std::vector<float> drop(3000);
+  for (std::size_t i = 0; i < drop.size(); ++i) drop[i] = i % 3 == 0 ? 0.f : 2.f;
+  put_params ne = bits(4);
+  ne.what = gact::store::role::predicate;
+  ne.pred = {std::uint32_t(gact::codec::predicate::ne), 0.f, 0.f, 0.f};
+  auto h = f.store.put(view(drop.data(), dtype::float32, {3000}), ne).h;
+  CHECK(f.store.info(h).codec == codec_id::mask);
+  gact::store::get_params pg;
+  pg.predicate = true;
+  pg.true_value = 2.f;
+  std::vector<float> y(3000);
+  f.store.get(h, y.data(), y.size() * 4, pg);
+  CHECK(y == drop);
+  auto x = randn(3000, 12);
+  auto h2 = f.store.put(view(x.data(), dtype::float32, {3000}), ne).h;
+  auto info = f.store.info(h2);
+  CHECK(info.codec == codec_id::quant);
+  CHECK(info.values);
+  CHECK_FALSE(info.predicate);
+  CHECK(f.store.stats_json()["refusal_fallbacks"] == 1);
+  f.store.release(h);
+  f.store.release(h2);
+}
+
+TEST_CASE("roles: max-pool indices go to the window codec; indices outside their window are stored raw") {
+  fixture f;
+  gact::codec::window_params w{};
+  w.nd = 1;
+  w.inner = 1;
+  w.in[0] = 16;
+  w.out[0] = 8;
+  w.kernel[0] = 2;
+  w.stride[0] = 2;
+  w.dilation[0] = 1;
+  std::vector<std::int64_t> idx(3 * 8);
+  for (std::size_t e = 0; e < idx.size(); ++e) idx[e] = std::int64_t((e % 8) * 2 + (e * 7 % 3 == 0 ? 1 : 0));
+  put_params pi = bits(4);
+  pi.what = gact::store::role::indices;
+  pi.window = w;
+  auto h = f.store.put(view(idx.data(), dtype::int64, {3, 8}), pi).h;
+  CHECK(f.store.info(h).codec == codec_id::window);
+  CHECK(f.store.info(h).bits == 1);  // a window of 2
+  std::vector<std::int64_t> out(idx.size());
+  f.store.get(h, out.data(), out.size() * 8);
+  CHECK(out == idx);
+  f.store.release(h);
+  std::vector<std::int64_t> bad = idx;
+  bad[5] = 15;  // output 5's window is {10, 11}
+  auto h3 = f.store.put(view(bad.data(), dtype::int64, {3, 8}), pi).h;
+  CHECK(f.store.info(h3).codec == codec_id::raw);
+  f.store.get(h3, out.data(), out.size() * 8);
+  CHECK(out == bad);
+  f.store.release(h3);
+}
+
+TEST_CASE("normalized values: per-channel statistics given with the put") {
+  fixture f;
+  // (N, C, HW) = (4, 3, 10) with channel scales 1000, 1, 0.001
+  std::vector<float> x(120);
+  float const scale[3] = {1000.f, 1.f, 0.001f};
+  auto z = randn(120, 13);
+  for (std::size_t e = 0; e < x.size(); ++e) x[e] = scale[(e / 10) % 3] * z[e];
+  std::vector<float> shift{0.f, 0.f, 0.f}, inv{1e-3f, 1.f, 1e3f};
+  put_params p = bits(4);
+  p.norm_count = 3;
+  p.norm_inner = 10;
+  p.norm_shift = shift.data();
+  p.norm_scale = inv.data();
+  auto h = f.store.put(view(x.data(), dtype::float32, {4, 3, 10}), p).h;
+  CHECK(f.store.info(h).variant == std::uint8_t(gact::codec::quant_mode::normalized));
+  std::vector<float> y(120);
+  f.store.get(h, y.data(), y.size() * 4);
+  for (std::size_t e = 0; e < x.size(); ++e) REQUIRE(std::fabs(y[e] - x[e]) <= 1.5f * scale[(e / 10) % 3]);
+  f.store.release(h);
 }
 
 TEST_CASE("NaN and Inf are stored raw and counted") {
@@ -158,7 +376,7 @@ TEST_CASE("NaN and Inf are stored raw and counted") {
   auto x = randn(2000, 4);
   x[10] = std::numeric_limits<float>::quiet_NaN();
   x[11] = -std::numeric_limits<float>::infinity();
-  auto h = f.store.put(view(x.data(), dtype::float32, {2000}), bits(4));
+  auto h = f.store.put(view(x.data(), dtype::float32, {2000}), bits(4)).h;
   CHECK(f.store.info(h).codec == codec_id::raw);
   std::vector<float> y(2000);
   f.store.get(h, y.data(), y.size() * 4);
@@ -178,10 +396,10 @@ TEST_CASE("bool and 0/1 uint8 go to the mask codec; other integers raw") {
     u[i] = std::uint8_t(i % 5);
     k[i] = std::int32_t(i) - 77;
   }
-  auto hb = f.store.put(view(m.data(), dtype::boolean, {5000}), bits(4));
-  auto hm = f.store.put(view(m.data(), dtype::uint8, {50, 100}), bits(4));
-  auto hu = f.store.put(view(u.data(), dtype::uint8, {5000}), bits(4));
-  auto hk = f.store.put(view(k.data(), dtype::int32, {5000}), bits(4));
+  auto hb = f.store.put(view(m.data(), dtype::boolean, {5000}), bits(4)).h;
+  auto hm = f.store.put(view(m.data(), dtype::uint8, {50, 100}), bits(4)).h;
+  auto hu = f.store.put(view(u.data(), dtype::uint8, {5000}), bits(4)).h;
+  auto hk = f.store.put(view(k.data(), dtype::int32, {5000}), bits(4)).h;
   CHECK(f.store.info(hb).codec == codec_id::mask);
   CHECK(f.store.info(hb).bytes_stored < 5000 / 8 + 256);
   CHECK(f.store.info(hm).codec == codec_id::mask);
@@ -202,7 +420,7 @@ TEST_CASE("handles alive at end_step are leaks; they stay valid") {
   fixture f;
   auto x = randn(4096, 5);
   f.store.begin_step(0);
-  auto h = f.store.put(view(x.data(), dtype::float32, {4096}), bits(4));
+  auto h = f.store.put(view(x.data(), dtype::float32, {4096}), bits(4)).h;
   CHECK(f.store.end_step() == 1);
   auto s = f.store.stats_json();
   CHECK(s["leaks"] == 1);
@@ -237,13 +455,13 @@ TEST_CASE("bad input is rejected with the reason") {
   cuda.device = 0;
   CHECK_THROWS_AS(f.store.put(cuda, bits(4)), gact::invalid_argument);
   CHECK_THROWS_AS(f.store.get(12345, x, sizeof x), gact::invalid_argument);
-  auto h = f.store.put(view(x, dtype::float32, {16}), bits(4));
+  auto h = f.store.put(view(x, dtype::float32, {16}), bits(4)).h;
   CHECK_THROWS_AS(f.store.get(h, x, 4), gact::invalid_argument);
   f.store.release(h);
   CHECK_THROWS_AS(gact::store::parse_dtype("complex64"), gact::invalid_argument);
   CHECK(gact::store::parse_dtype("torch.bfloat16") == dtype::bfloat16);
   CHECK_THROWS_AS(gact::store::parse_skip_reason("tired"), gact::invalid_argument);
-  auto empty = f.store.put(view(nullptr, dtype::float32, {0, 5}), bits(4));
+  auto empty = f.store.put(view(nullptr, dtype::float32, {0, 5}), bits(4)).h;
   f.store.get(empty, nullptr, 0);
   CHECK(f.store.release(empty) == 0);
 }
@@ -254,7 +472,7 @@ TEST_CASE("a store destroyed with live handles frees their blobs") {
   {
     activation_store store(arena, gact::store::store_options{1, ""});
     auto x = randn(4096, 6);
-    store.put(view(x.data(), dtype::float32, {4096}), bits(4));
+    (void)store.put(view(x.data(), dtype::float32, {4096}), bits(4));
   }
   CHECK(arena.allocated_bytes() == 0);
 }
@@ -285,8 +503,8 @@ TEST_SUITE("threads") {
         auto const [mn, mx] = std::minmax_element(x.begin(), x.end());
         float const step = (*mx - *mn) / 255.f * 1.0001f;  // bounds every group's step
         for (int i = 0; i < k_iters; ++i) {
-          auto h = f.store.put(view(x.data(), dtype::float32, {3000}), bits(8, std::uint64_t(t)));
-          auto hs = f.store.put(view(shared.data(), dtype::float32, {2048}), bits(8));
+          auto h = f.store.put(view(x.data(), dtype::float32, {3000}), bits(8, std::uint64_t(t))).h;
+          auto hs = f.store.put(view(shared.data(), dtype::float32, {2048}), bits(8)).h;
           f.store.get(h, y.data(), y.size() * 4);
           f.store.get(hs, z.data(), z.size() * 4);
           for (std::size_t j = 0; j < x.size(); j += 97)

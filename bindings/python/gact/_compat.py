@@ -43,7 +43,7 @@ DTYPE_NAMES = {
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 # dtypes the quant codec encodes; bool and uint8 go to the mask codec (uint8 only when 0/1).
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MASK_DTYPES = (torch.bool, torch.uint8)
 
 
@@ -52,6 +52,32 @@ def storage_ptr(t: torch.Tensor) -> int:
     if HAS_UNTYPED_STORAGE:
         return t.untyped_storage().data_ptr()
     return t.storage().data_ptr()
+
+
+def storage_base(t: torch.Tensor) -> int:
+    """Address of the storage behind ``t``, from the tensor itself (no storage object is made)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is non-overlapping and dense (its elements fill its span): contiguous,
+    channels-last, transposed, ..."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expect = 1
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def device_index_of(device: torch.device) -> int:
+    """-1 for the CPU, the CUDA device index otherwise."""
+    if device.type == "cpu":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def flatten(obj) -> list:

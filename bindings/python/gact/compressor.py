@@ -1,91 +1,81 @@
 """The Compressor: autograd saved-tensor hooks over gact's activation store.
 
-Inside ``with comp:`` every tensor autograd saves for the backward pass goes
-through :meth:`Compressor._pack`. It either keeps the tensor as it is (counted
-in the store's ``skipped`` stats under a reason) or hands it to the C++ store,
-which encodes it (quant codec for float32/float16/bfloat16 at any rank, mask
-codec for bool and 0/1 uint8 tensors, raw for NaN/Inf) into a blob in gact's
-host or CUDA arena, and returns a small :class:`_Packed` object holding the
-handle. In backward, :meth:`Compressor._unpack` decodes the handle into a fresh
-contiguous tensor allocated under the ``activation`` tag.
+Inside ``with comp:`` every tensor autograd saves for the backward pass goes through
+:meth:`Compressor._pack`, which stores it the way its reader needs it (gact/saved.py has the
+one table: quantized values, an exact predicate mask, normalized values with the layer's own
+statistics, lossless pooling indices, only the shape, or the tensor kept as it is). The op
+saving the tensor is known from the ``OpTracker`` (a TorchFunctionMode) the Compressor
+activates with its hooks, on the calling thread.
 
-Skip rules, in order (the first that matches names the reason):
+Kept as they are (counted in the store's ``skipped`` stats under a reason; the first rule
+that matches names it):
 
 ``layout``    not a plain strided CPU/CUDA tensor (sparse, quantized, nested, meta, subclasses)
 ``parameter`` a parameter or a view of one: a leaf that requires grad, a view whose
               ``_base`` is one, or a tensor sharing storage with the model's parameters
-              or buffers (recomputed at the start of every step, so moving the model
-              to another device after building the Compressor is fine)
+              or buffers (recomputed at the start of every step)
 ``excluded``  saved while a module given in ``exclude`` (or one of its submodules)
               runs, or sharing storage with a tensor given in ``exclude``
-``dtype``     neither float32/float16/bfloat16 nor bool/uint8
+``stats``     a normalization layer's per-channel mean and 1/std (read exactly)
+``exact``     read by an op whose gradient jumps with the value (a sign with a zero, an
+              equality with a reduction's result, a divisor): rounding would bias it
+``dtype``     an integer tensor that is not a max-pool's indices
 ``small``     fewer than ``min_bytes`` bytes
 ``input``     a float tensor passed to the model's forward that does not require grad (the
-              input batch): the caller keeps it alive anyway, so a compressed copy would only
-              add memory. (Other leaves that do not require grad, like torch 1.13's float
-              dropout masks on the CPU, are op-internal temporaries and are compressed.)
-``stats``     a training-mode batch norm's per-channel mean and 1/std (1-D, read exactly)
+              input batch): the caller keeps it alive anyway
 
-Tensors stored differently, by what their backward reads:
+A tensor whose reader uses only its shape (a pooling input, a loss's log-probabilities) is
+not stored at all (``unstored.shape``).
 
-* a ReLU's own save of its output: an exact 1-bit mask (its backward reads result > 0;
-  a small positive output rounded to 0 would drop its gradient). A later save of the
-  same tensor (the next layer) stores its values.
-* a log-softmax output (cross-entropy's log-probabilities): at least 4 bits, outside an
-  adaptive policy's budget (its backward exponentiates it).
-* a training-mode batch norm's input: channel-normalized, (x − mean_c)/std_c with the
-  per-channel mean and std kept exactly, so that a group spanning channels does not give
-  a narrow channel the widest channel's noise.
+Reading back: a saved tensor that the program still holds, unchanged (same version counter),
+when backward needs it is used as it is and its blob dropped (``unstored.held``); otherwise
+the blob is decoded at most once while the decoded tensor is alive, into memory from gact's
+own pool handed to torch through DLPack (no copy, no fresh pages in the steady state), and
+every reader of the blob shares it. Decoded tensors have the saved tensor's strides
+(channels_last stays channels_last).
 
-Lifetime: a :class:`_Packed` releases its handle when it is garbage collected,
-which happens when autograd frees the graph (after ``backward()`` without
-``retain_graph``, or when the last reference to the output goes). It is not
-released at unpack, because ``retain_graph=True`` can unpack twice.
+Lifetime: a :class:`_Packed` releases its handle when it is garbage collected, which happens
+when autograd frees the graph (after ``backward()`` without ``retain_graph``, or when the last
+reference to the output goes). It is not released at unpack, because ``retain_graph=True`` can
+unpack twice.
 
-Keys and noise: each stored tensor gets a stable key, the qualified name of the
-module that saved it plus its order among that module's saves in the step
-(``"encoder.layers.0.linear1:2"``). The store derives the stochastic-rounding
-noise from (seed, step, key), so noise differs per tensor and per step, and a
-run is reproducible. A policy keys per-tensor bits on the same string through
-:meth:`Compressor._bits_for`.
+Keys and noise: each stored tensor gets a stable key, the qualified name of the module that
+saved it plus its order among that module's saves in the step
+(``"encoder.layers.0.linear1:2"``). The store derives the stochastic-rounding noise from
+(seed, step, key), so noise differs per tensor and per step, and a run is reproducible. A
+policy keys per-tensor bits on the same string through :meth:`Compressor._bits_for`.
+
+Threads: each thread that enters ``with comp:`` gets its own hooks and tracker (torch's
+saved-tensor hooks and function modes are per thread); the step and the statistics are shared.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import threading
 import weakref
 from typing import Any, Iterable
 
 import torch
+import torch.utils.dlpack as _dlpack
 
 import _gact as _C
 
 from . import _compat
+from . import saved as _saved
 from .options import options as _options
 
 _VALID_BITS = (1, 2, 4, 8)
+# A normalization layer's input with fewer than NORM_SMALL_BLOCK elements per statistics block (a batch
+# norm late in a network on small images: 1x1 spatial, batch 4) is stored with at least
+# NORM_SMALL_MIN_BITS bits, outside an adaptive policy's budget: its backward divides by the block's
+# spread, and such tensors carried most of the gradient error at 4 and 2 bits (resnet18, 32 px, batch 4:
+# gradient cosine 0.973 -> 0.997 at 4 bits, 0.50 -> 0.89 at 2 bits, for 7 % and 17 % more stored bytes).
+NORM_SMALL_BLOCK = 64
+NORM_SMALL_MIN_BITS = 8
+LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 
-# handle -> weakref to the saved tensor: when the tensor dies the store forgets its
-# identity, so a new tensor at the same address can never dedup against the old blob.
-_identities: dict[int, Any] = {}
-
-
-def _forget(handle: int, _ref: Any, _store_forget=_C.store_forget, _pop=_identities.pop) -> None:
-    _pop(handle, None)
-    try:
-        _store_forget(handle)
-    except Exception:  # interpreter shutdown
-        pass
-
-
-def _release(handle: int, _store_release=_C.store_release, _pop=_identities.pop) -> None:
-    try:
-        if _store_release(handle) <= 0:
-            _pop(handle, None)
-    except Exception:  # interpreter shutdown
-        pass
+_from_dlpack = _dlpack.from_dlpack
 
 
 def key64(key: str) -> int:
@@ -93,65 +83,64 @@ def key64(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
-_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})  # ReluBackward1: relu_ in older torch
-# Log-space outputs whose backward exponentiates them (log_softmax: grad - exp(out)·Σgrad). A
-# rounding step of a few nats is a multiplicative error of e^step in the probabilities: at 2 bits
-# the char LM lost 0.38 nats/char, at 4 bits 0.02. They are stored with at least this many bits,
-# outside the adaptive policy's budget.
-_LOG_SPACE_NODES = frozenset({"LogSoftmaxBackward0"})
-LOG_SPACE_MIN_BITS = 4
+def _forget(handle: int, _ref: Any, _store_forget=_C.store_forget) -> None:
+    try:
+        _store_forget(handle)
+    except Exception:  # interpreter shutdown
+        pass
 
 
-def _is_log_space(t: torch.Tensor) -> bool:
-    fn = t.grad_fn
-    return fn is not None and type(fn).__name__ in _LOG_SPACE_NODES
-
-
-def _is_relu_own_save(t: torch.Tensor) -> bool:
-    """True when relu/relu_'s backward node is saving its own output: the first save of a tensor
-    whose grad_fn is that node (the node saves it while the op runs, before any consumer can);
-    the node is marked in its ``metadata`` so that later saves (a conv's input) are values."""
-    fn = t.grad_fn
-    if fn is None or type(fn).__name__ not in _RELU_NODES:
-        return False
-    if fn.metadata.get("gact_relu_mask"):
-        return False
-    fn.metadata["gact_relu_mask"] = True
-    return True
+def _release(handle: int, _store_release=_C.store_release) -> None:
+    try:
+        _store_release(handle)
+    except Exception:  # interpreter shutdown
+        pass
 
 
 class _Packed:
-    """What autograd holds instead of a saved tensor: a store handle and the tensor's metadata."""
+    """What autograd holds instead of a saved tensor: a store handle, how to decode it, and a weak
+    reference to the saved tensor (used as it is at unpack if the program still holds it unchanged)."""
 
-    __slots__ = ("handle", "shape", "dtype", "device", "key", "mask_of", "affine")
+    __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
+                 "alias", "pending", "__weakref__")
 
-    def __init__(self, handle: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, key: str,
-                 mask_of: torch.dtype | None = None, affine: tuple | None = None):
+    def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None) -> None:
         self.handle = handle
-        self.shape = shape
-        self.dtype = dtype
-        self.device = device
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.offset = 0  # element offset of the tensor in its blob's decoded image
+        self.dtype = t.dtype
+        self.device = t.device
         self.key = key
-        self.mask_of = mask_of  # a ReLU output stored as its mask: decode to 0/1 in this dtype
-        self.affine = affine  # a batch-norm input stored channel-normalized: (mean, std) per channel
+        self.decode = decode  # a predicate's (true_value, false_value); None: the values
+        self.ref: Any = None
+        self.version = t._version
+        self.alias: torch.Tensor | None = None
+        self.pending: Any = None  # a normalization input waiting for its layer's statistics
 
     def unpack(self) -> torch.Tensor:
+        if self.alias is not None:
+            return self.alias
+        ref = self.ref
+        if ref is not None:
+            t = ref()
+            if t is not None and t._version == self.version:
+                # Still held by the program and unchanged: use it, and drop the blob. A detached alias
+                # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
+                self.alias = t.detach()
+                _C.store_note_unstored("held", t.numel() * t.element_size())
+                self.release()
+                return self.alias
         if self.handle == 0:
             raise RuntimeError(f"gact: saved tensor '{self.key}' was already released")
-        _C.push_tag("activation")
-        try:
-            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        finally:
-            _C.pop_tag()
-        stream = _compat.current_stream(out)
-        _C.store_get(self.handle, out.data_ptr(), out.numel() * out.element_size(), stream)
-        if self.mask_of is not None:
-            return out.to(self.mask_of)
-        if self.affine is not None:
-            mean, std = self.affine
-            view = (1, -1) + (1,) * (out.dim() - 2)
-            out = (out.float() * std.view(view) + mean.view(view)).to(self.dtype)
-        return out
+        dev = self.device
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        dec = self.decode
+        cap = _C.store_get_dlpack(self.handle, self.shape, self.stride, self.offset, stream,
+                                  torch.get_num_threads(), dec is not None,
+                                  dec[0] if dec is not None else 1.0, dec[1] if dec is not None else 0.0)
+        out = _from_dlpack(cap)
+        return out.view(torch.bool) if self.dtype is torch.bool else out
 
     def release(self) -> None:
         h, self.handle = self.handle, 0
@@ -163,6 +152,29 @@ class _Packed:
 
     def __repr__(self) -> str:
         return f"_Packed(handle={self.handle}, key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class _Shape:
+    """A saved tensor whose reader uses only its shape (and layout): nothing is stored."""
+
+    __slots__ = ("shape", "stride", "dtype", "device", "contiguous")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.dtype = t.dtype
+        self.device = t.device
+        self.contiguous = t.is_contiguous()
+
+    def unpack(self) -> torch.Tensor:
+        if self.contiguous:
+            return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
+        # another layout (channels_last): a zeroed tensor of that layout from gact's pool, so the
+        # gradient the reader allocates "like" it keeps the layout
+        dev = _compat.device_index_of(self.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        cap = _C.empty_dlpack(_compat.DTYPE_NAMES[self.dtype], tuple(self.shape), tuple(self.stride), dev, stream)
+        return _from_dlpack(cap).zero_()
 
 
 class Compressor:
@@ -305,13 +317,12 @@ class Compressor:
 
         self._step = 0
         self._step_open = False
-        self._depth = 0
-        self._hook_ctx: list[Any] = []
+        self._global_depth = 0  # install_global: hooks for the whole process
         self._param_ptrs: frozenset[int] = frozenset()
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
-        self._local = threading.local()
+        self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
         if model is not None:
@@ -334,7 +345,7 @@ class Compressor:
 
         The hook point of the adaptive policy: with a policy set, its ``bits_for(key, numel)``
         answers; otherwise the fixed ``bits``. A policy may also define ``on_stored(key, info)``
-        (called after each store, ``info`` as ``_gact.store_info``: codec, bits, bytes_in,
+        (called after each store of values, ``info`` as ``_gact.store_info``: codec, bits, bytes_in,
         bytes_stored, groups, sum_sq_ranges) and ``on_step(step)`` (called by :meth:`step`).
         """
         if self._policy is not None:
@@ -353,6 +364,11 @@ class Compressor:
     def current_step(self) -> int:
         """The number of completed steps."""
         return self._step
+
+    @property
+    def _depth(self) -> int:
+        """How deep the calling thread is inside ``with comp:`` (plus a global installation)."""
+        return getattr(self._local, "depth", 0) + self._global_depth
 
     # ---- module tracking ----------------------------------------------------------------
 
@@ -375,13 +391,12 @@ class Compressor:
         if not s and self.model is not None:
             self._note_inputs(inputs)
         excluded = (bool(s) and s[-1][1]) or id(m) in self._excluded_modules
-        norm = isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-        s.append((self._names.get(id(m)) or type(m).__name__, excluded, norm))
+        s.append((self._names.get(id(m)) or type(m).__name__, excluded))
 
     def _note_inputs(self, inputs: Any) -> None:
         for a in _compat.flatten(inputs):
             if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
-                self._input_ptrs.add(_compat.storage_ptr(a))
+                self._input_ptrs.add(_compat.storage_base(a))
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
         if self._depth == 0:
@@ -401,7 +416,9 @@ class Compressor:
     # ---- context manager ----------------------------------------------------------------
 
     def __enter__(self) -> "Compressor":
-        if self._depth == 0:
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
             self._stack().clear()
             if not self._step_open:
                 self._open_step()
@@ -409,18 +426,34 @@ class Compressor:
                 _C.swap_enable(self._swap_budget, self._prefetch)
             elif hasattr(_C, "swap_disable"):
                 _C.swap_disable()
-            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            ctx.__enter__()
-            self._hook_ctx.append(ctx)
-        self._depth += 1
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            tracker = _saved.OpTracker(self._flush)
+            try:
+                tracker.__enter__()
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                raise
+            local.ctx = (hooks, tracker)
+            local.tracker = tracker
+        local.depth = depth + 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._depth -= 1
-        if self._depth == 0:
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            raise RuntimeError("gact.Compressor: __exit__ without a matching __enter__ on this thread")
+        local.depth = depth - 1
+        if depth == 1:
             self._stack().clear()
-            ctx = self._hook_ctx.pop()
-            ctx.__exit__(*exc)
+            hooks, tracker = local.ctx
+            local.ctx = None
+            local.tracker = None
+            try:
+                tracker.__exit__(*exc)
+            finally:
+                hooks.__exit__(*exc)
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -428,12 +461,12 @@ class Compressor:
         ptrs = set()
         if self.model is not None:
             for p in self.model.parameters():
-                ptrs.add(_compat.storage_ptr(p))
+                ptrs.add(_compat.storage_base(p))
             for b in self.model.buffers():
-                ptrs.add(_compat.storage_ptr(b))
+                ptrs.add(_compat.storage_base(b))
         ptrs.discard(0)
         self._param_ptrs = frozenset(ptrs)
-        self._excluded_ptrs = frozenset(_compat.storage_ptr(t) for t in self._excluded_tensors) - {0}
+        self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
         _C.store_begin_step(self._step)
@@ -474,15 +507,16 @@ class Compressor:
         b = t._base
         if b is not None and b.requires_grad and b.is_leaf:
             return True
-        return bool(self._param_ptrs) and _compat.storage_ptr(t) in self._param_ptrs
+        return bool(self._param_ptrs) and _compat.storage_base(t) in self._param_ptrs
 
     def _is_excluded(self, t: torch.Tensor) -> bool:
         s = self._stack()
         if s and s[-1][1]:
             return True
-        return bool(self._excluded_ptrs) and _compat.storage_ptr(t) in self._excluded_ptrs
+        return bool(self._excluded_ptrs) and _compat.storage_base(t) in self._excluded_ptrs
 
-    def _skip_reason(self, t: torch.Tensor) -> str | None:
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        """Why a tensor is kept as it is whatever its reader (None: the table decides)."""
         if (
             t.layout != torch.strided
             or t.is_quantized
@@ -493,19 +527,19 @@ class Compressor:
             return "layout"
         if t.device.type == "cuda" and not _C.have_kernels:
             return "device"
-        if t.numel() == 0:
-            return "small"
         if self._is_parameter(t):
             return "parameter"
         if self._is_excluded(t):
             return "excluded"
-        if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES:
-            return "dtype"
-        if t.numel() * t.element_size() < self.min_bytes:
-            return "small"
-        if self._input_ptrs and not t.requires_grad and _compat.storage_ptr(t) in self._input_ptrs:
-            return "input"
         return None
+
+    def _keep(self, t: torch.Tensor, reason: str) -> torch.Tensor:
+        _C.store_note_skip(reason, t.numel() * t.element_size())
+        # A non-leaf may be the output of the very node saving it: handing autograd the tensor itself
+        # would make tensor -> grad_fn -> saved tensor a cycle that Python's GC cannot see, and the
+        # graph (with every blob in it) would never be freed if backward never runs. A detached alias
+        # breaks the cycle and shares storage and version counter, so in-place checks still work.
+        return t if t.grad_fn is None else t.detach()
 
     def _next_key(self) -> str:
         s = self._stack()
@@ -519,121 +553,175 @@ class Compressor:
             return t
         if not self._step_open:
             self._open_step()
-        relu_own = t.dtype in _compat.FLOAT_DTYPES and _is_relu_own_save(t)
-        stack = self._stack()
-        in_norm = bool(stack) and stack[-1][2] and t.dtype in _compat.FLOAT_DTYPES
-        if in_norm and t.dim() == 1 and not self._is_parameter(t):
-            # batch norm's save_mean / save_invstd: per-channel, read exactly by its backward
-            _C.store_note_skip("stats", t.numel() * t.element_size())
-            return t if t.grad_fn is None else t.detach()
-        reason = self._skip_reason(t)
+        reason = self._keep_reason(t)
         if reason is not None:
-            _C.store_note_skip(reason, t.numel() * t.element_size())
-            # A non-leaf may be the output of the very node saving it: handing autograd
-            # the tensor itself would make tensor -> grad_fn -> saved tensor a cycle that
-            # Python's GC cannot see, and the graph (with every blob in it) would never be
-            # freed if backward never runs. A detached alias breaks the cycle and shares
-            # storage and version counter, so in-place checks still work. (Double backward
-            # through a kept non-leaf tensor is not supported, as for compressed ones.)
-            return t if t.grad_fn is None else t.detach()
-        if t.device.type == "cuda" and not t.is_contiguous():
-            t = t.contiguous()  # the device gathers faster than a host round trip
+            return self._keep(t, reason)
+        tracker = getattr(self._local, "tracker", None)
+        frame = tracker.current() if tracker is not None else None
+        d = _saved.decide(t, frame)
+        kind = d.kind
+        if kind == _saved.SHAPE:
+            _C.store_note_unstored("shape", t.numel() * t.element_size())
+            return _Shape(t)
+        if kind == _saved.STATS:
+            if frame is not None and frame.pending is not None:
+                frame.stats.append(t)
+            return self._keep(t, "stats")
+        if kind == _saved.EXACT:
+            return self._keep(t, "exact")
+        if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES and kind != _saved.INDICES:
+            return self._keep(t, "dtype")
+        if t.numel() * t.element_size() < self.min_bytes or t.numel() == 0:
+            return self._keep(t, "small")
+        if self._input_ptrs and not t.requires_grad and _compat.storage_base(t) in self._input_ptrs:
+            return self._keep(t, "input")
         key = self._next_key()
-        if relu_own:
-            # ReLU's backward reads only result > 0. Rounding a small positive output to the
-            # group's min 0 would drop its gradient (a bias no rounding noise averages out), so
-            # the ReLU keeps an exact 1-bit mask; a consumer that saves the same tensor for its
-            # values (the next conv) stores it quantized under its own key.
-            return self._pack_relu_mask(t, key)
-        normalize = in_norm and t.dim() >= 2  # a batch-norm input
         if self._probe is not None:
-            return self._pack_channel_normalized(t, key, 0) if normalize else self._probe.pack(t, key)
-        bits = self._bits_for(key, t.numel()) if t.dtype in _compat.FLOAT_DTYPES else 1
-        log_space = t.dtype in _compat.FLOAT_DTYPES and _is_log_space(t)
-        if log_space:
-            bits = max(bits, LOG_SPACE_MIN_BITS)
-        if normalize and bits in _VALID_BITS:  # kept at full precision: stored as it is
-            return self._pack_channel_normalized(t, key, bits)
-        h = _C.store_put(
-            t.data_ptr(),
-            _compat.DTYPE_NAMES[t.dtype],
-            tuple(t.shape),
-            tuple(t.stride()),
-            _compat.device_index(t),
-            t._version,
-            key64(key),
-            bits,
-            self.group_size,
-            self.seed,
-            _compat.current_stream(t),
-        )
-        if self._policy is not None and hasattr(self._policy, "on_stored") and not log_space:
-            # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
-            self._policy.on_stored(key, _C.store_info(h))
-        if h not in _identities:
+            return self._probe_pack(t, key, kind, frame)
+        if kind == _saved.NORMALIZED:
+            if frame is None:
+                kind = _saved.VALUES
+            else:
+                # Wait for the layer's statistics (saved after its input, in the same call).
+                p = _Packed(0, t, key)
+                p.pending = t
+                if frame.pending is None:
+                    frame.pending, frame.stats = [], []
+                frame.pending.append(p)
+                return p
+        return self._store(t, key, d if kind != _saved.NORMALIZED else _saved._VALUES)
+
+    def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0) -> _Packed:
+        kind = d.kind
+        role, pred, window, decode = "values", None, None, None
+        if kind == _saved.PREDICATE:
+            role, pred, decode = "predicate", d.pred, d.decode
+            bits = self._bits_for(key, t.numel()) if pred[0] == "ne" else 1  # `ne` may fall back to values
+        elif kind == _saved.INDICES:
+            role, window, bits = "indices", d.window, 32
+        elif t.is_floating_point():
+            bits = self._bits_for(key, t.numel())
+            if kind == _saved.LOG:
+                bits = max(bits, LOG_SPACE_MIN_BITS)
+            bits = max(bits, min_bits)
+        else:
+            bits = 1
+        src = t
+        dense = True
+        if t.device.type == "cuda" and not _compat.is_dense(t):
+            src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
+        stream = torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
+        h, offset, shared, strides, upgraded = _C.store_put(
+            src.data_ptr(), _compat.DTYPE_NAMES[src.dtype], tuple(src.shape), src.stride(),
+            _compat.device_index(src), src._version, _compat.storage_base(src), key64(key), bits, self.group_size,
+            self.seed, stream, role, torch.get_num_threads(), norm, pred, d.clamped, window)
+        p = _Packed(h, t, key, decode)
+        p.offset = offset
+        p.stride = strides
+        if dense:
             try:
-                _identities[h] = weakref.ref(t, functools.partial(_forget, h))
+                p.ref = weakref.ref(t, lambda _r, h=h: _forget(h, _r))
             except TypeError:
                 _C.store_forget(h)
-        return _Packed(h, t.shape, t.dtype, t.device, key)
+        else:
+            _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
+        policy = self._policy
+        if policy is not None and role == "values" and kind != _saved.LOG and not min_bits and \
+                hasattr(policy, "on_stored"):
+            info = _C.store_info(h)
+            if info["values"] and info["dtype"] in ("float32", "float16", "bfloat16", "float64"):
+                if upgraded:
+                    info = dict(info, refcount=1)  # a mask turned into values: the blob's bytes are this key's
+                # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
+                policy.on_stored(key, info)
+        return p
 
-    def _pack_channel_normalized(self, t: torch.Tensor, key: str, bits: int) -> Any:
-        """A batch-norm input, stored as (t − mean_c)/std_c with its per-channel mean and std kept
-        exactly. Where a group of consecutive elements spans channels (small images: H·W < group
-        size), the group's range is set by its widest channel, and a narrow channel's noise,
-        which batch norm's backward scales by 1/std_c², swamps it; normalized, every channel's
-        noise is in proportion to its own spread. (Within one channel the transform is affine
-        and changes nothing.)"""
-        dims = [d for d in range(t.dim()) if d != 1]
-        x = t.detach().float()
-        mean = x.mean(dim=dims)
-        std = x.var(dim=dims, unbiased=False).sqrt_()
-        std = torch.where(std > 0, std, torch.ones_like(std))
-        view = (1, -1) + (1,) * (t.dim() - 2)
-        z = ((x - mean.view(view)) / std.view(view)).to(t.dtype).contiguous()
-        if self._probe is not None:
-            return self._probe.pack(t, key, z=z, std=std)
-        h = self._put_temporary(z, key, bits)
-        if self._policy is not None and hasattr(self._policy, "on_stored"):
-            self._policy.on_stored(key, _C.store_info(h))
-        return _Packed(h, t.shape, t.dtype, t.device, key, affine=(mean, std))
+    def _flush(self, frame: Any) -> None:
+        """A call with pending normalization inputs returned: store them with its statistics."""
+        pending, frame.pending = frame.pending, None
+        stats, frame.stats = frame.stats or [], None
+        for p in pending:
+            t, p.pending = p.pending, None
+            norm, keep = self._norm_params(frame, t, stats)
+            mb = 0
+            if len(stats) >= 2 and stats[-1].numel() and t.numel() // stats[-1].numel() < NORM_SMALL_BLOCK:
+                mb = NORM_SMALL_MIN_BITS
+            try:
+                q = self._store(t, p.key, _saved._VALUES, norm, mb)
+            except ValueError:
+                if norm is None:
+                    raise
+                q = self._store(t, p.key, _saved._VALUES)  # statistics the codec refuses: plain values
+            del keep
+            p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
+            q.handle, q.ref = 0, None
 
-    def _put_temporary(self, z: torch.Tensor, key: str, bits: int) -> int:
-        """Store a contiguous tensor made for the store (a mask, a normalized copy). Its identity
-        is forgotten at once: a temporary's address must never match a later tensor's."""
-        h = _C.store_put(z.data_ptr(), _compat.DTYPE_NAMES[z.dtype], tuple(z.shape), tuple(z.stride()),
-                         _compat.device_index(z), 0, key64(key), bits, self.group_size, self.seed,
-                         _compat.current_stream(z))
-        _C.store_forget(h)
-        return h
+    def _norm_params(self, frame: Any, t: torch.Tensor, stats: list) -> tuple:
+        """(count, inner, shift pointer, scale pointer) normalizing `t` with its layer's statistics, and the
+        float32 tensors behind the pointers; (None, None) when the layout does not allow it or every
+        quantization group lies inside one statistics block anyway (normalizing would change nothing)."""
+        if len(stats) < 2 or not t.is_floating_point():
+            return None, None
+        mean, rstd = stats[-2], stats[-1]
+        name = frame.name
+        if name in ("batch_norm", "instance_norm"):
+            if t.dim() < 2 or not _compat.is_dense(t) or mean.numel() != t.shape[1] or rstd.numel() != t.shape[1]:
+                return None, None
+            count, inner = t.shape[1], t.stride(1)
+        else:  # layer_norm, group_norm: blocks of consecutive elements
+            if not t.is_contiguous() or mean.numel() != rstd.numel() or mean.numel() == 0 or \
+                    t.numel() % mean.numel() != 0:
+                return None, None
+            count, inner = mean.numel(), t.numel() // mean.numel()
+        if inner % self.group_size == 0:
+            return None, None
+        m = mean.detach().reshape(-1).float().contiguous()
+        r = rstd.detach().reshape(-1).float().contiguous()
+        return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
+
+    def _probe_pack(self, t: torch.Tensor, key: str, kind: str, frame: Any) -> Any:
+        """A policy's probe keeps the tensors it would quantize as they are (with their rounding variance)."""
+        if kind in (_saved.VALUES, _saved.LOG) and t.is_floating_point():
+            return self._probe.pack(t, key)
+        if kind == _saved.NORMALIZED and t.is_floating_point():
+            if frame is not None and frame.name in ("batch_norm", "instance_norm") and t.dim() >= 2:
+                dims = [d for d in range(t.dim()) if d != 1]
+                x = t.detach().float()
+                mean = x.mean(dim=dims)
+                std = x.var(dim=dims, unbiased=False).sqrt_()
+                std = torch.where(std > 0, std, torch.ones_like(std))
+                view = (1, -1) + (1,) * (t.dim() - 2)
+                z = ((x - mean.view(view)) / std.view(view)).to(t.dtype).contiguous()
+                return self._probe.pack(t, key, z=z, std=std)
+            return self._probe.pack(t, key)
+        return t if t.grad_fn is None else t.detach()  # exact: nothing to probe
 
     def _discard_step(self) -> None:
         """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances."""
         _C.store_end_step()
         self._step_open = False
 
-    def _pack_relu_mask(self, t: torch.Tensor, key: str) -> Any:
-        mask = t > 0
-        if self._probe is not None:
-            return mask.to(t.dtype)  # exact: nothing to probe
-        h = self._put_temporary(mask, key, 1)
-        return _Packed(h, mask.shape, mask.dtype, mask.device, key, mask_of=t.dtype)
-
     def _unpack(self, obj: Any) -> Any:
-        if isinstance(obj, _Packed):
-            return obj.unpack()
+        unpack = getattr(type(obj), "unpack", None)
+        if unpack is not None:
+            return unpack(obj)
         probe_unpack = getattr(type(obj), "probe_unpack", None)  # a probe's exact copy (gact.policy)
         return probe_unpack(obj) if probe_unpack is not None else obj
 
     # ---- global installation (gact-run) -------------------------------------------------
 
     def install_global(self) -> None:
-        """Install this Compressor's hooks for the whole process (every thread, every
-        forward), instead of a ``with`` block; used by ``gact-run``. Undo with :meth:`uninstall_global`."""
+        """Install this Compressor's hooks for the whole process (every forward, instead of a ``with``
+        block), and its op tracker on the calling thread; used by ``gact-run``. Undo with
+        :meth:`uninstall_global`."""
         if getattr(self, "_global_pop", None) is not None:
             return
-        self._depth += 1
+        self._global_depth += 1
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
+        tracker = _saved.OpTracker(self._flush)
+        tracker.__enter__()
+        self._local.tracker = tracker
+        self._global_tracker = tracker
         if self.model is None and _compat.HAS_GLOBAL_MODULE_HOOKS:
             mm = torch.nn.modules.module
             self._module_hooks.append(mm.register_module_forward_pre_hook(self._enter_module))
@@ -644,8 +732,12 @@ class Compressor:
         if pop is None:
             return
         self._global_pop = None
+        tracker, self._global_tracker = self._global_tracker, None
+        if getattr(self._local, "tracker", None) is tracker:
+            self._local.tracker = None
+        tracker.__exit__(None, None, None)
         pop()
-        self._depth -= 1
+        self._global_depth -= 1
         self.close()
 
     def __repr__(self) -> str:

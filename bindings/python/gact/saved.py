@@ -1,0 +1,405 @@
+"""What each backward reads from the tensors its op saves: the one table of gact's storage decisions.
+
+A saved tensor is stored the way its reader needs it, decided by the op that saves it
+(never by guesses from node names or save order):
+
+``values``      quantized values at the tensor's bits (unbiased: linear readers such as a
+                convolution's weight gradient get an unbiased gradient)
+``log``         values at no fewer than LOG_MIN_BITS bits (the reader exponentiates them)
+``predicate``   an exact 1-bit mask of what the backward tests (``x > 0`` for a ReLU), decoded
+                to two values that satisfy the test exactly as the original did
+``normalized``  a normalization layer's input, quantized after normalizing with the layer's own
+                statistics (kept exactly), so that a group spanning channels gives each channel
+                noise in proportion to its own spread
+``shape``       nothing: the backward reads only the tensor's shape (a pooling input, a loss's
+                log-probabilities)
+``indices``     max-pool indices, lossless as offsets inside their pooling window
+``exact``       kept as it is: the gradient is discontinuous in the value (a sign with a zero, an
+                equality with a reduction's result, a division by it)
+``stats``       kept as it is: a normalization layer's per-channel statistics
+
+The op is known from a ``torch.overrides.TorchFunctionMode`` active while the Compressor is
+(``OpTracker``): when autograd's pack hook fires, the innermost torch function the mode saw is
+the one saving the tensor (``hardtanh`` for ``nn.ReLU6``, ``linear``, ``batch_norm``, ...).
+An op the table does not know, or a save outside any function the mode sees (a custom
+``autograd.Function``, TorchScript), gets ``values``: never a mask by guess.
+
+``TABLE`` has one row per op with its reason; bindings/python/README.md shows it
+(``table_markdown()`` writes it, and a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# A log-space value's rounding step is a multiplicative error of e^step in what its reader
+# exponentiates: at 2 bits a character LM lost 0.38 nats/char, at 4 bits 0.02.
+LOG_MIN_BITS = 4
+
+VALUES, LOG, PREDICATE, NORMALIZED, SHAPE, INDICES, EXACT, STATS = (
+    "values", "log", "predicate", "normalized", "shape", "indices", "exact", "stats")
+
+
+class Decision(NamedTuple):
+    """How to store one saved tensor."""
+
+    kind: str
+    pred: tuple | None = None  # predicate: (name, a, b) for the codec
+    decode: tuple | None = None  # predicate: (true_value, false_value) that satisfy the reader's test
+    clamped: bool = False  # predicate: the tensor is the output of a clamp to the predicate's range
+    window: dict | None = None  # indices: the pooling geometry
+
+
+_VALUES = Decision(VALUES)
+_LOG = Decision(LOG)
+_SHAPE = Decision(SHAPE)
+_EXACT = Decision(EXACT)
+_STATS = Decision(STATS)
+
+
+class Row(NamedTuple):
+    reads: str  # what the backward reads, for the README
+    reason: str
+    rule: Callable[[torch.Tensor, tuple, dict, "Frame"], Decision]
+
+
+# ---- argument access ------------------------------------------------------------------------
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _scalar(x: Any) -> float | None:
+    """A Python number (or 0-d tensor) as float; None for None, a tensor with elements, or a non-finite."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.dim() != 0:
+            return None
+        x = x.item()
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _outside(a: float) -> float:
+    """A value below `a` (strictly, also in bfloat16)."""
+    return a - max(1.0, abs(a))
+
+
+def _above(a: float) -> float:
+    return a + max(1.0, abs(a))
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.is_floating_point()
+
+
+# ---- rules ----------------------------------------------------------------------------------
+
+def _relu(t, args, kwargs, frame) -> Decision:
+    # ReluBackward saves the result; its backward reads result > 0. A ReLU's output is >= 0: the mask
+    # can become a boundary blob (exact zeros) when the next layer reads the same tensor's values.
+    if not _is_float(t):
+        return _VALUES
+    return Decision(PREDICATE, ("gt", 0.0, 0.0), (1.0, 0.0), clamped=True)
+
+
+def _threshold(t, args, kwargs, frame) -> Decision:
+    th = _scalar(_arg(args, kwargs, 1, "threshold"))
+    if th is None or not _is_float(t):
+        return _EXACT if _is_float(t) else _VALUES
+    return Decision(PREDICATE, ("gt", th, 0.0), (_above(th), th))
+
+
+def _hardtanh_bounds(name: str, args, kwargs) -> tuple[float | None, float | None]:
+    if name == "relu6":
+        return 0.0, 6.0
+    return _scalar(_arg(args, kwargs, 1, "min_val", -1.0)), _scalar(_arg(args, kwargs, 2, "max_val", 1.0))
+
+
+def _hardtanh(t, args, kwargs, frame) -> Decision:
+    lo, hi = _hardtanh_bounds(frame.name, args, kwargs)
+    if lo is None or hi is None or not lo < hi or not _is_float(t):
+        return _EXACT if _is_float(t) else _VALUES
+    return Decision(PREDICATE, ("open", lo, hi), ((lo + hi) / 2, lo))
+
+
+def _hardsigmoid(t, args, kwargs, frame) -> Decision:
+    if not _is_float(t):
+        return _VALUES
+    return Decision(PREDICATE, ("open", -3.0, 3.0), (0.0, -4.0))
+
+
+def _clamp(t, args, kwargs, frame) -> Decision:
+    if not _is_float(t):
+        return _VALUES
+    name = frame.name.rstrip("_")
+    if name == "clamp_min":
+        lo, hi, lo_given, hi_given = _arg(args, kwargs, 1, "min"), None, True, False
+    elif name == "clamp_max":
+        lo, hi, lo_given, hi_given = None, _arg(args, kwargs, 1, "max"), False, True
+    else:
+        lo, hi = _arg(args, kwargs, 1, "min"), _arg(args, kwargs, 2, "max")
+        lo_given, hi_given = lo is not None, hi is not None
+    a, b = _scalar(lo), _scalar(hi)
+    if (lo_given and a is None) or (hi_given and b is None):
+        return _EXACT  # bounds given as tensors: the test compares two tensors
+    if a is not None and b is not None:
+        if not a <= b:
+            return _EXACT
+        return Decision(PREDICATE, ("closed", a, b), ((a + b) / 2, _outside(a)))
+    if a is not None:
+        return Decision(PREDICATE, ("ge", a, 0.0), (a, _outside(a)))
+    if b is not None:
+        return Decision(PREDICATE, ("le", b, 0.0), (b, _above(b)))
+    return _VALUES
+
+
+def _leaky_relu(t, args, kwargs, frame) -> Decision:
+    # leaky_relu_backward(grad, x, slope) = grad * (x > 0 ? 1 : slope): the sign is all it reads.
+    if not _is_float(t):
+        return _VALUES
+    return Decision(PREDICATE, ("gt", 0.0, 0.0), (1.0, -1.0))
+
+
+def _rrelu(t, args, kwargs, frame) -> Decision:
+    # rrelu saves its input (read for its sign) and its random slopes (read as values).
+    if not _is_float(t) or not t.requires_grad:
+        return _VALUES
+    return Decision(PREDICATE, ("gt", 0.0, 0.0), (1.0, -1.0))
+
+
+def _dropout(t, args, kwargs, frame) -> Decision:
+    # The CPU kernel saves its scaled mask (0 and 1/(1-p)): a two-level tensor, exact as 1 bit and
+    # its level. The CUDA kernel saves a bool mask, which the mask codec keeps losslessly anyway.
+    if not _is_float(t) or t.requires_grad:
+        return _VALUES
+    return Decision(PREDICATE, ("ne", 0.0, 0.0), None)
+
+
+def _elu(t, args, kwargs, frame) -> Decision:
+    alpha = _scalar(_arg(args, kwargs, 1, "alpha", 1.0))
+    return _VALUES if alpha == 1.0 else _EXACT
+
+
+def _pool_input_shape(t, args, kwargs, frame) -> Decision:
+    return _SHAPE if _is_float(t) else _VALUES
+
+
+def _max_pool(t, args, kwargs, frame) -> Decision:
+    if _is_float(t):
+        return _SHAPE  # max_pool's backward scatters through the indices; the input gives its shape
+    if t.dtype not in (torch.int64, torch.int32):
+        return _VALUES
+    nd = int(frame.name[len("max_pool")])
+    w = _window(t, args, kwargs, nd)
+    return Decision(INDICES, window=w) if w is not None else _VALUES
+
+
+def _tuple(x: Any, nd: int) -> tuple | None:
+    if x is None:
+        return None
+    if isinstance(x, int):
+        return (x,) * nd
+    x = tuple(int(v) for v in x)
+    if len(x) == 1:
+        return x * nd
+    return x if len(x) == nd else None
+
+
+def _window(idx: torch.Tensor, args, kwargs, nd: int) -> dict | None:
+    """The pooling geometry of max_pool{nd}d indices, with `inner` for their memory order; None when the
+    indices' layout is not one the window codec reads (they are then stored losslessly as they are)."""
+    x = _arg(args, kwargs, 0, "input")
+    if not isinstance(x, torch.Tensor) or idx.dim() < nd or x.dim() != idx.dim():
+        return None
+    kernel = _tuple(_arg(args, kwargs, 1, "kernel_size"), nd)
+    stride = _tuple(_arg(args, kwargs, 2, "stride"), nd) or kernel
+    if not stride:  # stride=None or an empty list means the kernel size
+        stride = kernel
+    pad = _tuple(_arg(args, kwargs, 3, "padding", 0), nd)
+    dil = _tuple(_arg(args, kwargs, 4, "dilation", 1), nd)
+    if kernel is None or stride is None or pad is None or dil is None:
+        return None
+    out = tuple(idx.shape[-nd:])
+    inp = tuple(x.shape[-nd:])
+    st = idx.stride()
+    inner = st[-1] if idx.numel() else 1
+    expect = inner
+    for d in range(idx.dim() - 1, idx.dim() - nd - 1, -1):  # spatial dims row-major among themselves
+        if idx.shape[d] != 1 and st[d] != expect:
+            return None
+        expect *= idx.shape[d]
+    return {"nd": nd, "inner": int(inner), "in": inp, "out": out, "kernel": kernel, "stride": stride,
+            "pad": pad, "dilation": dil}
+
+
+def _loss_input_shape(t, args, kwargs, frame) -> Decision:
+    # nll_loss's backward scatters -weight at the targets: its input gives only the shape.
+    if _is_float(t) and t is not _arg(args, kwargs, 2, "weight"):
+        return _SHAPE
+    return _VALUES
+
+
+def _cross_entropy(t, args, kwargs, frame) -> Decision:
+    # log_softmax saves its result (log-space: read through exp); nll_loss then saves the same
+    # tensor (the same blob serves it) and the targets.
+    return _LOG if _is_float(t) and t.requires_grad else _VALUES
+
+
+def _log_result(t, args, kwargs, frame) -> Decision:
+    return _LOG if _is_float(t) else _VALUES
+
+
+def _attention(t, args, kwargs, frame) -> Decision:
+    # An attention kernel's log-sum-exp (a float that needs no gradient) is read through exp.
+    if _is_float(t) and not t.requires_grad and t.grad_fn is None:
+        return _LOG
+    return _VALUES
+
+
+def _divisor(t, args, kwargs, frame) -> Decision:
+    # d(a / b)/db = -a / b^2: a quantized divisor near zero makes the gradient explode and biases it.
+    other = _arg(args, kwargs, 1, "other")
+    return _EXACT if isinstance(other, torch.Tensor) and t is other else _VALUES
+
+
+def _normalization(t, args, kwargs, frame) -> Decision:
+    if not _is_float(t):
+        return _VALUES
+    if frame.name in ("batch_norm", "instance_norm"):
+        training = bool(_arg(args, kwargs, 5, "training", False)) if frame.name == "batch_norm" else True
+        if frame.name == "instance_norm":
+            training = bool(_arg(args, kwargs, 5, "use_input_stats", True))
+        if t.dim() >= 2 and training:
+            return Decision(NORMALIZED)
+        return _STATS if t.dim() == 1 else _VALUES
+    # layer_norm / group_norm: the input first, then mean and 1/std
+    if t is _arg(args, kwargs, 0, "input"):
+        return Decision(NORMALIZED)
+    if t.grad_fn is not None or not t.requires_grad:
+        return _STATS  # the layer's own statistics
+    return _VALUES
+
+
+_exact_row = lambda why: Row("its value through a discontinuous test", why, lambda *a: _EXACT)  # noqa: E731
+
+#: op name (as the tracker sees it) -> what its backward reads and how gact stores it
+TABLE: dict[str, Row] = {}
+
+
+def _add(names: str, reads: str, reason: str, rule) -> None:
+    for n in names.split():
+        TABLE[n] = Row(reads, reason, rule)
+
+
+_add("relu relu_", "result > 0", "predicate `x > 0`; a boundary blob when the next layer reads the values too", _relu)
+_add("threshold threshold_ _threshold", "input > threshold", "predicate `x > t`", _threshold)
+_add("hardtanh hardtanh_ relu6", "min < input < max", "predicate `lo < x < hi` (ReLU6: 0 < x < 6)", _hardtanh)
+_add("hardsigmoid hardsigmoid_", "-3 < input < 3", "predicate `-3 < x < 3`", _hardsigmoid)
+_add("clamp clamp_ clip clip_ clamp_min clamp_min_ clamp_max clamp_max_",
+     "min <= input <= max", "predicate `lo <= x <= hi` (`x >= lo`, `x <= hi`); tensor bounds: exact", _clamp)
+_add("leaky_relu leaky_relu_", "sign of input", "predicate `x > 0`", _leaky_relu)
+_add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes as values", _rrelu)
+_add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropout feature_alpha_dropout",
+     "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
+_add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
+for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max min maximum minimum fmax fmin " \
+          "prod l1_loss smooth_l1_loss huber_loss".split():
+    TABLE[_n] = _exact_row("the gradient jumps where the value crosses a threshold, a sign, or another tensor: "
+                           "rounding would move elements across it (a bias, not noise)")
+_add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
+     _divisor)
+_add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
+     "input or result in a division", "exact: a rounded value near zero makes 1/x explode", lambda *a: _EXACT)
+_add("max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices",
+     "indices; input only for its shape", "indices lossless in window offsets (4 bits for 3x3); input: shape only",
+     _max_pool)
+_add("adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d adaptive_max_pool1d_with_indices "
+     "adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices",
+     "indices; input only for its shape", "input: shape only; indices kept as they are", _pool_input_shape)
+_add("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d",
+     "input only for its shape", "shape only", _pool_input_shape)
+_add("nll_loss nll_loss2d", "targets; input only for its shape", "input: shape only; targets kept", _loss_input_shape)
+_add("cross_entropy", "log-probabilities through exp", f"log-space values (>= {LOG_MIN_BITS} bits)", _cross_entropy)
+_add("log_softmax logsumexp ctc_loss", "log-space values through exp", f"log-space values (>= {LOG_MIN_BITS} bits)",
+     _log_result)
+_add("scaled_dot_product_attention multi_head_attention_forward", "q, k, v, output; log-sum-exp through exp",
+     f"values; the log-sum-exp as log-space values (>= {LOG_MIN_BITS} bits)", _attention)
+_add("batch_norm instance_norm layer_norm group_norm", "input normalized by the layer's statistics",
+     "normalized values with the layer's mean and 1/std kept exactly", _normalization)
+
+
+def rule_for(name: str | None) -> Row | None:
+    return TABLE.get(name) if name else None
+
+
+def table_markdown() -> str:
+    """The README table: one row per op."""
+    rows = ["| op | backward reads | stored as |", "|---|---|---|"]
+    for name, row in TABLE.items():
+        rows.append(f"| `{name}` | {row.reads} | {row.reason} |")
+    return "\n".join(rows)
+
+
+# ---- the tracker ----------------------------------------------------------------------------
+
+class Frame:
+    """One torch function call seen by the tracker; saves that need the call's other saves
+    (a normalization input waiting for the layer's statistics) wait here until it returns."""
+
+    __slots__ = ("func", "args", "kwargs", "pending", "stats")
+
+    def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.pending: list | None = None
+        self.stats: list | None = None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.func, "__name__", "") or ""
+
+
+class OpTracker(TorchFunctionMode):
+    """A TorchFunctionMode that records the torch function running on this thread, so that a pack hook
+    knows which op saves its tensor. ``on_exit(frame)`` runs when a call with pending saves returns."""
+
+    def __init__(self, on_exit: Callable[[Frame], None]) -> None:
+        super().__init__()
+        self.stack: list[Frame] = []
+        self._on_exit = on_exit
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        frame = Frame(func, args, kwargs or {})
+        stack = self.stack
+        stack.append(frame)
+        try:
+            return func(*args, **frame.kwargs)
+        finally:
+            stack.pop()
+            if frame.pending:
+                self._on_exit(frame)
+
+    def current(self) -> Frame | None:
+        return self.stack[-1] if self.stack else None
+
+
+def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
+    """How to store tensor `t` saved during `frame` (None: outside any function the tracker saw)."""
+    if frame is None:
+        return _VALUES
+    row = TABLE.get(frame.name)
+    if row is None:
+        return _VALUES
+    return row.rule(t, frame.args, frame.kwargs, frame)
