@@ -73,6 +73,48 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def decoded_strides(t: torch.Tensor) -> tuple:
+    """The strides a saved tensor decodes to: its own when it is dense, otherwise dense strides in the
+    order of its own, as torch's empty_like gives them (the store's dense_strides, written again here)."""
+    if is_dense(t):
+        return t.stride()
+    shape, strides = t.shape, t.stride()
+    nd = len(shape)
+    perm = list(range(nd - 1, -1, -1))
+
+    def should_swap(d0: int, d1: int) -> int:
+        s0, s1 = strides[d0], strides[d1]
+        if s0 == 0 or s1 == 0:
+            return 0
+        if s0 != s1:
+            return -1 if s0 < s1 else 1
+        return 1 if shape[d0] > shape[d1] else 0
+
+    for i in range(1, nd):
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = should_swap(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    out = [0] * nd
+    acc = 1
+    for i in perm:
+        out[i] = acc
+        acc *= max(shape[i], 1)
+    return tuple(out)
+
+
+def contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def device_index_of(device: torch.device) -> int:
     """-1 for the CPU, the CUDA device index otherwise."""
     if device.type == "cpu":

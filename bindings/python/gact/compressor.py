@@ -664,13 +664,14 @@ class Compressor:
             return None, None
         mean, rstd = stats[-2], stats[-1]
         name = frame.name
+        strides = _compat.decoded_strides(t)  # the layout of the image the codec encodes
         if name in ("batch_norm", "instance_norm"):
-            if t.dim() < 2 or not _compat.is_dense(t) or mean.numel() != t.shape[1] or rstd.numel() != t.shape[1]:
+            if t.dim() < 2 or mean.numel() != t.shape[1] or rstd.numel() != t.shape[1]:
                 return None, None
-            count, inner = t.shape[1], t.stride(1)
-        else:  # layer_norm, group_norm: blocks of consecutive elements
-            if not t.is_contiguous() or mean.numel() != rstd.numel() or mean.numel() == 0 or \
-                    t.numel() % mean.numel() != 0:
+            count, inner = t.shape[1], strides[1]  # any dense layout: channel = (e / stride_1) % C
+        else:  # layer_norm, group_norm: blocks of consecutive elements in row-major order
+            if strides != _compat.contiguous_strides(t.shape) or mean.numel() != rstd.numel() or \
+                    mean.numel() == 0 or t.numel() % mean.numel() != 0:
                 return None, None
             count, inner = mean.numel(), t.numel() // mean.numel()
         if inner % self.group_size == 0:

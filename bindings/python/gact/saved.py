@@ -243,9 +243,18 @@ def _window(idx: torch.Tensor, args, kwargs, nd: int) -> dict | None:
             "pad": pad, "dilation": dil}
 
 
+def _view_of(t: torch.Tensor, x: Any) -> bool:
+    """Whether `t` is `x` or a view of all of it (the same storage start and element count)."""
+    if t is x:
+        return True
+    return isinstance(x, torch.Tensor) and t.numel() == x.numel() and t.dtype == x.dtype and \
+        t.data_ptr() == x.data_ptr()
+
+
 def _loss_input_shape(t, args, kwargs, frame) -> Decision:
-    # nll_loss's backward scatters -weight at the targets: its input gives only the shape.
-    if _is_float(t) and t is not _arg(args, kwargs, 2, "weight"):
+    # nll_loss's backward scatters -weight / total_weight at the targets: its input gives only the
+    # shape (its total_weight is read: values, and small).
+    if _is_float(t) and _view_of(t, _arg(args, kwargs, 0, "input")):
         return _SHAPE
     return _VALUES
 
@@ -395,10 +404,38 @@ class OpTracker(TorchFunctionMode):
         return self.stack[-1] if self.stack else None
 
 
+def _checkpoint_codes() -> frozenset:
+    import torch.utils.checkpoint as cp
+    codes = [cp.checkpoint.__code__]
+    fwd = getattr(getattr(cp, "CheckpointFunction", None), "forward", None)
+    if fwd is not None:
+        codes.append(fwd.__code__)
+    return frozenset(codes)
+
+
+_CHECKPOINT_CODES = _checkpoint_codes()
+
+
+def _saved_by_checkpoint() -> bool:
+    """Whether the pack hook runs for a reentrant torch.utils.checkpoint saving its inputs (the caller's
+    Python frames, a few up from the hook: checkpoint() or CheckpointFunction.forward)."""
+    import sys
+    f = sys._getframe(2)  # decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_code in _CHECKPOINT_CODES:
+            return True
+        f = f.f_back
+    return False
+
+
 def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
     """How to store tensor `t` saved during `frame` (None: outside any function the tracker saw)."""
     if frame is None:
-        return _VALUES
+        # A reentrant checkpoint's inputs are read by the recomputation of its whole block, through
+        # every op in it (a ReLU's test among them): kept exact.
+        return _EXACT if _saved_by_checkpoint() else _VALUES
     row = TABLE.get(frame.name)
     if row is None:
         return _VALUES
