@@ -144,91 +144,6 @@ decltype(auto) with_float_dtype(dtype dt, F&& f) {
   }
 }
 
-/// What a predicate-mask encode found besides the bits.
-struct predicate_scan {
-  bool in_range = true;     // every value finite and inside the predicate's closed range
-  bool two_level = true;    // ne: every nonzero value equal
-  bool have_level = false;
-  float level = 0.0f;
-};
-
-template <typename IO>
-void predicate_encode_range(typename IO::S const* in, predicate_params const& q, std::uint64_t b0, std::uint64_t b1,
-                            std::uint64_t numel, std::uint8_t* out, predicate_scan* scan) {
-  predicate const pr = predicate(q.pred);
-  float lo = -hd::k_float_max * 2.0f, hi = hd::k_float_max * 2.0f;  // -Inf, +Inf
-  if (pr == predicate::gt || pr == predicate::ge) lo = q.a;
-  if (pr == predicate::lt || pr == predicate::le) hi = q.a;
-  if (pr == predicate::open || pr == predicate::closed) {
-    lo = q.a;
-    hi = q.b;
-  }
-  bool in_range = true, two = true, have = false;
-  float level = 0.0f;
-  for (std::uint64_t m = b0; m < b1; ++m) {
-    unsigned v = 0;
-    for (int j = 0; j < 8; ++j) {
-      std::uint64_t const e = 8 * m + std::uint64_t(j);
-      if (e >= numel) break;
-      float const x = IO::load(in[e]);
-      v |= unsigned(hd::eval_predicate(q.pred, q.a, q.b, x)) << j;
-      in_range = in_range && hd::finite_bits(x) && x >= lo && x <= hi;
-      if (pr == predicate::ne && x != 0.0f) {
-        if (!have) {
-          level = x;
-          have = true;
-        } else {
-          two = two && hd::float_bits(x) == hd::float_bits(level);
-        }
-      }
-    }
-    out[m] = std::uint8_t(v);
-  }
-  scan->in_range = in_range;
-  scan->two_level = two && (!have || hd::finite_bits(level));
-  scan->have_level = have;
-  scan->level = level;
-}
-
-/// Encode a predicate mask on `threads` threads; returns the merged scan.
-predicate_scan predicate_encode(void const* src, dtype dt, predicate_params const& q, std::uint64_t numel,
-                                std::uint8_t* out, int threads) {
-  std::uint64_t const nbytes = (numel + 7) / 8;
-  int const t = detail::resolve_threads(threads, nbytes, 1u << 16);
-  std::vector<predicate_scan> scans(std::size_t(std::max(t, 1)));
-  struct ctx_t {
-    void const* src;
-    dtype dt;
-    predicate_params q;
-    std::uint64_t numel, nbytes, per;
-    std::uint8_t* out;
-    predicate_scan* scans;
-  } ctx{src, dt, q, numel, nbytes, (nbytes + std::uint64_t(t) - 1) / std::uint64_t(t), out, scans.data()};
-  detail::parallel_for(std::uint64_t(t), t, [](void* c, std::uint64_t a, std::uint64_t b) {
-    auto* x = static_cast<ctx_t*>(c);
-    for (std::uint64_t i = a; i < b; ++i) {
-      std::uint64_t const b0 = i * x->per, b1 = std::min(x->nbytes, b0 + x->per);
-      if (b0 >= b1) continue;
-      with_float_dtype(x->dt, [&](auto io) {
-        using IO = decltype(io);
-        predicate_encode_range<IO>(static_cast<typename IO::S const*>(x->src), x->q, b0, b1, x->numel, x->out,
-                                   &x->scans[i]);
-      });
-    }
-  }, &ctx);
-  predicate_scan r;
-  for (auto const& s : scans) {
-    r.in_range = r.in_range && s.in_range;
-    r.two_level = r.two_level && s.two_level;
-    if (s.have_level) {
-      if (r.have_level && hd::float_bits(s.level) != hd::float_bits(r.level)) r.two_level = false;
-      r.have_level = true;
-      r.level = s.level;
-    }
-  }
-  return r;
-}
-
 void predicate_decode(unsigned char const* codes, dtype dt, std::uint64_t numel, float tv, float fv, void* dst,
                       int threads) {
   int const t = detail::resolve_threads(threads, numel, 1u << 18);
@@ -650,10 +565,12 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
       if (variant == std::uint8_t(mask_mode::predicate)) {
         predicate_params q;
         std::memcpy(&q, params, sizeof q);
-        predicate_scan const sc = predicate_encode(src, dt, q, h.numel, codes, threads);
+        int const t = detail::resolve_threads(threads, (h.numel + 7) / 8, 1u << 16);
+        detail::mask_scan const sc = detail::mask_encode_cpu(src, dt, q, h.numel, codes, t);
         if (predicate(q.pred) == predicate::ne) {
-          if (!sc.two_level) return refuse(refusal::not_two_level);
-          q.level = sc.have_level ? sc.level : 0.0f;
+          bool const two_level = !sc.have_nz || (sc.nz_finite && hd::float_bits(sc.nz_min) == hd::float_bits(sc.nz_max));
+          if (!two_level) return refuse(refusal::not_two_level);
+          q.level = sc.have_nz ? sc.nz_min : 0.0f;
           std::memcpy(params, &q, sizeof q);
         }
         res.in_range = sc.in_range;

@@ -197,6 +197,9 @@ int resolve_threads(int threads, std::uint64_t work_items, std::uint64_t min_ite
 // The quant CPU executor (quant_cpu.cpp). Returns the refusal (none, nonfinite, out_of_range).
 refusal quant_encode_cpu(void const* src, quant_job const& job, int threads);
 void quant_decode_cpu(quant_job const& job, void* dst, int threads);
+/// The predicate-mask CPU executor (quant_cpu.cpp): the code bytes of a float tensor and what they saw.
+mask_scan mask_encode_cpu(void const* src, dtype dt, predicate_params const& q, std::uint64_t numel,
+                          std::uint8_t* out, int threads);
 /// Run fn(begin, end) over [0, n) split into `threads` contiguous ranges, the calling thread taking
 /// the first. @throws gact::thread_error (after joining the threads it started) when one cannot be created.
 void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx);

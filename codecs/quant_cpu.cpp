@@ -13,6 +13,7 @@
 #include "codecs/codec.hpp"
 
 #include "allocator/error.hpp"
+#include "codecs/quant_math.hpp"
 
 #include <atomic>
 #include <string>
@@ -29,12 +30,16 @@ namespace gact::codec::detail {
 namespace generic {
 bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
 void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
+void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
+                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
 }  // namespace generic
 
 #if defined(GACT_CODEC_HAVE_AVX2)
 namespace avx2 {
 bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
 void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
+void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
+                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
 }  // namespace avx2
 #endif
 
@@ -43,14 +48,15 @@ namespace {
 struct isa_table {
   decltype(&generic::encode_range) encode;
   decltype(&generic::decode_range) decode;
+  decltype(&generic::mask_range) mask;
   char const* name;
 };
 
-isa_table const k_generic{&generic::encode_range, &generic::decode_range, "generic"};
+isa_table const k_generic{&generic::encode_range, &generic::decode_range, &generic::mask_range, "generic"};
 
 isa_table const* best_isa() {
 #if defined(GACT_CODEC_HAVE_AVX2)
-  static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, "avx2"};
+  static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, &avx2::mask_range, "avx2"};
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
   if (__builtin_cpu_supports("avx2") && f16c) return &avx2_table;
@@ -116,13 +122,68 @@ void fail_thread_creation_after(int k) noexcept { g_fail_thread_after.store(k, s
 
 char const* quant_cpu_isa() noexcept { return isa().name; }
 
+mask_scan mask_encode_cpu(void const* src, dtype dt, predicate_params const& q, std::uint64_t numel,
+                          std::uint8_t* out, int threads) {
+  std::uint64_t const nbytes = (numel + 7) / 8;
+  int const t = threads < 1 ? 1 : threads;
+  std::vector<mask_scan> scans(static_cast<std::size_t>(t));
+  struct ctx_t {
+    void const* src;
+    dtype dt;
+    predicate_params q;
+    std::uint64_t numel, nbytes, per;
+    std::uint8_t* out;
+    mask_scan* scans;
+    decltype(&generic::mask_range) fn;
+  } ctx{src, dt, q, numel, nbytes, (nbytes + std::uint64_t(t) - 1) / std::uint64_t(t), out, scans.data(), isa().mask};
+  parallel_for(std::uint64_t(t), t, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* x = static_cast<ctx_t*>(c);
+    for (std::uint64_t i = a; i < b; ++i) {
+      std::uint64_t const m0 = i * x->per, m1 = m0 + x->per < x->nbytes ? m0 + x->per : x->nbytes;
+      if (m0 < m1) x->fn(x->src, x->dt, x->q, m0, m1, x->numel, x->out, &x->scans[i]);
+    }
+  }, &ctx);
+  mask_scan r;
+  bool first = true;
+  for (auto const& s : scans) {
+    r.in_range = r.in_range && s.in_range;
+    r.nz_finite = r.nz_finite && s.nz_finite;
+    if (s.have_nz) {
+      r.nz_min = first || s.nz_min < r.nz_min ? s.nz_min : r.nz_min;
+      r.nz_max = first || s.nz_max > r.nz_max ? s.nz_max : r.nz_max;
+      r.have_nz = true;
+      first = false;
+    }
+  }
+  return r;
+}
+
 bool force_generic_quant_cpu(bool generic) noexcept {
   g_isa.store(generic ? &k_generic : best_isa(), std::memory_order_release);
   return best_isa() != &k_generic;
 }
 
-refusal quant_encode_cpu(void const* src, quant_job const& job, int threads) {
-  if (job.numel == 0) return refusal::none;
+namespace {
+/// A normalized job's statistics as floats, 2 per block: (shift, scale) to encode, (shift, 1/scale) to decode.
+std::vector<float> unpack_stats(quant_job const& job, bool inverse) {
+  std::vector<float> st;
+  if (job.variant != std::uint8_t(quant_mode::normalized)) return st;
+  st.resize(2 * std::size_t(job.count));
+  for (std::uint64_t b = 0; b < job.count; ++b) {
+    float shift, scale;
+    hd::load_stat(job.stats, b, shift, scale);
+    st[2 * b] = shift;
+    st[2 * b + 1] = inverse ? hd::inverse_scale(scale) : scale;
+  }
+  return st;
+}
+}  // namespace
+
+refusal quant_encode_cpu(void const* src, quant_job const& job_in, int threads) {
+  if (job_in.numel == 0) return refusal::none;
+  std::vector<float> const st = unpack_stats(job_in, false);
+  quant_job job = job_in;
+  job.statsf = st.data();
   std::uint64_t const n_groups = (job.numel + std::uint64_t(job.group_size) - 1) / std::uint64_t(job.group_size);
   struct ctx_t {
     void const* src;
@@ -137,8 +198,11 @@ refusal quant_encode_cpu(void const* src, quant_job const& job, int threads) {
   return refusal(__atomic_load_n(&ctx.failed, __ATOMIC_RELAXED));
 }
 
-void quant_decode_cpu(quant_job const& job, void* dst, int threads) {
-  if (job.numel == 0) return;
+void quant_decode_cpu(quant_job const& job_in, void* dst, int threads) {
+  if (job_in.numel == 0) return;
+  std::vector<float> const st = unpack_stats(job_in, true);
+  quant_job job = job_in;
+  job.statsf = st.data();
   std::uint64_t const n_groups = (job.numel + std::uint64_t(job.group_size) - 1) / std::uint64_t(job.group_size);
   struct ctx_t {
     quant_job const* job;

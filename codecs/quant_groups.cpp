@@ -22,6 +22,7 @@
 // linker for the generic path too.
 #include "codecs/float16.hpp"
 #include "codecs/format.hpp"
+#include "codecs/mask_math.hpp"
 #include "codecs/philox.hpp"
 #include "codecs/quant_job.hpp"
 #include "codecs/quant_math.hpp"
@@ -381,60 +382,125 @@ void load_meta(unsigned char const* meta, std::uint64_t g, float& lo, float& hi)
   hi = M::load(v[1]);
 }
 
-/// Statistics block of element e and its position inside the block run (normalized variant).
-struct block_cursor {
-  std::uint64_t block, pos, count, inner;
-  block_cursor(std::uint64_t e, std::uint64_t count_, std::uint64_t inner_)
-      : block((e / inner_) % count_), pos(e % inner_), count(count_), inner(inner_) {}
-  void next() {
-    if (++pos == inner) {
-      pos = 0;
-      if (++block == count) block = 0;
+template <dtype Dt>
+GACT_LOOP void normalize_run(typename io<Dt>::storage const* __restrict in, int n, float shift, float scale,
+                             float* __restrict z) {
+  for (int i = 0; i < n; ++i) z[i] = hd::normalize(io<Dt>::load(in[i]), shift, scale);
+}
+
+template <dtype Dt>
+GACT_LOOP void denormalize_run(float const* __restrict z, int n, float shift, float inv,
+                               typename io<Dt>::storage* __restrict out) {
+  for (int i = 0; i < n; ++i) out[i] = io<Dt>::store(hd::denormalize(z[i], shift, inv));
+}
+
+/// Interior min/max of a boundary group (values strictly between lo and hi; hi = +Inf without one), over
+/// 8 independent lanes and without branches; false if a value is non-finite or outside [lo, hi] (*why says
+/// which). A group without interior values gets (lo, lo).
+bool boundary_minmax(float const* __restrict x, int n, float lo, float hi, float& imin, float& imax, refusal* why) {
+  float mn[8], mx[8];
+  std::uint32_t nf[8], out[8];
+  for (int j = 0; j < 8; ++j) {
+    mn[j] = hd::k_float_max * 2.0f;   // +Inf
+    mx[j] = -hd::k_float_max * 2.0f;  // -Inf
+    nf[j] = 0;
+    out[j] = 0;
+  }
+  int const n8 = n & ~7;
+  for (int i = 0; i < n8; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      float const v = x[i + j];
+      bool const in = v > lo && v < hi;
+      float const a = in ? v : hd::k_float_max * 2.0f, b = in ? v : -hd::k_float_max * 2.0f;
+      mn[j] = a < mn[j] ? a : mn[j];
+      mx[j] = b > mx[j] ? b : mx[j];
+      nf[j] |= std::uint32_t((hd::float_bits(v) & 0x7F800000u) == 0x7F800000u);
+      out[j] |= std::uint32_t(v < lo) | std::uint32_t(v > hi);
     }
   }
-};
-
-
-/// Interior min/max of a boundary group (values strictly between lo and hi); false if a value is
-/// non-finite or outside [lo, hi] (*why says which).
-bool boundary_minmax(float const* x, int n, boundary_params const& b, float& imin, float& imax, refusal* why) {
-  float mn = b.lo, mx = b.lo;
-  bool any = false, finite = true, inside = true;
-  bool const has_hi = b.has_hi != 0;
-  for (int i = 0; i < n; ++i) {
+  for (int i = n8; i < n; ++i) {
     float const v = x[i];
-    finite = finite && hd::is_finite_bits(v);
-    inside = inside && v >= b.lo && (!has_hi || v <= b.hi);
-    bool const interior = v > b.lo && (!has_hi || v < b.hi);
-    if (interior) {
-      if (!any) {
-        mn = v;
-        mx = v;
-        any = true;
-      } else {
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
-      }
-    }
+    bool const in = v > lo && v < hi;
+    float const a = in ? v : hd::k_float_max * 2.0f, b = in ? v : -hd::k_float_max * 2.0f;
+    mn[0] = a < mn[0] ? a : mn[0];
+    mx[0] = b > mx[0] ? b : mx[0];
+    nf[0] |= std::uint32_t((hd::float_bits(v) & 0x7F800000u) == 0x7F800000u);
+    out[0] |= std::uint32_t(v < lo) | std::uint32_t(v > hi);
   }
-  imin = hd::canonical_zero(mn);
-  imax = hd::canonical_zero(mx);
-  if (!finite) {
+  float l = mn[0], h = mx[0];
+  std::uint32_t bad_nf = nf[0], bad_out = out[0];
+  for (int j = 1; j < 8; ++j) {
+    l = mn[j] < l ? mn[j] : l;
+    h = mx[j] > h ? mx[j] : h;
+    bad_nf |= nf[j];
+    bad_out |= out[j];
+  }
+  if (l > h) {  // no interior value
+    l = lo;
+    h = lo;
+  }
+  imin = hd::canonical_zero(l);
+  imax = hd::canonical_zero(h);
+  if (bad_nf != 0) {
     *why = refusal::nonfinite;
     return false;
   }
-  if (!inside) {
+  if (bad_out != 0) {
     *why = refusal::out_of_range;
     return false;
   }
   return true;
 }
 
-GACT_LOOP void quantize_boundary_group(float const* __restrict x, float const* __restrict u, int n,
-                                       boundary_params const b, std::int32_t top, group_params const p,
-                                       std::int32_t* __restrict q) {
-  bool const has_hi = b.has_hi != 0;
-  for (int i = 0; i < n; ++i) q[i] = hd::quantize_boundary(x[i], b.lo, b.hi, has_hi, top, p, u[i]);
+/// Boundary codes without branches: the interior code for every element, then the boundary codes selected
+/// over it (the same results as hd::quantize_boundary, element by element).
+GACT_LOOP void quantize_boundary_group(float const* __restrict x, float const* __restrict u, int n, float lo,
+                                       float hi, std::int32_t top, group_params const p, std::int32_t* __restrict q) {
+  // 0/1 integers instead of nested selects, so that the loop vectorizes
+  if (p.step > 0.0f) {
+    for (int i = 0; i < n; ++i) {
+      std::int32_t const inner = 1 + hd::quantize_u(x[i], p, u[i]);
+      std::int32_t const above = std::int32_t(x[i] > lo), at_hi = std::int32_t(x[i] >= hi);
+      q[i] = above * (inner + at_hi * (top - inner));
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      std::int32_t const above = std::int32_t(x[i] > lo), at_hi = std::int32_t(x[i] >= hi);
+      q[i] = above * (1 + at_hi * (top - 1));
+    }
+  }
+}
+
+/// Values of boundary codes (hd::dequantize_boundary element by element).
+template <dtype Dt>
+GACT_LOOP void dequantize_boundary_group(std::int32_t const* __restrict q, int n, float lo, float hi, bool has_hi,
+                                         std::int32_t top, group_params const p,
+                                         typename io<Dt>::storage* __restrict out) {
+  std::int32_t const hi_code = has_hi ? top : -1;  // no code equals -1
+  int i = 0;
+#if defined(__AVX2__)
+  if constexpr (Dt == dtype::float32) {
+    // hd::dequantize on 8 lanes (the same operations in the same order: mul, add, min, mul; no FMA),
+    // then the boundary values blended over it
+    __m256 const lo_s = _mm256_set1_ps(p.lo_s), step = _mm256_set1_ps(p.step), hi_s = _mm256_set1_ps(p.hi_s);
+    __m256 const unscale = _mm256_set1_ps(p.unscale), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    __m256i const one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256(), hic = _mm256_set1_epi32(hi_code);
+    for (; i + 8 <= n; i += 8) {
+      __m256i const qi = _mm256_loadu_si256(reinterpret_cast<__m256i const*>(q + i));
+      __m256 xs = _mm256_add_ps(lo_s, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, one)), step));
+      xs = _mm256_min_ps(xs, hi_s);  // xs < hi_s ? xs : hi_s, as hd::dequantize (NaN gives hi_s in both)
+      __m256 v = _mm256_mul_ps(xs, unscale);
+      v = _mm256_blendv_ps(v, vhi, _mm256_castsi256_ps(_mm256_cmpeq_epi32(qi, hic)));
+      v = _mm256_blendv_ps(v, vlo, _mm256_castsi256_ps(_mm256_cmpeq_epi32(qi, zero)));
+      _mm256_storeu_ps(out + i, v);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    float const v = hd::dequantize(q[i] - 1, p);
+    float const w = q[i] == hi_code ? hi : v;
+    out[i] = io<Dt>::store(q[i] == 0 ? lo : w);
+  }
 }
 
 template <dtype Dt, int Bits, int V>
@@ -454,15 +520,14 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
     int const nchunks = (n + 7) / 8;
     float const* x;
     if constexpr (V == k_normalized) {
-      block_cursor c(e0, job.count, job.inner);
-      float shift = 0.f, scale = 1.f;
-      std::uint64_t loaded = ~std::uint64_t{0};
-      for (int i = 0; i < n; ++i, c.next()) {
-        if (c.block != loaded) {
-          hd::load_stat(job.stats, c.block, shift, scale);
-          loaded = c.block;
-        }
-        xbuf[i] = hd::normalize(io<Dt>::load(in[e0 + std::uint64_t(i)]), shift, scale);
+      // runs of one statistics block: a vectorizable loop each
+      std::uint64_t block = (e0 / job.inner) % job.count, pos = e0 % job.inner;
+      for (int i = 0; i < n;) {
+        int const run = int(job.inner - pos < std::uint64_t(n - i) ? job.inner - pos : std::uint64_t(n - i));
+        normalize_run<Dt>(in + e0 + std::uint64_t(i), run, job.statsf[2 * block], job.statsf[2 * block + 1], xbuf + i);
+        i += run;
+        pos = 0;
+        block = block + 1 == job.count ? 0 : block + 1;
       }
       x = xbuf;
     } else if constexpr (Dt == dtype::float32) {
@@ -475,7 +540,8 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
     if constexpr (V == k_boundary) {
       float imin, imax;
       refusal why = refusal::none;
-      if (!boundary_minmax(x, n, job.boundary, imin, imax, &why)) {
+      float const hi_or_inf = job.boundary.has_hi != 0 ? job.boundary.hi : hd::k_float_max * 2.0f;
+      if (!boundary_minmax(x, n, job.boundary.lo, hi_or_inf, imin, imax, &why)) {
         __atomic_store_n(failed, int(why), __ATOMIC_RELAXED);
         return false;
       }
@@ -485,7 +551,7 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       load_meta<Dt, V>(job.meta, g, lo, hi);
       group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, job.boundary.has_hi != 0));
       group_noise(job.seed, job.key, e0 / 8, nchunks, u);
-      quantize_boundary_group(x, u, n, job.boundary, top, p, q);
+      quantize_boundary_group(x, u, n, job.boundary.lo, hi_or_inf, top, p, q);
       for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
       pack_codes<Bits>(q, nchunks, out);
     } else {
@@ -533,23 +599,18 @@ void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint6
         for (int i = 0; i < n; ++i) out[e0 + std::uint64_t(i)] = (q[i] != 0 && !(has_hi && q[i] == top)) ? tv : fv;
       } else {
         group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, has_hi));
-        for (int i = 0; i < n; ++i)
-          out[e0 + std::uint64_t(i)] = io<Dt>::store(hd::dequantize_boundary(q[i], b.lo, b.hi, has_hi, top, p));
+        dequantize_boundary_group<Dt>(q, n, b.lo, b.hi, has_hi, top, p, out + e0);
       }
     } else if constexpr (V == k_normalized) {
       group_params const p = hd::make_params(lo, hi, Bits);
       for (int i = 0; i < n; ++i) zbuf[i] = hd::dequantize(q[i], p);
-      block_cursor c(e0, job.count, job.inner);
-      float shift = 0.f, inv = 1.f;
-      std::uint64_t loaded = ~std::uint64_t{0};
-      for (int i = 0; i < n; ++i, c.next()) {
-        if (c.block != loaded) {
-          float scale;
-          hd::load_stat(job.stats, c.block, shift, scale);
-          inv = hd::inverse_scale(scale);
-          loaded = c.block;
-        }
-        out[e0 + std::uint64_t(i)] = io<Dt>::store(hd::denormalize(zbuf[i], shift, inv));
+      std::uint64_t block = (e0 / job.inner) % job.count, pos = e0 % job.inner;
+      for (int i = 0; i < n;) {
+        int const run = int(job.inner - pos < std::uint64_t(n - i) ? job.inner - pos : std::uint64_t(n - i));
+        denormalize_run<Dt>(zbuf + i, run, job.statsf[2 * block], job.statsf[2 * block + 1], out + e0 + std::uint64_t(i));
+        i += run;
+        pos = 0;
+        block = block + 1 == job.count ? 0 : block + 1;
       }
     } else {
       group_params const p = hd::make_params(lo, hi, Bits);
@@ -600,6 +661,141 @@ void decode_variant(quant_job const& job, void* dst, std::uint64_t g0, std::uint
   }
 }
 
+
+// ---- predicate masks ------------------------------------------------------------------------
+
+/// The closed range a predicate's clamp would give ([a, +Inf) for gt/ge, (-Inf, a] for lt/le, [a, b]).
+inline void predicate_range(predicate_params const& q, float& lo, float& hi) {
+  lo = -hd::k_float_max * 2.0f;
+  hi = hd::k_float_max * 2.0f;
+  switch (predicate(q.pred)) {
+    case predicate::gt: case predicate::ge: lo = q.a; break;
+    case predicate::lt: case predicate::le: hi = q.a; break;
+    case predicate::open: case predicate::closed: lo = q.a; hi = q.b; break;
+    case predicate::ne: break;
+  }
+}
+
+template <dtype Dt, int P>
+void mask_bytes_portable(typename io<Dt>::storage const* __restrict in, float a, float b, float lo, float hi,
+                         std::uint64_t m0, std::uint64_t m1, std::uint64_t numel, std::uint8_t* __restrict out,
+                         mask_scan* scan) {
+  bool in_range = true, nz_finite = true, have = false;
+  float mn = hd::k_float_max * 2.0f, mx = -hd::k_float_max * 2.0f;
+  for (std::uint64_t m = m0; m < m1; ++m) {
+    unsigned v = 0;
+    for (int j = 0; j < 8; ++j) {
+      std::uint64_t const e = 8 * m + std::uint64_t(j);
+      if (e >= numel) break;
+      float const x = io<Dt>::load(in[e]);
+      v |= unsigned(hd::eval_predicate(std::uint32_t(P), a, b, x)) << j;
+      in_range = in_range && hd::is_finite_bits(x) && x >= lo && x <= hi;
+      if constexpr (P == int(predicate::ne)) {
+        if (x != 0.0f) {
+          have = true;
+          nz_finite = nz_finite && hd::is_finite_bits(x);
+          mn = x < mn ? x : mn;
+          mx = x > mx ? x : mx;
+        }
+      }
+    }
+    out[m] = std::uint8_t(v);
+  }
+  scan->in_range = in_range;
+  scan->have_nz = have;
+  scan->nz_min = mn;
+  scan->nz_max = mx;
+  scan->nz_finite = nz_finite;
+}
+
+#if defined(__AVX2__)
+/// float32 predicates 8 elements at a time: compare, movemask, one byte.
+template <int P>
+void mask_bytes_f32(float const* __restrict in, float a, float b, float lo, float hi, std::uint64_t m0,
+                    std::uint64_t m1, std::uint64_t numel, std::uint8_t* __restrict out, mask_scan* scan) {
+  std::uint64_t const full = numel / 8 < m1 ? numel / 8 : m1;  // bytes whose 8 elements all exist
+  __m256 const va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+  __m256 const zero = _mm256_setzero_ps();
+  __m256 inside = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256 nzmin = _mm256_set1_ps(hd::k_float_max * 2.0f), nzmax = _mm256_set1_ps(-hd::k_float_max * 2.0f);
+  __m256 anynz = zero;
+  std::uint64_t m = m0;
+  for (; m < full; ++m) {
+    __m256 const x = _mm256_loadu_ps(in + 8 * m);
+    __m256 t;
+    if constexpr (P == int(predicate::gt)) t = _mm256_cmp_ps(x, va, _CMP_GT_OQ);
+    else if constexpr (P == int(predicate::ge)) t = _mm256_cmp_ps(x, va, _CMP_GE_OQ);
+    else if constexpr (P == int(predicate::lt)) t = _mm256_cmp_ps(x, va, _CMP_LT_OQ);
+    else if constexpr (P == int(predicate::le)) t = _mm256_cmp_ps(x, va, _CMP_LE_OQ);
+    else if constexpr (P == int(predicate::open))
+      t = _mm256_and_ps(_mm256_cmp_ps(x, va, _CMP_GT_OQ), _mm256_cmp_ps(x, vb, _CMP_LT_OQ));
+    else if constexpr (P == int(predicate::closed))
+      t = _mm256_and_ps(_mm256_cmp_ps(x, va, _CMP_GE_OQ), _mm256_cmp_ps(x, vb, _CMP_LE_OQ));
+    else t = _mm256_cmp_ps(x, zero, _CMP_NEQ_UQ);  // ne: NaN != 0 holds
+    out[m] = std::uint8_t(_mm256_movemask_ps(t));
+    // finite and inside [lo, hi] (ordered compares: NaN fails them)
+    __m256 const ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    inside = _mm256_and_ps(inside, _mm256_and_ps(_mm256_cmp_ps(ax, _mm256_set1_ps(hd::k_float_max), _CMP_LE_OQ),
+                                                 _mm256_and_ps(_mm256_cmp_ps(x, vlo, _CMP_GE_OQ),
+                                                               _mm256_cmp_ps(x, vhi, _CMP_LE_OQ))));
+    if constexpr (P == int(predicate::ne)) {
+      nzmin = _mm256_min_ps(_mm256_blendv_ps(nzmin, x, t), nzmin);
+      nzmax = _mm256_max_ps(_mm256_blendv_ps(nzmax, x, t), nzmax);
+      anynz = _mm256_or_ps(anynz, t);
+    }
+  }
+  mask_scan tail;
+  mask_bytes_portable<dtype::float32, P>(in, a, b, lo, hi, m, m1, numel, out, &tail);
+  alignas(32) float mn[8], mx[8];
+  _mm256_store_ps(mn, nzmin);
+  _mm256_store_ps(mx, nzmax);
+  bool in_range = _mm256_movemask_ps(inside) == 0xFF && tail.in_range;
+  float l = tail.nz_min, h = tail.nz_max;
+  for (int j = 0; j < 8; ++j) {
+    l = mn[j] < l ? mn[j] : l;
+    h = mx[j] > h ? mx[j] : h;
+  }
+  bool const have = _mm256_movemask_ps(anynz) != 0 || tail.have_nz;
+  scan->in_range = in_range;
+  scan->have_nz = have;
+  scan->nz_min = l;
+  scan->nz_max = h;
+  scan->nz_finite = tail.nz_finite && (!have || (hd::is_finite_bits(l) && hd::is_finite_bits(h)));
+}
+#endif
+
+template <dtype Dt>
+void mask_bytes_dt(void const* src, predicate_params const& q, std::uint64_t m0, std::uint64_t m1, std::uint64_t numel,
+                   std::uint8_t* out, mask_scan* scan) {
+  float lo, hi;
+  predicate_range(q, lo, hi);
+  auto const* in = static_cast<typename io<Dt>::storage const*>(src);
+  switch (predicate(q.pred)) {
+#if defined(__AVX2__)
+#define GACT_MASK_CASE(P)                                                                            \
+    case predicate::P:                                                                               \
+      if constexpr (Dt == dtype::float32)                                                            \
+        mask_bytes_f32<int(predicate::P)>(in, q.a, q.b, lo, hi, m0, m1, numel, out, scan);           \
+      else                                                                                           \
+        mask_bytes_portable<Dt, int(predicate::P)>(in, q.a, q.b, lo, hi, m0, m1, numel, out, scan); \
+      break;
+#else
+#define GACT_MASK_CASE(P)                                                                            \
+    case predicate::P:                                                                               \
+      mask_bytes_portable<Dt, int(predicate::P)>(in, q.a, q.b, lo, hi, m0, m1, numel, out, scan);   \
+      break;
+#endif
+    GACT_MASK_CASE(gt)
+    GACT_MASK_CASE(ge)
+    GACT_MASK_CASE(lt)
+    GACT_MASK_CASE(le)
+    GACT_MASK_CASE(open)
+    GACT_MASK_CASE(closed)
+    GACT_MASK_CASE(ne)
+#undef GACT_MASK_CASE
+  }
+}
+
 }  // namespace
 
 /// Encode groups [g0, g1); false (and *failed set to the refusal) if a value is refused, or if
@@ -610,6 +806,17 @@ bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::
     case dtype::float16: return encode_variant<dtype::float16>(src, job, g0, g1, failed);
     case dtype::float64: return encode_variant<dtype::float64>(src, job, g0, g1, failed);
     default: return encode_variant<dtype::bfloat16>(src, job, g0, g1, failed);
+  }
+}
+
+/// Predicate-mask bytes [m0, m1) of a float tensor (element e at bit e % 8 of byte e / 8), with their scan.
+void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
+                std::uint64_t numel, std::uint8_t* out, mask_scan* scan) {
+  switch (dt) {
+    case dtype::float32: mask_bytes_dt<dtype::float32>(src, q, m0, m1, numel, out, scan); break;
+    case dtype::float16: mask_bytes_dt<dtype::float16>(src, q, m0, m1, numel, out, scan); break;
+    case dtype::float64: mask_bytes_dt<dtype::float64>(src, q, m0, m1, numel, out, scan); break;
+    default: mask_bytes_dt<dtype::bfloat16>(src, q, m0, m1, numel, out, scan); break;
   }
 }
 

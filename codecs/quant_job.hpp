@@ -30,11 +30,21 @@ struct quant_job {
   std::uint64_t seed, key;
   std::uint64_t count, inner;        ///< normalized
   unsigned char const* stats;        ///< normalized: the blob's statistics section
+  float const* statsf;               ///< normalized: the statistics unpacked once per call, 2 floats per
+                                     ///< block: (shift, scale) to encode, (shift, 1 / scale) to decode
   boundary_params boundary;          ///< boundary
   bool predicate;                    ///< decode a boundary blob's predicate instead of its values
   float true_value, false_value;     ///< ... as these values
   unsigned char* meta;               ///< group metadata (read-only when decoding)
   unsigned char* codes;              ///< packed codes (read-only when decoding)
+};
+/// What a predicate-mask encode of bytes [b0, b1) of the code section found besides the bits.
+struct mask_scan {
+  bool in_range = true;   ///< every value finite and inside the predicate's closed range
+  bool have_nz = false;   ///< ne: some nonzero value was seen
+  float nz_min = 0.0f;    ///< ne: the smallest and largest nonzero values (equal for a two-level tensor)
+  float nz_max = 0.0f;
+  bool nz_finite = true;  ///< ne: every nonzero value finite
 };
 }  // namespace detail
 }  // namespace gact::codec
