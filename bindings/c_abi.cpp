@@ -157,6 +157,14 @@ void gact_empty_cache(void) {
   }
 }
 
+void gact_reset_peak_stats(void) {
+  try {
+    allocators().for_each([](int, gact::alloc::caching_allocator& a) { a.reset_peak_stats(); });
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_reset_peak_stats failed: {}", what_of(std::current_exception()));
+  }
+}
+
 void gact_init(int device) {
   try {
     (void)allocators().get(device);

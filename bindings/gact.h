@@ -43,6 +43,9 @@ void gact_free(void* ptr, ssize_t size, int device, cudaStream_t stream);
 void gact_record_stream(void* ptr, cudaStream_t stream);
 /** Release every cached free segment of every device to the runtime. */
 void gact_empty_cache(void);
+/** Peaks := current values in every device allocator's statistics (torch's
+ *  reset_peak_memory_stats, which a pluggable allocator does not serve). */
+void gact_reset_peak_stats(void);
 /** Create the allocator of `device` now (otherwise done on its first allocation) and arm the
  *  stats dump triggers (GACT_STATS_PATH). */
 void gact_init(int device);

@@ -198,6 +198,19 @@ TEST_CASE("c abi: gact_torch_alloc throws torch's out-of-memory text instead of 
   CHECK(cudaPeekAtLastError() == cudaSuccess);
 }
 
+TEST_CASE("c abi: reset_peak_stats brings the high-water mark down to what is in use") {
+  void* big = gact_alloc(static_cast<ssize_t>(16 * k_mib), 0, nullptr);
+  void* small = gact_alloc(4096, 0, nullptr);
+  REQUIRE((big != nullptr && small != nullptr));
+  gact_free(big, 0, 0, nullptr);
+  CHECK(stat(0, "allocated_bytes.all.peak") >= static_cast<std::int64_t>(16 * k_mib));
+  gact_reset_peak_stats();
+  CHECK(stat(0, "allocated_bytes.all.peak") == stat(0, "allocated_bytes.all.current"));
+  CHECK(stat(0, "allocated_bytes.all.current") == 4096);
+  gact_free(small, 0, 0, nullptr);
+  gact_empty_cache();
+}
+
 TEST_CASE("c abi: one allocator per device, the one process_device_allocators() gives other layers (issue 14)") {
   void* p = gact_alloc(4096, 0, nullptr);
   REQUIRE(p != nullptr);
