@@ -63,6 +63,18 @@ class stream_hold {
   std::atomic<bool> go_{false};
 };
 
+/// A caching allocator named `name` over device 0's cuda_backend.
+struct device_allocator {
+  cuda_backend be{0};
+  caching_allocator a;
+  explicit device_allocator(char const* name) : a(be, options_named(name)) {}
+  static allocator_options options_named(char const* name) {
+    allocator_options o;
+    o.name = name;
+    return o;
+  }
+};
+
 std::vector<unsigned char> read_back(void const* dev, std::size_t n, cudaStream_t s) {
   std::vector<unsigned char> host(n);
   REQUIRE(cudaMemcpyAsync(host.data(), dev, n, cudaMemcpyDeviceToHost, s) == cudaSuccess);
@@ -88,10 +100,8 @@ TEST_CASE("cuda_backend over the real runtime: segments, memory info, error type
 }
 
 TEST_CASE("caching allocator over cudaMalloc: data, reuse on the stream, no new segment") {
-  cuda_backend be(0);
-  allocator_options o;
-  o.name = "gpu-test";
-  caching_allocator a(be, o);
+  device_allocator d("gpu-test");
+  caching_allocator& a = d.a;
   cudaStream_t s = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
   auto const hs = gact::device::to_handle(s);
@@ -126,10 +136,8 @@ TEST_CASE("caching allocator over cudaMalloc: data, reuse on the stream, no new 
 }
 
 TEST_CASE("caching allocator over cudaMalloc: record_stream holds a block while the other stream is busy") {
-  cuda_backend be(0);
-  allocator_options o;
-  o.name = "gpu-test-streams";
-  caching_allocator a(be, o);
+  device_allocator d("gpu-test-streams");
+  caching_allocator& a = d.a;
   cudaStream_t s1 = nullptr;
   cudaStream_t s2 = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking) == cudaSuccess);
@@ -155,11 +163,9 @@ TEST_CASE("caching allocator over cudaMalloc: record_stream holds a block while 
 }
 
 TEST_CASE("out of memory on the device: gact::out_of_memory, and the context stays usable") {
-  cuda_backend be(0);
-  allocator_options o;
-  o.name = "gpu-test-oom";
-  caching_allocator a(be, o);
-  std::size_t const total = be.memory_info().total_bytes;
+  device_allocator d("gpu-test-oom");
+  caching_allocator& a = d.a;
+  std::size_t const total = d.be.memory_info().total_bytes;
   std::string msg;
   try {
     (void)a.allocate(total + (std::size_t{1} << 30));
