@@ -420,6 +420,11 @@ class Trainer:
             d = self.stats.device(0)
             f["gact_allocations_on_device"] = int(d.get("allocation.all.allocated", 0) or 0)
             f["gact_num_ooms"] = int(d.get("num_ooms", 0) or 0)
+            # One device allocator per process: torch's tensors and the store's blobs in one.
+            names = sorted(n for n in (self.stats.document().get("allocators") or {}) if n.startswith("cuda"))
+            act = ((d.get("tags") or {}).get("activation") or {}).get("peak_bytes", 0)
+            f["device_allocators"] = names
+            f["activation_peak_bytes_in_torch_allocator"] = act
         self.search_batches(inputs)
         problems = [f"{m}/{arm}: {r.get('error')}" for m, mo in f["models"].items()
                     for arm, r in (mo.get("arms") or {}).items() if r.get("status") == "fail"]
@@ -427,6 +432,10 @@ class Trainer:
                      if r.get("status") == "fail"]
         if self.cuda and not self.torch_allocator and not f.get("gact_allocations_on_device"):
             problems.append("gact's device allocator counts no allocation: torch is not using it")
+        shared = (f.get("allocator") or {}).get("shared_with_store")
+        if shared and (len(f.get("device_allocators") or []) != 1 or not f.get("activation_peak_bytes_in_torch_allocator")):
+            problems.append(f"the store's device arena is not torch's allocator: allocators {f.get('device_allocators')}, "
+                            f"activation peak {f.get('activation_peak_bytes_in_torch_allocator')} bytes in cuda:0")
         if problems:
             self.res.data["error"] = "; ".join(problems)[:3000]
 
