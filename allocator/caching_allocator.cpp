@@ -130,7 +130,7 @@ struct tag_stat {
 
 struct caching_allocator::impl {
   device::backend& be;
-  allocator_options const opts;
+  allocator_options opts;  ///< fixed after construction, except memory_limit (set_memory_limit, under mu)
   mutable std::mutex mu;
 
   detail::node_pool nodes;  // before the sets that use it
@@ -645,6 +645,11 @@ void caching_allocator::record_stream(void* p, device::stream_t stream) {
 void caching_allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->release_cached();
+}
+
+void caching_allocator::set_memory_limit(std::size_t bytes) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->opts.memory_limit = bytes;
 }
 
 std::size_t caching_allocator::block_size(void const* p) const noexcept {

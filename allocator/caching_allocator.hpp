@@ -79,6 +79,11 @@ class caching_allocator {
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
 
+  /// Change the hard cap on reserved bytes (0 = none) from now on. A cap below the bytes
+  /// reserved now frees nothing by itself: new segments are refused (after releasing cached
+  /// ones) until enough memory has been given back.
+  void set_memory_limit(std::size_t bytes) noexcept;
+
   /// The rounded size of a live block (0 for an unknown pointer).
   std::size_t block_size(void const* p) const noexcept;
   /// True when `p` is the start of a live block of this allocator.

@@ -7,11 +7,22 @@
 // exception. Allocation failures become nullptr with a rate-limited log line;
 // everything else is logged and counted by the core.
 //
+// PyTorch's allocator is gact_torch_alloc, the one entry point that throws:
+// torch's CUDAPluggableAllocator does not check the pointer it gets (a null
+// one would fault in the next kernel), and a C++ exception from the alloc
+// function is how torch lets an allocator fail. The exception carries "CUDA out
+// of memory", which torch turns into a RuntimeError with that text.
+//
+// Devices: each device's allocator makes its device current for the runtime
+// calls it makes (cuda_backend's device guard), so these entry points are right
+// whichever device the calling thread has current.
+//
 // Streams: PyTorch passes the allocation stream to both alloc and free, and
 // reports other streams through the record-stream hook; the caching allocator
 // keeps blocks per stream, so the `stream` argument of gact_free is not needed.
 #include "bindings/gact.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -20,19 +31,35 @@
 #include "allocator/stats_registry.hpp"
 #include "allocator/tags.hpp"
 #include "bindings/device_allocators.hpp"
+#include "bindings/process_allocators.hpp"
 
-namespace {
-
-using gact::bindings::device_allocators;
-
-/// The allocators of this library (never destroyed; see device_allocators.hpp).
-device_allocators& allocators() {
+gact::bindings::device_allocators& gact::bindings::process_device_allocators() {
   static device_allocators* const a = [] {
     auto* p = new device_allocators(gact::device::direct_cuda_api(), "cuda");
     gact::stats::install_dump_triggers();
     return p;
   }();
   return *a;
+}
+
+namespace {
+
+using gact::bindings::device_allocators;
+
+/// The allocators of this binary (never destroyed; see device_allocators.hpp).
+device_allocators& allocators() { return gact::bindings::process_device_allocators(); }
+
+/// "1.50 GiB": a size the way torch's out-of-memory message writes it.
+std::string human_size(double bytes) {
+  char const* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[48];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+  return buf;
 }
 
 /// Log an exception escaping an entry point (capped per call site by the caller's macro).
@@ -66,6 +93,19 @@ void* gact_alloc(ssize_t size, int device, cudaStream_t stream) {
                      what_of(std::current_exception()));
   }
   return nullptr;
+}
+
+void* gact_torch_alloc(ssize_t size, int device, cudaStream_t stream) {
+  if (size <= 0) {
+    return nullptr;  // torch asks for 0 bytes for an empty tensor and never dereferences it
+  }
+  try {
+    return allocators().get(device).allocate(static_cast<std::size_t>(size), gact::device::to_handle(stream));
+  } catch (gact::out_of_memory const& e) {
+    // Counted in the allocator's num_ooms; the text is the one torch users match on.
+    throw gact::out_of_memory("CUDA out of memory. Tried to allocate " + human_size(static_cast<double>(size)) +
+                              " on GPU " + std::to_string(device) + " (gact's caching allocator: " + e.what() + ")");
+  }
 }
 
 void gact_free(void* ptr, ssize_t size, int device, cudaStream_t /*stream*/) {
@@ -117,6 +157,14 @@ void gact_empty_cache(void) {
   }
 }
 
+void gact_reset_peak_stats(void) {
+  try {
+    allocators().for_each([](int, gact::alloc::caching_allocator& a) { a.reset_peak_stats(); });
+  } catch (...) {
+    GACT_WARN_CAPPED(16, "gact_reset_peak_stats failed: {}", what_of(std::current_exception()));
+  }
+}
+
 void gact_init(int device) {
   try {
     (void)allocators().get(device);
@@ -128,12 +176,7 @@ void gact_init(int device) {
 
 void gact_set_memory_fraction(double fraction, int device) {
   try {
-    if (!allocators().set_memory_fraction(fraction, device)) {
-      GACT_WARN_CAPPED(8,
-                       "gact_set_memory_fraction({}, {}): the device's allocator exists already; the "
-                       "fraction applies only before its first allocation (use GACT_MEMORY_LIMIT)",
-                       fraction, device);
-    }
+    allocators().set_memory_fraction(fraction, device);
   } catch (...) {
     GACT_WARN_CAPPED(16, "gact_set_memory_fraction({}, {}) failed: {}", fraction, device,
                      what_of(std::current_exception()));

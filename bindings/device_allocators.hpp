@@ -16,6 +16,7 @@
 // and it never changes again.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -62,12 +63,7 @@ class device_allocators {
     std::unique_ptr<device::cuda_backend> be_guard(be);
     alloc::allocator_options opts;
     opts.name = prefix_ + ":" + std::to_string(device);
-    opts.memory_limit = static_cast<std::size_t>(options::from_env().memory_limit);
-    double const fraction = fractions_[d];
-    if (fraction > 0.0) {
-      std::size_t const cap = static_cast<std::size_t>(fraction * static_cast<double>(be->memory_info().total_bytes));
-      opts.memory_limit = opts.memory_limit == 0 ? cap : std::min(opts.memory_limit, cap);
-    }
+    opts.memory_limit = limit_for(*be, fractions_[d]);
     auto* a = new alloc::caching_allocator(*be, opts);
     be_guard.release();
     slots_[d].store(a, std::memory_order_release);
@@ -103,23 +99,35 @@ class device_allocators {
     }
   }
 
-  /// Cap the allocator of `device` at `fraction` of the device's memory. Takes effect
-  /// only if the allocator does not exist yet (returns false otherwise).
-  /// @throws gact::invalid_argument for a fraction outside (0, 1] or a bad device.
-  bool set_memory_fraction(double fraction, int device) {
+  /// Cap the allocator of `device` at `fraction` of the device's memory, like PyTorch's
+  /// set_per_process_memory_fraction: from the next segment on when the allocator exists,
+  /// else from its creation. GACT_MEMORY_LIMIT, when set and lower, still applies. Bytes
+  /// reserved beyond a lowered cap stay until freed (new segments are refused meanwhile).
+  /// @throws gact::invalid_argument for a fraction outside (0, 1] or a bad device;
+  ///         gact::cuda_error when the device's memory size cannot be read.
+  void set_memory_fraction(double fraction, int device) {
     GACT_EXPECTS(fraction > 0.0 && fraction <= 1.0,
                  "memory fraction " + std::to_string(fraction) + " is not in (0, 1]");
     GACT_EXPECTS(device >= 0 && device < k_max_devices,
                  "CUDA device " + std::to_string(device) + " is out of range");
     std::lock_guard lk(mu_);
-    if (peek(device) != nullptr) {
-      return false;
-    }
     fractions_[static_cast<std::size_t>(device)] = fraction;
-    return true;
+    if (alloc::caching_allocator* a = peek(device)) {
+      a->set_memory_limit(limit_for(a->backend(), fraction));
+    }
   }
 
  private:
+  /// The cap for a device: GACT_MEMORY_LIMIT and `fraction` of its memory (0 = not set), the lower.
+  static std::size_t limit_for(device::backend& be, double fraction) {
+    auto limit = static_cast<std::size_t>(options::from_env().memory_limit);
+    if (fraction > 0.0) {
+      auto const cap = static_cast<std::size_t>(fraction * static_cast<double>(be.memory_info().total_bytes));
+      limit = limit == 0 ? cap : std::min(limit, cap);
+    }
+    return limit;
+  }
+
   device::cuda_api const& api_;
   std::string const prefix_;
   std::mutex mu_;  ///< serializes creation and fractions_

@@ -71,6 +71,9 @@ cuda_api const& next_cuda_api() {
 }
 
 device_guard::device_guard(cuda_api const& api, int device) : api_(api) {
+  if (device < 0) {
+    return;  // no device: nothing to make current
+  }
   int current = -1;
   GACT_CUDA_TRY(api_, api_.get_device(&current));
   if (current != device) {

@@ -23,6 +23,8 @@
 #include <cstddef>
 #include <string>
 
+#include "allocator/device/device_guard.hpp"
+
 namespace gact::device {
 
 /// The runtime entry points gact uses. Invariant: every member is non-null in a
@@ -65,21 +67,6 @@ cuda_api const& direct_cuda_api() noexcept;
 /// @throws gact::cuda_error naming the first symbol that could not be found
 ///         (no CUDA runtime loaded in the process).
 cuda_api const& next_cuda_api();
-
-/// RAII: make `device` current for the calling thread, restore the previous one after.
-/// Cheap when the device is already current (one cudaGetDevice).
-class device_guard {
- public:
-  /// @throws gact::cuda_error when the device cannot be made current.
-  device_guard(cuda_api const& api, int device);
-  ~device_guard();
-  device_guard(device_guard const&) = delete;
-  device_guard& operator=(device_guard const&) = delete;
-
- private:
-  cuda_api const& api_;
-  int previous_ = -1;  ///< -1 when no switch was needed
-};
 
 namespace detail {
 /// Raise the typed error for a failed call (see GACT_CUDA_TRY). Clears the

@@ -4,14 +4,35 @@
 // cuda_api table, checked with GACT_CUDA_TRY. Only segment-level operations
 // come here (the caching allocator's fast path never calls the backend), so the
 // device guard's extra cudaGetDevice per call costs nothing that matters.
+//
+// Device: calls that create device objects (memory, streams, events) and calls
+// on a default-stream handle (0, cudaStreamLegacy, cudaStreamPerThread: "the
+// current device's stream") run under a device_guard for the backend's device.
+// Without it, recording one of the backend's events on stream 0 while another
+// device is current fails with cudaErrorInvalidResourceHandle. Calls on an
+// explicit stream or event need no guard: the handle names its device.
 #include "allocator/device/cuda_backend.hpp"
 
+#include <optional>
 #include <string>
 
+#include "allocator/device/device_guard.hpp"
 #include "allocator/error.hpp"
 #include "allocator/log.hpp"
 
 namespace gact::device {
+
+namespace {
+/// Device `device` made current when `s` is a default-stream handle (see the file comment).
+struct default_stream_guard {
+  std::optional<device_guard> guard;
+  default_stream_guard(cuda_api const& api, int device, stream_t s) {
+    if (is_current_device_stream(to_cuda_stream(s))) {
+      guard.emplace(api, device);
+    }
+  }
+};
+}  // namespace
 
 cuda_backend::cuda_backend(int device, cuda_api const& api) : api_(api), device_(device) {
   int count = 0;
@@ -79,6 +100,7 @@ void cuda_backend::do_destroy_event(event_t e) noexcept {
 }
 
 void cuda_backend::do_record(event_t e, stream_t s) {
+  default_stream_guard const guard(api_, device_, s);
   GACT_CUDA_TRY(api_, api_.event_record(to_cuda_event(e), to_cuda_stream(s)));
 }
 
@@ -95,6 +117,7 @@ bool cuda_backend::do_query(event_t e) {
 }
 
 void cuda_backend::do_wait(stream_t s, event_t e) {
+  default_stream_guard const guard(api_, device_, s);
   GACT_CUDA_TRY(api_, api_.stream_wait_event(to_cuda_stream(s), to_cuda_event(e), 0));
 }
 
@@ -103,6 +126,7 @@ void cuda_backend::do_synchronize(event_t e) {
 }
 
 void cuda_backend::do_synchronize_stream(stream_t s) {
+  default_stream_guard const guard(api_, device_, s);
   GACT_CUDA_TRY(api_, api_.stream_synchronize(to_cuda_stream(s)));
 }
 
@@ -110,6 +134,7 @@ void cuda_backend::do_copy_async(void* dst, void const* src, std::size_t bytes, 
   if (bytes == 0) {
     return;
   }
+  default_stream_guard const guard(api_, device_, s);
   GACT_CUDA_TRY(api_, api_.memcpy_async(dst, src, bytes, cudaMemcpyDefault, to_cuda_stream(s)));
 }
 

@@ -9,8 +9,10 @@
 // Process-wide state lives in one `runtime` object created at import and never
 // destroyed (Python finalizers may still release handles while the interpreter
 // shuts down): the options read from GACT_* variables, the host backend and its
-// caching allocator ("host"), per-device CUDA arenas created on first use, and
-// the activation store. Encode and decode release the GIL.
+// caching allocator ("host"), the device arenas (the process's CUDA allocators
+// of bindings/process_allocators.hpp, which this module also serves to torch
+// through the C ABI it links and exports), and the activation store. Encode and
+// decode release the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -20,6 +22,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator/caching_allocator.hpp"
@@ -36,8 +39,8 @@
 #include "swap/pinned_pool.hpp"
 
 #if defined(GACT_HAVE_KERNELS)
-#include "allocator/device/cuda_backend.hpp"
 #include "allocator/device/pinned_host_backend.hpp"
+#include "bindings/process_allocators.hpp"
 #endif
 
 namespace py = pybind11;
@@ -53,8 +56,7 @@ struct runtime {
   activation_store store{host_arena, gact::store::store_options{static_cast<int>(opts.threads), "store"}};
 #if defined(GACT_HAVE_KERNELS)
   std::mutex cuda_mu;
-  std::vector<std::unique_ptr<gact::device::cuda_backend>> cuda_backends;
-  std::vector<std::unique_ptr<gact::alloc::caching_allocator>> cuda_arenas;
+  std::vector<std::pair<int, gact::alloc::caching_allocator*>> cuda_arenas;  // (device, arena), see ensure_device
 #endif
 
   // Swap (swap_enable/swap_disable): one mover per arena and setting. Movers are never destroyed,
@@ -100,7 +102,7 @@ struct runtime {
     swap_on = true;
     attach_swap(-1, host_arena);
 #if defined(GACT_HAVE_KERNELS)
-    for (std::size_t i = 0; i < cuda_backends.size(); ++i) attach_swap(cuda_backends[i]->device(), *cuda_arenas[i]);
+    for (auto const& [dev, arena] : cuda_arenas) attach_swap(dev, *arena);
 #endif
   }
 
@@ -127,24 +129,22 @@ struct runtime {
     return o;
   }
 
-  // Make sure the store has an arena for CUDA device `dev` (created on first use).
+  // Make sure the store has an arena for CUDA device `dev`: the process's allocator of that
+  // device, the one gact_torch_alloc / gact_free serve torch from after gact.use_allocator()
+  // (bindings/process_allocators.hpp), so a device caches memory once.
   void ensure_device(int dev) {
 #if defined(GACT_HAVE_KERNELS)
     std::lock_guard lock(cuda_mu);
-    for (auto const& a : cuda_backends) {
-      if (a->device() == dev) return;
+    for (auto const& [d, a] : cuda_arenas) {
+      if (d == dev) return;
     }
-    auto be = std::make_unique<gact::device::cuda_backend>(dev);
-    gact::alloc::allocator_options o;
-    o.name = "cuda:" + std::to_string(dev) + "/activations";
-    auto arena = std::make_unique<gact::alloc::caching_allocator>(*be, o);
-    store.set_device_arena(dev, arena.get());
+    gact::alloc::caching_allocator& arena = gact::bindings::process_device_allocators().get(dev);
+    store.set_device_arena(dev, &arena);
     {
       std::lock_guard swap_lock(swap_mu);
-      if (swap_on) attach_swap(dev, *arena);
+      if (swap_on) attach_swap(dev, arena);
     }
-    cuda_backends.push_back(std::move(be));
-    cuda_arenas.push_back(std::move(arena));
+    cuda_arenas.emplace_back(dev, &arena);
 #else
     GACT_FAIL("gact: tensor on CUDA device " + std::to_string(dev) +
               " but this build of gact has no CUDA kernels (rebuild with the CUDA toolkit)");

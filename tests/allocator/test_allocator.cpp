@@ -271,4 +271,28 @@ TEST_CASE("allocators register under unique names and unregister at destruction"
   CHECK_FALSE(doc["allocators"].contains("test.dup#2"));
 }
 
+TEST_CASE("set_memory_limit: a cap set after use applies to new segments; 0 lifts it (issue 14)") {
+  gact::device::host_backend be;
+  allocator_options o;
+  o.name = "test-runtime-limit";
+  caching_allocator a(be, o);
+  void* p = a.allocate(24 * k_mib);
+  REQUIRE(p != nullptr);
+  a.set_memory_limit(32 * k_mib);
+  CHECK(a.options().memory_limit == 32 * k_mib);
+  CHECK_THROWS_AS((void)a.allocate(24 * k_mib), gact::out_of_memory);  // 24 + 24 > 32
+  void* q = a.allocate(512 * 1024);  // a 2 MiB small segment: 26 MiB reserved, under the cap
+  CHECK(q != nullptr);
+  a.set_memory_limit(0);
+  void* r = a.allocate(24 * k_mib);
+  CHECK(r != nullptr);
+  a.deallocate(p);
+  a.deallocate(q);
+  a.deallocate(r);
+  a.set_memory_limit(1);  // below what is reserved: nothing is freed by the call itself
+  CHECK(a.reserved_bytes() > 0);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 0);
+}
+
 }  // TEST_SUITE

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings/gact.h"
+#include "bindings/process_allocators.hpp"
 #include "cuda_fixtures.hpp"
 #include "allocator/stats_registry.hpp"
 
@@ -146,18 +147,109 @@ TEST_CASE("c abi: tags are recorded per allocation") {
   CHECK(device_stats(0)["tags"]["activation"]["current_bytes"] == 0);
 }
 
-TEST_CASE("c abi: memory fraction caps a device before its first allocation") {
+TEST_CASE("c abi: memory fraction caps a device before and after its first allocation (issue 14)") {
   gact_set_memory_fraction(1.5, 1);  // rejected, logged
   gact_set_memory_fraction(0.25, 1);  // 2 GiB of the fake's 8 GiB
   CHECK(gact_alloc(static_cast<ssize_t>(3) << 30, 1, nullptr) == nullptr);
   void* p = gact_alloc(static_cast<ssize_t>(64 * k_mib), 1, nullptr);
   CHECK(p != nullptr);
   CHECK(device_stats(1)["options"]["memory_limit"] == std::size_t{2} << 30);
-  gact_set_memory_fraction(0.5, 1);  // too late: logged, limit unchanged
-  CHECK(device_stats(1)["options"]["memory_limit"] == std::size_t{2} << 30);
+  // torch.cuda.set_per_process_memory_fraction at any time: the cap follows from now on.
+  gact_set_memory_fraction(0.5, 1);
+  CHECK(device_stats(1)["options"]["memory_limit"] == std::size_t{4} << 30);
+  void* q = gact_alloc(static_cast<ssize_t>(3) << 30, 1, nullptr);
+  CHECK(q != nullptr);
+  gact_set_memory_fraction(0.0625, 1);  // 512 MiB, below what is in use: new segments are refused
+  CHECK(gact_alloc(static_cast<ssize_t>(32 * k_mib), 1, nullptr) == nullptr);
+  gact_free(q, 0, 1, nullptr);
+  void* r = gact_alloc(static_cast<ssize_t>(32 * k_mib), 1, nullptr);  // q's cached segment released, retried
+  CHECK(r != nullptr);
   gact_free(p, 0, 1, nullptr);
+  gact_free(r, 0, 1, nullptr);
+  gact_set_memory_fraction(1.0, 1);
   gact_empty_cache();
   CHECK(fake_cudart_used_bytes(1) == 0);
+}
+
+TEST_CASE("c abi: gact_torch_alloc throws torch's out-of-memory text instead of returning NULL (issue 14)") {
+  gact_init(0);
+  gact_empty_cache();
+  CHECK(gact_torch_alloc(0, 0, nullptr) == nullptr);  // an empty tensor
+  {
+    gact::test::capacity_scope const cap(64 * k_mib);
+    auto const ooms = stat(0, "num_ooms");
+    std::string msg;
+    try {
+      (void)gact_torch_alloc(static_cast<ssize_t>(128 * k_mib), 0, nullptr);
+      FAIL("gact_torch_alloc returned instead of throwing");
+    } catch (std::exception const& e) {  // what torch's translation catches
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK(msg.starts_with("CUDA out of memory. Tried to allocate 128.00 MiB on GPU 0"));
+    CHECK(msg.find("cudaErrorMemoryAllocation") != std::string::npos);
+    CHECK(stat(0, "num_ooms") == ooms + 1);
+    void* p = gact_torch_alloc(static_cast<ssize_t>(32 * k_mib), 0, nullptr);  // usable after the failure
+    CHECK(p != nullptr);
+    gact_free(p, 0, 0, nullptr);
+    gact_empty_cache();
+  }
+  CHECK_THROWS_WITH_AS((void)gact_torch_alloc(100, 7, nullptr), doctest::Contains("device 7"), std::exception);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
+TEST_CASE("c abi: reset_peak_stats brings the high-water mark down to what is in use") {
+  void* big = gact_alloc(static_cast<ssize_t>(16 * k_mib), 0, nullptr);
+  void* small = gact_alloc(4096, 0, nullptr);
+  REQUIRE((big != nullptr && small != nullptr));
+  gact_free(big, 0, 0, nullptr);
+  CHECK(stat(0, "allocated_bytes.all.peak") >= static_cast<std::int64_t>(16 * k_mib));
+  gact_reset_peak_stats();
+  CHECK(stat(0, "allocated_bytes.all.peak") == stat(0, "allocated_bytes.all.current"));
+  CHECK(stat(0, "allocated_bytes.all.current") == 4096);
+  gact_free(small, 0, 0, nullptr);
+  gact_empty_cache();
+}
+
+TEST_CASE("c abi: one allocator per device, the one process_device_allocators() gives other layers (issue 14)") {
+  void* p = gact_alloc(4096, 0, nullptr);
+  REQUIRE(p != nullptr);
+  gact::alloc::caching_allocator& a = gact::bindings::process_device_allocators().get(0);
+  CHECK(a.owns(p));
+  CHECK(a.stats_name() == "cuda:0");
+  gact_free(p, 4096, 0, nullptr);
+  CHECK_FALSE(a.owns(p));
+}
+
+TEST_CASE("c abi: a default-stream record for device 0 while device 1 is current (issue 14)") {
+  // Stream 0 means the current device's default stream; the allocator of device 0 must
+  // record its event on device 0's, not on that of the device the caller has current.
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  cudaStream_t s = nullptr;
+  REQUIRE(cudaStreamCreate(&s) == cudaSuccess);
+  REQUIRE(fake_cudart_hold(nullptr) == cudaSuccess);  // "a kernel on device 0's default stream still reads p"
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  void* p = gact_alloc(static_cast<ssize_t>(3 * k_mib), 0, s);
+  REQUIRE(p != nullptr);
+  gact_record_stream(p, nullptr);
+  gact_free(p, static_cast<ssize_t>(3 * k_mib), 0, s);
+  void* q = gact_alloc(static_cast<ssize_t>(3 * k_mib), 0, s);
+  CHECK(q != p);  // p waits for device 0's default stream
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 1);  // the caller's device is left as it was
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  REQUIRE(fake_cudart_release(nullptr) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  void* r = gact_alloc(static_cast<ssize_t>(3 * k_mib), 0, s);
+  CHECK(r == p);
+  gact_free(q, 0, 0, s);
+  gact_free(r, 0, 0, s);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  gact_empty_cache();
+  CHECK(cudaStreamDestroy(s) == cudaSuccess);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
 }
 
 TEST_CASE("c abi: stats dump to a file, errors as -1") {

@@ -96,6 +96,69 @@ TEST_CASE("cuda_backend: devices are checked and selected per call") {
   CHECK(be1.name() == "cuda");
 }
 
+TEST_CASE("fake runtime: an event recorded on a stream of another device is an invalid handle") {
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  cudaEvent_t ev = nullptr;
+  REQUIRE(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess);  // device 1's
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudaEventRecord(ev, nullptr) == cudaErrorInvalidResourceHandle);  // device 0's default stream
+  CHECK(cudaGetLastError() == cudaErrorInvalidResourceHandle);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  CHECK(cudaEventRecord(ev, nullptr) == cudaSuccess);
+  CHECK(cudaEventSynchronize(ev) == cudaSuccess);
+  CHECK(cudaEventDestroy(ev) == cudaSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+}
+
+TEST_CASE("cuda_backend: default-stream operations act on the backend's device, whatever is current (issue 14)") {
+  cuda_backend be1(1);
+  auto const ev = be1.create_event();
+  std::size_t const n = 64 * 1024;
+  void* dev = be1.reserve(n);
+  std::vector<unsigned char> src(n, 0x3C), dst(n, 0);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  be1.copy_async(dev, src.data(), n, 0);  // device 1's default stream
+  be1.record(ev, 0);                      // an event of device 1 on device 1's default stream
+  be1.wait(0, ev);
+  be1.copy_async(dst.data(), dev, n, 0);
+  be1.synchronize_stream(0);
+  CHECK(std::memcmp(src.data(), dst.data(), n) == 0);
+  CHECK(be1.query(ev));
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);  // restored after every call
+  be1.release(dev, n);
+  be1.destroy_event(ev);
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
+TEST_CASE("device_guard: switches and restores; a negative device is no device") {
+  auto const& api = direct_cuda_api();
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  std::size_t const sets = fake_cudart_count("cudaSetDevice");
+  {
+    gact::device::device_guard const g(api, 0);  // already current: no switch
+    CHECK(g.previous() == -1);
+  }
+  {
+    gact::device::device_guard const g(-1);  // a CPU tensor: nothing to do
+    CHECK(g.previous() == -1);
+  }
+  CHECK(fake_cudart_count("cudaSetDevice") == sets);
+  {
+    gact::device::device_guard const g(1);
+    CHECK(g.previous() == 0);
+    int current = -1;
+    REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+    CHECK(current == 1);
+  }
+  int current = -1;
+  REQUIRE(cudaGetDevice(&current) == cudaSuccess);
+  CHECK(current == 0);
+  CHECK_THROWS_AS(gact::device::device_guard(api, 5), gact::cuda_error);  // no device 5
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
 TEST_CASE("cuda_backend: copies ordered across streams by events") {
   cuda_backend be(0);
   auto const s1 = be.create_stream();

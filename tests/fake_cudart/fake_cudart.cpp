@@ -67,6 +67,7 @@ struct alloc_info {
 
 /// An event. Invariant: done <= recorded; the event is complete iff done == recorded.
 struct fake_event {
+  int device = 0;              ///< the device current at creation
   std::mutex mu;
   std::condition_variable cv;
   std::uint64_t recorded = 0;  ///< generation of the latest cudaEventRecord
@@ -288,7 +289,7 @@ bool copy_ranges_ok(void* dst, void const* src, std::size_t n, cudaMemcpyKind ki
   return (!dst_dev || device_range_ok_locked(dst, n)) && (!src_dev || device_range_ok_locked(src, n));
 }
 
-cudaError_t allocate(void** p, std::size_t bytes, bool host) {
+cudaError_t allocate(void** p, std::size_t bytes, bool host, int dev = t_device) {
   if (p == nullptr) {
     return fail(cudaErrorInvalidValue);
   }
@@ -297,7 +298,6 @@ cudaError_t allocate(void** p, std::size_t bytes, bool host) {
     return cudaSuccess;
   }
   state& s = st();
-  int const dev = t_device;
   {
     std::lock_guard lk(s.mu);
     if (!host && (bytes > s.capacity || s.used[static_cast<std::size_t>(dev)] > s.capacity - bytes)) {
@@ -572,10 +572,11 @@ cudaError_t CUDARTAPI cudaFree(void* devPtr) {
 
 cudaError_t CUDARTAPI cudaMallocAsync(void** devPtr, size_t size, cudaStream_t hStream) {
   count(__func__);
-  if (resolve_stream(hStream) == nullptr) {
+  fake_stream const* s = resolve_stream(hStream);
+  if (s == nullptr) {
     return fail(cudaErrorInvalidResourceHandle);
   }
-  return allocate(devPtr, size, false);
+  return allocate(devPtr, size, false, s->device);  // the stream's device, not the current one
 }
 
 cudaError_t CUDARTAPI cudaFreeAsync(void* devPtr, cudaStream_t hStream) {
@@ -838,6 +839,7 @@ cudaError_t event_create(cudaEvent_t* event) {
     return fail(cudaErrorInvalidValue);
   }
   auto e = std::make_shared<fake_event>();
+  e->device = t_device;
   state& s = st();
   std::lock_guard lk(s.mu);
   *event = reinterpret_cast<cudaEvent_t>(e.get());
@@ -873,6 +875,9 @@ cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   std::shared_ptr<fake_event> e = resolve_event(event);
   if (s == nullptr || e == nullptr) {
     return fail(cudaErrorInvalidResourceHandle);
+  }
+  if (s->device != e->device) {
+    return fail(cudaErrorInvalidResourceHandle);  // the real runtime refuses a record across devices
   }
   std::uint64_t gen = 0;
   {

@@ -9,6 +9,11 @@
   pkg-config stand-in.
 - The budget split and the timeout: a ``sleep`` cut by a 1 s timeout is marked timeout and
   its process group is gone.
+- Issue 14: the CPU smoke run (``--device cpu``) leaves exactly report.json, report.md and
+  one archive in the report folder, with the ranked stages and the training figures; without
+  the Python module it says so and still runs the fp32 arms; ``--prepare`` prints the command,
+  the paths to carry and a time limit inside one device command; a GPU program exiting 77
+  fails; compute-sanitizer's "Device not supported" is a skip.
 
 Run by ``tools/dev test`` (pytest in tests/python) or directly:
 ``/usr/bin/python3 -m pytest tests/python/test_gpu_check.py``.
@@ -30,8 +35,8 @@ TOOLS = os.path.join(ROOT, "tools")
 SCRIPT = os.path.join(TOOLS, "gpu-check")
 sys.path.insert(0, TOOLS)
 
-from gpu_check import EXIT_NO_GPU, EXIT_USAGE  # noqa: E402
-from gpu_check import deps, pkg_config, report, runner, stages  # noqa: E402
+from gpu_check import EXIT_NO_GPU, EXIT_OK, EXIT_USAGE  # noqa: E402
+from gpu_check import archive, cli, deps, pkg_config, report, runner, stages  # noqa: E402
 
 
 def _has_gpu() -> bool:
@@ -61,7 +66,7 @@ def test_dry_run_without_gpu_exits_3_and_writes_valid_report(tmp_path):
     assert doc["mode"] == "dry-run" and doc["finished"] is True
     assert doc["gpu"]["present"] is False and doc["gpu"]["note"]
     assert doc["overall_pass"] is False and doc["exit_status"] == EXIT_NO_GPU
-    assert doc["stage_order"] == ["build", "tests", "torch", "bench"]
+    assert doc["stage_order"] == ["build", "kernels", "allocator", "train", "sanitizers", "preload", "native", "unit"]
     assert all(doc["stages"][s]["status"] == "skipped" for s in doc["stage_order"])
     assert doc["environment"]["python"] == sys.executable
     assert "report.json" in os.listdir(out) and "report.md" in os.listdir(out)
@@ -85,7 +90,7 @@ def test_out_env_wins_over_outdir_argument(tmp_path):
     (["--budget-s", "abc"], "not a number"),
     (["--budget-s", "1"], "below the minimum"),
     (["--stages", "build,fly"], "unknown stage"),
-    (["--stages", "tests,tests"], "listed twice"),
+    (["--stages", "train,train"], "listed twice"),
     (["--gpu-arch", "sm90"], "not an SM version"),
     (["--no-such-option"], "unrecognized arguments"),
     (["a", "b"], "unrecognized arguments"),
@@ -98,16 +103,16 @@ def test_bad_arguments_are_usage_errors(tmp_path, args, message):
     assert not (tmp_path / "gpu-check-out").exists()
 
 
-def test_stage_list_keeps_pipeline_order():
+def test_stage_list_keeps_rank_order():
     from gpu_check.cli import build_parser
-    ns = build_parser().parse_args(["--stages", "bench,build"])
-    assert ns.stages == ["build", "bench"]
+    ns = build_parser().parse_args(["--stages", "unit,train,build"])
+    assert ns.stages == ["build", "train", "unit"]
 
 
 # ---- report ---------------------------------------------------------------------------------
 
 def _full_report():
-    rep = report.new_report("full", 480, ["build", "tests"])
+    rep = report.new_report("full", 300, ["build", "tests"])
     rep["gpu"] = {"present": True, "model": "NVIDIA H200", "driver": "570.1", "sm": "90", "memory_total_mib": 143771}
     rep["cuda_version"], rep["torch_version"] = "13.0", "2.5.1"
     for name in ("build", "tests"):
@@ -380,8 +385,11 @@ def test_meson_output_parsers():
     assert stages._meson_test_counts(text) == {"ok": 7, "expected_fail": 0, "fail": 1, "skipped": 2, "timeout": 0}
     summ = "gact\n    CUDA host code: YES\n    CUDA kernels  : YES\n    Python module : NO\n"
     assert stages.parse_meson_summary(summ) == {"CUDA host code": "YES", "CUDA kernels": "YES", "Python module": "NO"}
-    figs = stages._bandwidth_figures({"encode": {"gbps": 500.0, "bits": 4}, "rows": [{"decode_GB/s": 700}]})
-    assert figs == {"encode.gbps": 500.0, "rows[0].decode_GB/s": 700.0}
+    assert stages.codec_test_figures("corrupt blobs: 99/100 agree\n5496 checks, 2 failures\n") == {
+        "checks": 5496, "failures": 2, "corrupt_blobs_agree": "99/100"}
+    assert stages.doctest_figures("[doctest] test cases: 6 | 5 passed | 1 failed | 0 skipped") == {
+        "test_cases": 6, "passed": 5, "failed": 1}
+    assert stages.last_json_object('noise\n{"a": 1}\n{broken\n') == {"a": 1}
 
 
 def test_sm_from_capability():
@@ -439,24 +447,192 @@ def test_sigterm_mid_stage_leaves_a_finished_report(tmp_path):
     assert doc["overall_pass"] is False
 
 
-def test_bench_figures_render_beside_their_references(tmp_path):
-    codec = {"rows": [{"bits": 4, "decode_gbps": 1200.0, "dtype": "float32", "encode_gbps": 800.0}]}
-    stages.add_copy_ratios(codec, 2000.0)
-    row = codec["rows"][0]
-    assert row["encode_vs_d2d_copy"] == pytest.approx(0.4) and row["decode_vs_d2d_copy"] == pytest.approx(0.6)
+def _bench_doc(match=True):
+    rows = [{"dtype": "float32", "codec": "quant", "bits": b, "encode_gbps": e, "decode_gbps": d,
+             "encode_vs_d2d_copy": e / 2000.0, "decode_vs_d2d_copy": d / 2000.0, "blob_matches_cpu": match or b != 2,
+             "decode_matches_cpu": True} for b, e, d in ((2, 1700.0, 2400.0), (4, 1500.0, 2200.0))]
+    rows.append({"dtype": "float32", "codec": "raw", "bits": 0, "encode_gbps": 1000.0, "decode_gbps": 1000.0,
+                 "encode_vs_d2d_copy": 0.5, "decode_vs_d2d_copy": 0.5, "blob_matches_cpu": True,
+                 "decode_matches_cpu": True})
+    return {"cuda": {"device": "NVIDIA H200", "numel": 67108864, "d2d_copy_gbps": 2000.0, "target_vs_d2d_copy": 0.8,
+                     "rows": rows}}
+
+
+def test_codec_bench_figures_rank_the_kernel_truths():
+    f = stages.codec_bench_figures(_bench_doc())
+    assert f["quant_encode_vs_copy_min"] == 0.75 and f["quant_decode_vs_copy_min"] == 1.1
+    assert f["quant_meets_target"] is False and f["differ_from_cpu"] == []     # raw's 0.5 is not a quant figure
+    assert stages.codec_bench_figures(_bench_doc(match=False))["differ_from_cpu"] == ["float32/quant/2"]
+    assert "no CUDA device" in stages.codec_bench_figures({"cuda": {"error": "no CUDA device"}})["error"]
+    assert "no 'cuda' section" in stages.codec_bench_figures({"results": []})["error"]
+
+
+def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
     rep = _full_report()
-    rep["stage_order"].append("bench")
-    rep["stages"]["bench"] = report.empty_stage("pass")
-    rep["stages"]["bench"]["figures"] = {
-        "codec": codec, "memory_cap_mib": 4096,
-        "models": {"resnet50": {"arms": {
-            "baseline": {"status": "pass", "samples_per_s": 1000.0, "peak_mib": 4000.0, "max_batch": 64},
-            "bits2": {"status": "pass", "samples_per_s": 700.0, "throughput_vs_baseline": 0.7, "peak_mib": 1000.0,
-                      "peak_vs_baseline": 0.25, "store_ratio": 12.5, "max_batch": 320, "max_batch_vs_baseline": 5.0},
-            "auto_swap": {"status": "unavailable", "error": "NotImplementedError: swap"}}}}}
-    paths = report.write_report(rep, str(tmp_path))
-    md = open(paths["md"]).read()
-    assert "| dtype | bits | decode_gbps | encode_gbps | decode_vs_d2d_copy | encode_vs_d2d_copy |" in md
-    assert "| float32 | 4 | 1,200 | 800 | 0.6 | 0.4 |" in md
-    assert "| resnet50 | bits2 | pass | 700 | 0.7 | 1,000 | 0.25 | 12.50 | 320 | 5.00 |" in md
-    assert "| resnet50 | auto_swap | unavailable |" in md
+    rep["stage_order"] = ["kernels", "train"]
+    rep["stages"] = {"kernels": report.empty_stage("pass"), "train": report.empty_stage("pass")}
+    rep["stages"]["kernels"]["figures"] = {"bit_exact": {"status": "pass", "checks": 5496, "failures": 0,
+                                                         "corrupt_blobs_agree": "2000/2000"},
+                                           "codec_bench": stages.codec_bench_figures(_bench_doc())}
+    arms = {"fp32": {"status": "pass", "step_ms": 100.0, "gact_peak_mib": 8000.0, "grad_cosine": 1.0},
+            "bits2": {"status": "pass", "step_ms": 150.0, "step_time_vs_fp32": 1.5, "gact_peak_mib": 2000.0,
+                      "gact_peak_vs_fp32": 0.25, "store_ratio": 14.0, "grad_cosine": 0.97},
+            "auto_swap": {"status": "skipped", "note": "out of time"}}
+    rep["stages"]["train"]["figures"] = {
+        "models": {"resnet50": {"source": "torchvision.models.resnet50(weights=None)", "arms": arms}},
+        "swap_check": {"resnet50": {"status": "pass", "verdict": "equal", "bitwise_equal": True,
+                                    "rel_l2_swap_vs_no_swap": 0.0, "rel_l2_fp32_run_to_run": 0.0}},
+        "max_batch": {"resnet50": {"fp32": {"max_batch": 96}, "bits2": {"max_batch": 384, "vs_fp32": 4.0}}},
+        "memory_cap_mib": 8192}
+    rep["python_module"] = {"available": True, "reason": ""}
+    md = open(report.write_report(rep, str(tmp_path))["md"]).read()
+    doc = json.loads((tmp_path / "report.json").read_text())
+    t = doc["truths"]
+    assert t[0].startswith("kernels bit-exact with the CPU: yes (test_codecs_gpu: 5496 checks, 0 failures")
+    assert t[1].startswith("kernel throughput vs cudaMemcpyAsync D2D (2,000 GB/s): quant encode >= 0.75x")
+    assert "NOT met" in t[1] and "every blob and decode equal to the CPU's" in t[1]
+    assert t[2].startswith("training through gact.use_allocator() + Compressor: 2/3 arms pass; resnet50 2-bit: "
+                           "step 1.50x of fp32, gact peak 0.25x")
+    assert t[3] == "swap's gradients against swap=False: resnet50 equal"
+    assert t[4] == "largest batch under 8192 MiB: resnet50 fp32 96 -> bits2 384 (4.00x)"
+    assert md.index("## Findings") < md.index("## Kernels beside") < md.index("## Training steps") \
+        < md.index("## Swap") < md.index("## Largest batch") < md.index("## Stages")
+    assert "| float32 | quant | 2 | 1,700 | 0.85 | 2,400 | 1.20 | yes | yes |" in md
+    assert "| resnet50 | bits2 | pass | 150 | 1.50 | 2,000 | 0.25 | – | 14.00 | 0.97 | – |" in md
+    assert "| resnet50 | auto_swap | skipped |" in md and "out of time" in md
+
+
+def test_module_missing_is_said_first_and_fails_a_gpu_run(tmp_path):
+    rep = _full_report()
+    rep["python_module"] = {"available": False, "reason": "/venv/bin/python has no Python.h"}
+    assert report.compute_overall(rep) is False
+    rep["overall_pass"] = False
+    md = open(report.write_report(rep, str(tmp_path))["md"]).read()
+    assert "**Python module: NOT AVAILABLE** (/venv/bin/python has no Python.h)" in md
+    assert json.loads((tmp_path / "report.json").read_text())["truths"][0].startswith(
+        "PYTHON MODULE NOT AVAILABLE: /venv/bin/python has no Python.h")
+
+
+# ---- issue 14: what a short GPU slot needs ----------------------------------------------
+
+def _fake_ctx(tmp_path, **kw):
+    from gpu_check.env import Environment
+    return stages.Context(root=str(tmp_path), work_dir=str(tmp_path / "work"), build_dir=str(tmp_path / "b"),
+                          prefix=str(tmp_path / "p"), deps_dir=str(tmp_path / "d"), env=Environment(), meson_cmd=["meson"],
+                          python=sys.executable, sm="90", cmd_env=dict(os.environ), **kw)
+
+
+def _script(tmp_path, name, body):
+    p = tmp_path / name
+    p.write_text("#!/bin/sh\n" + body + "\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_gpu_program_exiting_77_is_a_failure_not_a_pass(tmp_path):
+    ctx = _fake_ctx(tmp_path)
+    skipped = stages.gpu_program(ctx, "prog", _script(tmp_path, "skip", "echo no device; exit 77"), [], 10, "skip")
+    assert skipped.status == "fail" and "exited 77" in skipped.note
+    ok = stages.gpu_program(ctx, "prog", _script(tmp_path, "ok", "echo fine"), [], 10, "ok")
+    assert ok.status == "pass"
+    assert stages.gpu_program(ctx, "prog", None, [], 10, "none").status == "fail"
+
+
+def test_sanitizer_device_not_supported_is_a_skip_and_quick_mode_is_set(tmp_path):
+    ctx = _fake_ctx(tmp_path)
+    prog = _script(tmp_path, "prog", "exit 0")
+    ctx.targets = {"test_codecs_gpu": prog}
+    unsupported = _script(tmp_path, "cs1", "echo '========= Error: Device not supported'; exit 1")
+    s = stages.sanitizer_step(ctx, unsupported, "memcheck", "test_codecs_gpu", 10)
+    assert s.status == "skipped" and "does not support" in s.note
+    errors = _script(tmp_path, "cs2", 'echo "quick=$GACT_GPU_TEST_QUICK args=$*"; echo "========= ERROR SUMMARY: 3 errors"; exit 86')
+    s = stages.sanitizer_step(ctx, errors, "racecheck", "test_codecs_gpu", 10)
+    assert s.status == "fail" and s.figures["errors"] == 3 and "racecheck reported errors" in s.note
+    text = open(s.log).read()
+    assert "quick=1" in text and "--tool racecheck" in text and "--racecheck-report all" in text and prog in text
+    clean = _script(tmp_path, "cs3", 'echo "========= ERROR SUMMARY: 0 errors"; "$5"')
+    s = stages.sanitizer_step(ctx, clean, "memcheck", "test_codecs_gpu", 10)
+    assert s.status == "pass" and s.figures["errors"] == 0
+
+
+def test_prepare_prints_command_carry_and_a_limit_that_fits_a_device_slot(tmp_path, monkeypatch, capsys):
+    deps_dir = os.path.join(ROOT, ".gpu-deps")
+    monkeypatch.setattr(deps, "prepare", lambda d: {"packages": ["a.deb"] * 7})
+    monkeypatch.setattr(deps, "dir_bytes", lambda d: 1258291)
+    assert cli.main(["--prepare", "--deps-dir", deps_dir]) == EXIT_OK
+    out = capsys.readouterr().out
+    plan = json.loads([ln for ln in out.splitlines() if ln.startswith("plan: ")][0][len("plan: "):])
+    assert plan["command"] == "tools/gpu-check" and plan["carry"] == [".gpu-deps"]
+    assert plan["returns"] == ["report.json", "report.md", "gpu-check-logs.tar.gz"]
+    assert "  command:   tools/gpu-check" in out and '  carry:     [".gpu-deps"]' in out
+    assert f"  timeout_s: {plan['timeout_s']}" in out
+    # One device command is at most 600 s; the run keeps well under 6 minutes so a rerun fits in 15.
+    assert cli.DEFAULT_BUDGET_S <= 330 and plan["timeout_s"] <= 420
+    assert sum(stages.STAGE_CAPS[s] for s in ("build", "kernels", "allocator", "train")) <= cli.DEFAULT_BUDGET_S + 30
+    ns = cli.build_parser().parse_args(["--budget-s", "200"])
+    assert cli.prepare_plan(ns)["command"] == "tools/gpu-check --budget-s 200"
+
+
+def test_archive_keeps_the_end_of_long_logs(tmp_path):
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "results").mkdir()
+    (work / "logs" / "build-compile.log").write_text("x" * 1000 + "the error at the end\n")
+    (work / "results" / "train.json").write_text('{"ok": true}')
+    (work / "results" / "ignored.txt").write_text("not a result")
+    a = archive.write_archive(str(work), str(tmp_path / "out"), max_member_bytes=100)
+    assert os.listdir(tmp_path / "out") == ["gpu-check-logs.tar.gz"]
+    assert a["members"] == ["logs/build-compile.log", "results/train.json"]
+    assert a["truncated"] == ["logs/build-compile.log"]
+    import tarfile
+    with tarfile.open(a["path"]) as tar:
+        log = tar.extractfile("logs/build-compile.log").read().decode()
+    assert log.startswith("[gpu-check: the first") and log.endswith("the error at the end\n")
+
+
+def _build_dir():
+    try:
+        import _gact
+    except ImportError:
+        return None
+    d = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_gact.__file__))))
+    return d if os.path.isfile(os.path.join(d, "build.ninja")) else None
+
+
+@pytest.mark.skipif(_build_dir() is None, reason="run inside `meson devenv -C build` (needs the built _gact)")
+@pytest.mark.parametrize("without_module", [False, True])
+def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, without_module):
+    out = tmp_path / "out"
+    args = [str(out), "--device", "cpu", "--build-dir", _build_dir(), "--work-dir", str(tmp_path / "work"),
+            "--python", sys.executable] + (["--without-module"] if without_module else [])
+    r = _run_script(args, tmp_path, timeout=600)
+    assert r.returncode == EXIT_OK, r.stdout[-2000:] + r.stderr[-2000:]
+    files = sorted(os.listdir(out))
+    assert files == sorted(archive.REPORT_FILES) and len(files) <= 8
+    assert all(os.path.isfile(out / f) for f in files)           # no folders to lose
+    doc = json.loads((out / "report.json").read_text())
+    assert report.validate(doc) == [] and doc["mode"] == "smoke" and doc["overall_pass"] is False
+    assert doc["stage_order"] == stages.STAGES
+    assert {s: doc["stages"][s]["status"] for s in ("build", "train")} == {"build": "pass", "train": "pass"}, \
+        (out / "report.md").read_text()[-3000:]
+    assert all(doc["stages"][s]["status"] == "skipped" for s in stages.GPU_ONLY)
+    assert sorted(doc["archive"]["members"]) == ["logs/train.log", "results/train.json"]
+    models = doc["stages"]["train"]["figures"]["models"]
+    assert sorted(models) == ["bert", "resnet50", "vit"]
+    for mo in models.values():
+        assert list(mo["arms"]) == ["fp32", "bits4", "bits2", "auto", "auto_swap"]
+        assert mo["arms"]["fp32"]["status"] == "pass" and mo["arms"]["fp32"]["grad_cosine"] == 1.0
+    md = (out / "report.md").read_text()
+    assert md.startswith("# gact GPU check: SMOKE")
+    if without_module:
+        assert doc["python_module"]["available"] is False and "--without-module" in doc["python_module"]["reason"]
+        assert "**Python module: NOT AVAILABLE**" in md
+        assert all(mo["arms"]["bits2"]["status"] == "skipped" and "not available" in mo["arms"]["bits2"]["note"]
+                   for mo in models.values())
+        assert doc["stages"]["train"]["figures"]["swap_check"] == {}
+    else:
+        assert doc["python_module"]["available"] is True
+        for m, mo in models.items():
+            assert all(a["status"] == "pass" for a in mo["arms"].values()), json.dumps(mo)[:3000]
+            assert 0.0 < mo["arms"]["bits4"]["grad_cosine"] < 1.0 and mo["arms"]["bits2"]["store_ratio"] > 4
+        assert all(c["verdict"] == "equal" for c in doc["stages"]["train"]["figures"]["swap_check"].values())

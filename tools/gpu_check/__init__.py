@@ -2,18 +2,19 @@
 
 ``tools/gpu-check`` is the entry point; this package holds its logic, split by concern:
 
-- ``cli``       argument parsing and the top-level sequence (detect, prepare deps, stages, report)
+- ``cli``       argument parsing, ``--prepare``'s plan and the top-level sequence (detect, stages, report)
 - ``env``       discovery of tools (meson, ninja, nvcc, compute-sanitizer, python + torch) and the GPU
 - ``deps``      ``--prepare`` (Debian .deb files fetched with apt-get) and their unpacking into
                 a private prefix with pkg-config files meson can use on a host without them
 - ``pkg_config`` a small stdlib pkg-config used when the host has no pkg-config binary
-- ``runner``    the global time budget, its split among stages, and commands run with a timeout
-- ``report``    the versioned JSON report and its Markdown summary, written after every stage
-- ``stages``    the four stages: build, tests, torch, bench
+- ``runner``    the global time budget and commands run with a timeout
+- ``report``    the versioned JSON report, its ranked findings and Markdown summary
+- ``archive``   the one tar.gz of logs and results beside the report (3 files in the report folder)
+- ``stages``    the stages, ranked: build, kernels, allocator, train, sanitizers, preload, native, unit
 
-The torch workloads (``torch_allocator_step.py``, ``preload_train.py``, ``bench_models.py``,
-with models in ``workload_models.py``) are standalone scripts run by the target's Python;
-only they import torch. Everything else is the Python 3.9+ standard library.
+The torch workloads (``train_models.py``, ``preload_train.py``, with models in
+``workload_models.py``) are standalone scripts run by the target's Python; only they import
+torch. Everything else is the Python 3.9+ standard library.
 """
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NO_GPU", "EXIT_ENV"]

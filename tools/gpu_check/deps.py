@@ -418,7 +418,8 @@ def provide(meson_cmd: Sequence[str], prefix: str, deps_dir: str, base_env: Mapp
     """Make meson find spdlog, fmt, nlohmann_json, doctest and pybind11; see the module doc.
 
     @returns {'ok': bool, 'env': the environment for the build, 'native_file': path or None,
-              'deps': {name: {'source', 'version', 'method'}}, 'notes': [...], 'probe_log': tail}.
+              'deps': {name: {'source', 'version', 'method'}}, 'notes': [...], 'probe_log': tail,
+              'not_found': [names meson still does not find] (absent when all are found)}.
     """
     env = dict(base_env)
     notes: List[str] = []
@@ -470,7 +471,7 @@ def provide(meson_cmd: Sequence[str], prefix: str, deps_dir: str, base_env: Mapp
         notes.append(f"missing {', '.join(missing)} and no .deb for {', '.join(absent)} in {deps_dir} "
                      "(run tools/gpu-check --prepare on a Debian 12 machine and carry .gpu-deps/)")
         return {"ok": False, "env": env, "native_file": native, "deps": result_deps, "notes": notes,
-                "probe_log": first["log"], "missing": missing}
+                "probe_log": first["log"], "missing": missing, "not_found": missing}
     versions: Dict[str, str] = {}
     methods = set()
     for p in need_pkgs:
@@ -506,5 +507,6 @@ def provide(meson_cmd: Sequence[str], prefix: str, deps_dir: str, base_env: Mapp
     if second["spdlog_links"] is False:
         ok = False
         notes.append("spdlog does not link even header-only")
+    not_found = [n for n in DEP_NAMES if not second["deps"].get(n, {}).get("found")]
     return {"ok": ok, "env": env, "native_file": native, "deps": result_deps, "notes": notes,
-            "probe_log": second["log"], "missing_on_host": missing}
+            "probe_log": second["log"], "missing_on_host": missing, "not_found": not_found}

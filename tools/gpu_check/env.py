@@ -8,6 +8,7 @@ torch.cuda say about the GPU. A GPU counts as present when either of them sees o
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -124,11 +125,28 @@ def probe_python(py: str, timeout: float = 120.0) -> Dict[str, object]:
     return {"error": f"exit {r.returncode}: {r.stdout[-500:]}"}
 
 
+def python_candidates() -> List[str]:
+    """Interpreters worth probing for torch, most likely first: the active virtual environment,
+    python3 and python on PATH, the usual system ones, this one, then virtual environments in
+    the usual places (a GPU host may keep torch in one that is not activated)."""
+    c = []
+    venv = os.environ.get("VIRTUAL_ENV")
+    if venv:
+        c.append(os.path.join(venv, "bin", "python"))
+    c += [shutil.which("python3"), shutil.which("python"), "/usr/local/bin/python3", "/usr/bin/python3", sys.executable]
+    home = os.path.expanduser("~")
+    for pattern in (os.path.join(home, ".venv"), os.path.join(home, "venv*"), os.path.join(home, "*", ".venv"),
+                    "/opt/*", "/opt/*/venv", "/venv", "/workspace/*", "/workspace/.venv", "/root/.venv"):
+        for d in sorted(glob.glob(pattern)):
+            c.append(os.path.join(d, "bin", "python"))
+    return [x for x in c if x]
+
+
 def choose_python(explicit: Optional[str]) -> Tuple[str, Dict[str, object], Dict[str, object]]:
     """The interpreter for the torch workloads and the Python module.
 
-    With `explicit`, that one. Otherwise the first of (python3 on PATH, /usr/bin/python3, the
-    interpreter running gpu-check) that imports torch, else the first that runs at all.
+    With `explicit`, that one. Otherwise the first of python_candidates() that imports torch,
+    else the first that runs at all.
     @returns (path, its probe, probes of every candidate tried).
     """
     if explicit:
@@ -137,15 +155,15 @@ def choose_python(explicit: Optional[str]) -> Tuple[str, Dict[str, object], Dict
         return path, info, {path: info}
     seen, probes = set(), {}
     first_ok = None
-    for c in (shutil.which("python3"), "/usr/bin/python3", sys.executable):
-        if not c or not os.path.exists(c):
+    for c in python_candidates():
+        if not os.path.exists(c):
             continue
         key = os.path.realpath(c)
         if key in seen:
             continue
         seen.add(key)
         info = probe_python(c)
-        probes[c] = {k: info.get(k) for k in ("version", "torch", "torch_error", "error")}
+        probes[c] = {k: info.get(k) for k in ("version", "torch", "torch_error", "error", "has_python_h")}
         if "error" in info:
             continue
         if first_ok is None:
@@ -247,8 +265,9 @@ def find_compute_sanitizer(path: str, cuda_home: Optional[str]) -> Optional[str]
     return None
 
 
-def discover(python: Optional[str] = None) -> Environment:
-    """Find every tool and describe the GPU. Takes a few seconds (imports torch once per candidate)."""
+def discover(python: Optional[str] = None, probe_gpu: bool = True) -> Environment:
+    """Find every tool and describe the GPU (`probe_gpu` False: assume none, a CPU smoke run).
+    Takes a few seconds (imports torch once per candidate)."""
     env = Environment()
     homes = cuda_home_candidates()
     env.cuda_home = homes[0] if homes else None
@@ -275,5 +294,6 @@ def discover(python: Optional[str] = None) -> Environment:
     if env.tools["nvcc"] and not env.cuda_home:
         env.cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(env.tools["nvcc"])))
     env.nvcc_version = nvcc_release(env.tools["nvcc"])
-    env.gpu = describe_gpu(query_nvidia_smi(env.tools["nvidia-smi"]), env.torch)
+    smi = query_nvidia_smi(env.tools["nvidia-smi"]) if probe_gpu else {"error": "not probed (CPU smoke run)"}
+    env.gpu = describe_gpu(smi, env.torch)
     return env

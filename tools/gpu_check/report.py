@@ -3,35 +3,41 @@
 The document (``report.json``) is rewritten atomically (temp file + rename) after every
 stage, so a run killed from outside still leaves the last complete state. Its shape:
 
-    { "schema_version": 1, "tool": "gact gpu-check", "mode": "full" | "dry-run",
-      "date": "<UTC ISO-8601>", "finished": bool, "budget_s": float,
+    { "schema_version": 2, "tool": "gact gpu-check", "mode": "full" | "dry-run" | "smoke",
+      "device": "cuda" | "cpu", "date": "<UTC ISO-8601>", "finished": bool, "budget_s": float,
       "gpu": { "present": bool, "model", "driver", "compute_cap", "sm", "memory_total_mib", ... },
       "cuda_version": str | null, "torch_version": str | null,
+      "python_module": { "available": bool | null, "reason": str },
       "environment": { "tools": {...}, "missing_required": [...], "deps": {...}, ... },
-      "stage_order": [ "build", ... ],
+      "stage_order": [ "build", "kernels", ... ],
       "stages": { "<name>": { "status", "seconds", "budget_s", "figures", "output_tail",
                                "steps": [ {...}, ... ], "note" } },
+      "truths": [ "<one line per finding, most important first>" ],
+      "archive": { "name", "members", "bytes" } | null,
       "overall_pass": bool, "exit_status": int | null }
 
 Invariant: every stage named in ``stage_order`` has an entry in ``stages`` whose status is
-one of STAGE_STATUSES; ``overall_pass`` is true only when no stage is fail, timeout,
-pending or running. ``validate()`` checks this and the required keys; the writer refuses
-to write a document that fails it (a bug in the check, never in the thing checked).
+one of STAGE_STATUSES; ``overall_pass`` is true only for a full run on a real GPU where no
+stage is fail, timeout, pending or running and the Python module was available.
+``validate()`` checks this and the required keys; the writer refuses to write a document
+that fails it (a bug in the check, never in the thing checked).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import tempfile
 from typing import Dict, Iterable, List, Mapping
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+MODES = ("full", "dry-run", "smoke")
 STAGE_STATUSES = ("pass", "fail", "skipped", "timeout", "pending", "running")
-REQUIRED_KEYS = ("schema_version", "tool", "mode", "date", "finished", "gpu", "cuda_version",
-                 "torch_version", "environment", "stage_order", "stages", "overall_pass",
-                 "exit_status", "budget_s")
+REQUIRED_KEYS = ("schema_version", "tool", "mode", "device", "date", "finished", "gpu", "cuda_version",
+                 "torch_version", "python_module", "environment", "stage_order", "stages", "truths", "archive",
+                 "overall_pass", "exit_status", "budget_s")
 REQUIRED_GPU_KEYS = ("present", "model", "driver")
 REQUIRED_STAGE_KEYS = ("status", "seconds", "figures", "output_tail", "steps")
 
@@ -40,22 +46,26 @@ def utc_now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def new_report(mode: str, budget_s: float, stage_order: Iterable[str]) -> Dict[str, object]:
+def new_report(mode: str, budget_s: float, stage_order: Iterable[str], device: str = "cuda") -> Dict[str, object]:
     """An empty report: every stage pending, overall_pass false, not finished."""
     order = list(stage_order)
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "gact gpu-check",
         "mode": mode,
+        "device": device,
         "date": utc_now_iso(),
         "finished": False,
         "budget_s": float(budget_s),
         "gpu": {"present": False, "model": None, "driver": None},
         "cuda_version": None,
         "torch_version": None,
+        "python_module": {"available": None, "reason": ""},
         "environment": {},
         "stage_order": order,
         "stages": {name: empty_stage() for name in order},
+        "truths": [],
+        "archive": None,
         "overall_pass": False,
         "exit_status": None,
     }
@@ -67,8 +77,11 @@ def empty_stage(status: str = "pending", note: str = "") -> Dict[str, object]:
 
 
 def compute_overall(report: Mapping[str, object]) -> bool:
-    """True when a GPU was present, and every stage passed or was skipped (at least one passed)."""
+    """True for a run on a real GPU where every stage passed or was skipped (at least one passed)
+    and, in a full run, the Python module was available (else torch's checks did not run)."""
     gpu = report.get("gpu") or {}
+    if report.get("mode") == "smoke":
+        return False
     if not isinstance(gpu, Mapping) or not gpu.get("present") or gpu.get("source") == "fake":
         return False
     stages = report.get("stages") or {}
@@ -77,6 +90,8 @@ def compute_overall(report: Mapping[str, object]) -> bool:
         return False
     if report.get("mode") == "dry-run":
         return not (report.get("environment") or {}).get("missing_required")
+    if (report.get("python_module") or {}).get("available") is False:
+        return False
     return "pass" in statuses
 
 
@@ -90,8 +105,10 @@ def validate(report: Mapping[str, object]) -> List[str]:
         return problems
     if report["schema_version"] != SCHEMA_VERSION:
         problems.append(f"schema_version is {report['schema_version']!r}, expected {SCHEMA_VERSION}")
-    if report["mode"] not in ("full", "dry-run"):
+    if report["mode"] not in MODES:
         problems.append(f"mode is {report['mode']!r}")
+    if report["device"] not in ("cuda", "cpu"):
+        problems.append(f"device is {report['device']!r}")
     gpu = report["gpu"]
     if not isinstance(gpu, Mapping):
         problems.append("gpu is not an object")
@@ -99,6 +116,8 @@ def validate(report: Mapping[str, object]) -> List[str]:
         for k in REQUIRED_GPU_KEYS:
             if k not in gpu:
                 problems.append(f"gpu lacks '{k}'")
+    if not isinstance(report["truths"], list) or not all(isinstance(t, str) for t in report["truths"]):
+        problems.append("truths must be a list of strings")
     stages = report["stages"]
     order = report["stage_order"]
     if not isinstance(stages, Mapping) or not isinstance(order, list):
@@ -117,7 +136,7 @@ def validate(report: Mapping[str, object]) -> List[str]:
     if not isinstance(report["overall_pass"], bool):
         problems.append("overall_pass is not a boolean")
     elif report["overall_pass"] and not compute_overall(report):
-        problems.append("overall_pass is true but a stage did not pass (or no GPU)")
+        problems.append("overall_pass is true but a stage did not pass (or no GPU, or no Python module)")
     try:
         json.dumps(report, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -125,13 +144,17 @@ def validate(report: Mapping[str, object]) -> List[str]:
     return problems
 
 
-def _atomic_write(path: str, text: str) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "w"):
+    """Write `path` through a temporary file in its folder, renamed over it when the block ends
+    without an exception (removed otherwise); readable by all (0644)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -141,12 +164,18 @@ def _atomic_write(path: str, text: str) -> None:
         raise
 
 
+def _atomic_write(path: str, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text)
+
+
 def write_report(report: Dict[str, object], outdir: str) -> Dict[str, str]:
-    """Write report.json and report.md into `outdir` (atomically each).
+    """Write report.json and report.md into `outdir` (atomically each), truths refreshed first.
 
     @returns the two paths.
     @throws ValueError listing the problems when the document does not validate.
     """
+    report["truths"] = truths(report)
     problems = validate(report)
     if problems:
         raise ValueError("gpu-check report is invalid: " + "; ".join(problems))
@@ -155,6 +184,87 @@ def write_report(report: Dict[str, object], outdir: str) -> Dict[str, str]:
     _atomic_write(jpath, json.dumps(report, indent=2, sort_keys=False, allow_nan=False) + "\n")
     _atomic_write(mpath, render_markdown(report))
     return {"json": jpath, "md": mpath}
+
+
+# ---- the findings, ranked -------------------------------------------------------------------
+
+def _figs(report: Mapping[str, object], stage: str) -> Mapping[str, object]:
+    st = (report.get("stages") or {}).get(stage) or {}
+    return st.get("figures") or {} if isinstance(st, Mapping) else {}
+
+
+def _status(report: Mapping[str, object], stage: str) -> str:
+    return str(((report.get("stages") or {}).get(stage) or {}).get("status", "not run"))
+
+
+def truths(report: Mapping[str, object]) -> List[str]:
+    """One line per finding, in the order the check ranks them (what a reader needs first)."""
+    out: List[str] = []
+    mod = report.get("python_module") or {}
+    if mod.get("available") is False:
+        out.append(f"PYTHON MODULE NOT AVAILABLE: {mod.get('reason')}. The stages that need it (the Compressor arms "
+                   "of train, the swap check) did not run; everything else did.")
+    k = _figs(report, "kernels")
+    bit = k.get("bit_exact") or {}
+    if bit and "checks" in bit:
+        out.append(f"kernels bit-exact with the CPU: {'yes' if bit.get('status') == 'pass' else 'NO'} "
+                   f"(test_codecs_gpu: {bit.get('checks')} checks, {bit.get('failures', '?')} failures, "
+                   f"corrupt blobs agreeing {bit.get('corrupt_blobs_agree', '?')})")
+    elif bit:
+        out.append(f"kernels bit-exact with the CPU: NOT SHOWN (test_codecs_gpu {bit.get('status')}: "
+                   f"{bit.get('note') or 'no result line'})")
+    cb = k.get("codec_bench") or {}
+    if cb.get("error"):
+        out.append(f"kernel throughput: not measured ({cb['error']})")
+    elif cb:
+        same = "every blob and decode equal to the CPU's" if not cb.get("differ_from_cpu") else \
+            f"DIFFERENT from the CPU: {', '.join(cb['differ_from_cpu'])}"
+        out.append(f"kernel throughput vs cudaMemcpyAsync D2D ({_fmt(cb.get('d2d_copy_gbps'))} GB/s): quant encode "
+                   f">= {_fmt(cb.get('quant_encode_vs_copy_min'))}x, decode >= {_fmt(cb.get('quant_decode_vs_copy_min'))}x "
+                   f"of copy (target {_fmt(cb.get('target_vs_d2d_copy'))}: "
+                   f"{'met' if cb.get('quant_meets_target') else 'NOT met'}); {numel_text(cb.get('numel'))}{same}")
+    a = _figs(report, "allocator")
+    if a:
+        out.append(f"allocator over real cudaMalloc: {_status(report, 'allocator')} "
+                   f"({a.get('passed', '?')}/{a.get('test_cases', '?')} test cases)")
+    t = _figs(report, "train")
+    models = t.get("models") or {}
+    if models:
+        arms = [(m, n, r) for m, mo in models.items() if isinstance(mo, Mapping)
+                for n, r in (mo.get("arms") or {}).items() if isinstance(r, Mapping)]
+        passed = sum(1 for _, _, r in arms if r.get("status") == "pass")
+        line = f"training through {'gact.use_allocator() + ' if report.get('device') == 'cuda' else ''}Compressor: " \
+               f"{passed}/{len(arms)} arms pass"
+        parts = []
+        for m, n, r in arms:
+            if n == "bits2" and r.get("status") == "pass":
+                peak = f", gact peak {_fmt(r['gact_peak_vs_fp32'])}x" if r.get("gact_peak_vs_fp32") else ""
+                parts.append(f"{m} 2-bit: step {_fmt(r.get('step_time_vs_fp32'))}x of fp32{peak}, "
+                             f"grad cosine {_fmt(r.get('grad_cosine'))}")
+        out.append(line + ("; " + "; ".join(parts) if parts else ""))
+    sw = t.get("swap_check") or {}
+    if sw:
+        out.append("swap's gradients against swap=False: " + ", ".join(
+            f"{m} {r.get('verdict') or r.get('status')}" for m, r in sw.items() if isinstance(r, Mapping)))
+    mb = t.get("max_batch") or {}
+    lines = []
+    for m, arms_mb in mb.items():
+        if isinstance(arms_mb, Mapping) and isinstance(arms_mb.get("fp32"), Mapping):
+            base = arms_mb["fp32"].get("max_batch")
+            rest = ", ".join(f"{n} {r.get('max_batch')} ({_fmt(r.get('vs_fp32'))}x)" for n, r in arms_mb.items()
+                             if n != "fp32" and isinstance(r, Mapping) and r.get("max_batch"))
+            lines.append(f"{m} fp32 {base}" + (f" -> {rest}" if rest else ""))
+    if lines:
+        out.append(f"largest batch under {_fmt(t.get('memory_cap_mib'))} MiB: " + "; ".join(lines))
+    for stage in ("sanitizers", "preload", "native", "unit"):
+        st = _status(report, stage)
+        if st not in ("pending", "not run"):
+            out.append(f"{stage}: {st}")
+    return out
+
+
+def numel_text(n: object) -> str:
+    return f"at {n} elements, " if n else ""
 
 
 # ---- Markdown -------------------------------------------------------------------------------
@@ -189,52 +299,35 @@ def _key_figures(figures: Mapping[str, object], limit: int = 6) -> str:
     return ", ".join(parts)
 
 
-_CODEC_ID_COLUMNS = ("device", "dtype", "codec", "bits", "group_size", "threads", "numel")
-
-
-def _codec_columns(row: Mapping[str, object], limit: int = 12) -> List[str]:
-    """Identity columns first, then GB/s figures, then ratios (to references), then the rest."""
-    keys = [k for k in row if not isinstance(row[k], (dict, list))]
-    ident = [k for k in _CODEC_ID_COLUMNS if k in keys]
-    gbps = [k for k in keys if k.endswith("_gbps")]
-    ratios = [k for k in keys if "_vs_" in k]
-    rest = [k for k in keys if k not in ident and k not in gbps and k not in ratios]
-    return (ident + gbps + ratios + rest)[:limit]
-
-
-def _model_table(models: Mapping[str, object]) -> List[str]:
-    lines = ["| model | arm | status | samples/s | vs baseline | peak MiB (torch) | vs baseline | "
-             "store ratio | max batch @ cap | vs baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for mname, m in models.items():
-        if not isinstance(m, Mapping):
-            continue
-        for aname, a in (m.get("arms") or {}).items():
-            if not isinstance(a, Mapping):
-                continue
-            lines.append("| " + " | ".join([
-                mname, aname, _fmt(a.get("status")), _fmt(a.get("samples_per_s")),
-                _fmt(a.get("throughput_vs_baseline")), _fmt(a.get("peak_mib")),
-                _fmt(a.get("peak_vs_baseline")), _fmt(a.get("store_ratio")),
-                _fmt(a.get("max_batch")), _fmt(a.get("max_batch_vs_baseline"))]) + " |")
+def _table(header: List[str], rows: List[List[object]]) -> List[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows]
     return lines
 
 
 def render_markdown(report: Mapping[str, object]) -> str:
-    """A human summary: header, one row per stage, one row per step, benchmark tables, failures."""
+    """A human summary: verdict, the ranked findings, benchmark tables, stages and steps, failures."""
     gpu = report.get("gpu") or {}
     out: List[str] = []
-    verdict = "PASS" if report.get("overall_pass") else ("INCOMPLETE" if not report.get("finished") else "FAIL")
+    if report.get("mode") == "smoke":
+        verdict = "SMOKE (CPU, no GPU: the report's shape, not gact's GPU truth)"
+    else:
+        verdict = "PASS" if report.get("overall_pass") else ("INCOMPLETE" if not report.get("finished") else "FAIL")
     out.append(f"# gact GPU check: {verdict}")
     out.append("")
-    out.append(f"- date: {report.get('date')} ({report.get('mode')}, budget {_fmt(report.get('budget_s'))} s"
-               f"{'' if report.get('finished') else ', not finished'})")
+    out.append(f"- date: {report.get('date')} ({report.get('mode')} on {report.get('device')}, budget "
+               f"{_fmt(report.get('budget_s'))} s{'' if report.get('finished') else ', not finished'})")
     if gpu.get("present"):
         out.append(f"- GPU: {gpu.get('model')} (sm_{gpu.get('sm')}, {_fmt(gpu.get('memory_total_mib'))} MiB), "
                    f"driver {gpu.get('driver')}")
     else:
         out.append(f"- GPU: none found ({gpu.get('note', '')})")
     out.append(f"- CUDA: {report.get('cuda_version')}; torch: {report.get('torch_version')}")
+    mod = report.get("python_module") or {}
+    if mod.get("available") is True:
+        out.append("- Python module: built")
+    elif mod.get("available") is False:
+        out.append(f"- **Python module: NOT AVAILABLE** ({mod.get('reason')})")
     env = report.get("environment") or {}
     if env.get("missing_required"):
         out.append(f"- missing tools: {', '.join(env['missing_required'])}")
@@ -243,8 +336,70 @@ def render_markdown(report: Mapping[str, object]) -> str:
                                                        for k, v in env["deps"].items()))
     if report.get("exit_status") is not None:
         out.append(f"- exit status: {report.get('exit_status')}")
+    arch = report.get("archive") or {}
+    if arch:
+        out.append(f"- logs and results: {arch.get('name')} ({len(arch.get('members') or [])} files)")
+    tr = report.get("truths") or []
+    if tr:
+        out.append("")
+        out.append("## Findings, most important first")
+        out.append("")
+        out += [f"{i}. {t}" for i, t in enumerate(tr, 1)]
+    kf = _figs(report, "kernels")
+    cb = kf.get("codec_bench") or {}
+    if cb.get("rows"):
+        out.append("")
+        out.append(f"## Kernels beside device-to-device copy ({_fmt(cb.get('d2d_copy_gbps'))} GB/s, "
+                   f"{cb.get('numel')} elements)")
+        out.append("")
+        out += _table(["dtype", "codec", "bits", "encode GB/s", "vs copy", "decode GB/s", "vs copy", "blob = CPU",
+                       "decode = CPU"],
+                      [[r.get("dtype"), r.get("codec"), r.get("bits"), r.get("encode_gbps"), r.get("encode_vs_d2d_copy"),
+                        r.get("decode_gbps"), r.get("decode_vs_d2d_copy"), r.get("blob_matches_cpu"),
+                        r.get("decode_matches_cpu")] for r in cb["rows"]])
+    tf = _figs(report, "train")
+    models = tf.get("models") or {}
+    native = (_figs(report, "native").get("models") or {})
+    if models:
+        out.append("")
+        out.append("## Training steps (one fixed batch per model)")
+        out.append("")
+        rows = []
+        for m, mo in models.items():
+            if not isinstance(mo, Mapping):
+                continue
+            for n, r in (mo.get("arms") or {}).items():
+                nat = ((native.get(m) or {}).get("arms") or {}).get(n) or {}
+                rows.append([m, n, r.get("status"), r.get("step_ms"), r.get("step_time_vs_fp32"), r.get("gact_peak_mib"),
+                             r.get("gact_peak_vs_fp32"), nat.get("torch_peak_mib"), r.get("store_ratio"),
+                             r.get("grad_cosine"), r.get("note") or r.get("error")])
+        out += _table(["model", "arm", "status", "step ms", "vs fp32", "gact peak MiB", "vs fp32",
+                       "torch peak MiB (native)", "store ratio", "grad cosine", "note"], rows)
+        srcs = ", ".join(f"{m}: {mo.get('source')}" for m, mo in models.items() if isinstance(mo, Mapping))
+        out.append("")
+        out.append(f"Models: {srcs}.")
+    sw = tf.get("swap_check") or {}
+    if sw:
+        out.append("")
+        out.append("## Swap: gradients with swap=True against swap=False (bits=2, deterministic algorithms)")
+        out.append("")
+        out += _table(["model", "verdict", "bitwise equal", "rel. L2 difference", "fp32 run-to-run"],
+                      [[m, r.get("verdict") or r.get("error"), r.get("bitwise_equal"), r.get("rel_l2_swap_vs_no_swap"),
+                        r.get("rel_l2_fp32_run_to_run")] for m, r in sw.items() if isinstance(r, Mapping)])
+    mb = tf.get("max_batch") or {}
+    if any(isinstance(v, Mapping) and "fp32" in v for v in mb.values()):
+        out.append("")
+        out.append(f"## Largest batch under a {_fmt(tf.get('memory_cap_mib'))} MiB cap (everything on the device, "
+                   "through gact's allocator)")
+        out.append("")
+        out += _table(["model", "arm", "max batch", "vs fp32", "first failing", "cut by deadline"],
+                      [[m, n, r.get("max_batch"), r.get("vs_fp32"), r.get("first_failing_batch"), r.get("cut_by_deadline")]
+                       for m, arms in mb.items() if isinstance(arms, Mapping)
+                       for n, r in arms.items() if isinstance(r, Mapping)])
     out.append("")
-    out.append("| stage | status | seconds | budget s | figures |")
+    out.append("## Stages")
+    out.append("")
+    out.append("| stage | status | seconds | time box s | figures |")
     out.append("|---|---|---|---|---|")
     stages = report.get("stages") or {}
     for name in report.get("stage_order") or []:
@@ -262,30 +417,6 @@ def render_markdown(report: Mapping[str, object]) -> str:
         out.append("| stage | step | status | seconds | note |")
         out.append("|---|---|---|---|---|")
         out.extend(step_rows)
-    bench = (stages.get("bench") or {}).get("figures") or {}
-    codec = bench.get("codec")
-    if isinstance(codec, Mapping) and codec:
-        out.append("")
-        out.append(f"## Codec throughput (gact-bench-codec) beside device-to-device copy "
-                   f"({_fmt(codec.get('d2d_copy_gbps'))} GB/s)")
-        out.append("")
-        rows = codec.get("rows")
-        if isinstance(rows, list) and rows:
-            cols = _codec_columns(rows[0])
-            out.append("| " + " | ".join(cols) + " |")
-            out.append("|" + "---|" * len(cols))
-            for r in rows:
-                out.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
-        else:
-            out.append("```")
-            out.append(json.dumps({k: v for k, v in codec.items() if k != "rows"}, indent=1)[:3000])
-            out.append("```")
-    models = bench.get("models")
-    if isinstance(models, Mapping) and models:
-        out.append("")
-        out.append(f"## Training steps (memory cap {_fmt(bench.get('memory_cap_mib'))} MiB for the batch search)")
-        out.append("")
-        out.extend(_model_table(models))
     failed = [(n, s) for n in (report.get("stage_order") or [])
               for s in ((stages.get(n) or {}).get("steps") or []) if s.get("status") in ("fail", "timeout")]
     if failed:

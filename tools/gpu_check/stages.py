@@ -1,12 +1,25 @@
-"""The four stages of the GPU check: build, tests, torch, bench.
+"""The stages of the GPU check, ranked so that the most important truths come first.
 
-Each stage is a function ``stage_x(ctx, budget) -> StageOutcome`` that runs its steps as
-commands under ``runner.run_command`` with a slice of the stage's budget, and turns their
-output into figures. A stage never raises for a failure of the thing it checks: failures
-become step statuses with the command's output tail. Stages after a failed build are
-skipped (they have nothing to run). Workload scripts write their results as JSON files
-(``--result``), rewritten as they go, so a step cut by its timeout still yields the
-figures it had reached.
+    build       dependencies, meson setup (release, CUDA, the GPU's SM), and only the targets
+                the later stages run; says whether the Python module could be built and why not
+    kernels     test_codecs_gpu (device blobs and decodes = CPU, bit for bit, corrupt blobs) and
+                gact-bench-codec --device cuda (GB/s beside cudaMemcpyAsync device-to-device)
+    allocator   test_allocator_gpu: the caching allocator and the C ABI over real cudaMalloc
+    train       train_models.py under gact.use_allocator(): ResNet-50, a ViT and BERT at fp32 /
+                4 / 2 / auto / auto+swap (step time, gact's peak memory, gradient agreement),
+                swap's gradients against swap=False, the largest batch under a memory cap
+    sanitizers  compute-sanitizer memcheck and racecheck on the GPU programs in quick mode
+    preload     the LD_PRELOAD shim under an unmodified script, in both of torch's modes
+    native      train_models.py on torch's own allocator: torch's peak for fp32 and bits2
+    unit        the rest of the build and `meson test --suite unit` on the GPU host
+
+Each stage is ``stage_x(ctx, budget, out) -> StageOutcome`` and runs its steps as commands
+under ``runner.run_command`` with a slice of the stage's time box. A stage never raises for a
+failure of what it checks: failures become step statuses with the command's output tail. A
+GPU program that exits 77 (meson's "skipped": no device seen) is a failure here. Logs and
+result files go to the work folder (``Context.work_dir``), which ends up in one archive in
+the report folder; workload scripts rewrite their result file as they go, so a step cut by
+its time box still yields what it had measured.
 """
 
 from __future__ import annotations
@@ -25,10 +38,23 @@ from .runner import Budget, StepResult, aggregate_status, read_tail, run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-#: relative weights of the stages in the global budget: the build may use half of it, since
-#: nothing else runs without it; what a stage leaves unused goes to the later ones
-STAGE_WEIGHTS = {"build": 6.0, "tests": 2.0, "torch": 1.5, "bench": 2.5}
-STAGES = list(STAGE_WEIGHTS)
+#: the stages in rank order, each with its time box in seconds; a stage gets the lesser of
+#: its box and what the run has left, so the later ones are the first to go short
+STAGE_CAPS = {"build": 150.0, "kernels": 45.0, "allocator": 20.0, "train": 110.0, "sanitizers": 60.0,
+              "preload": 40.0, "native": 35.0, "unit": 90.0}
+STAGES = list(STAGE_CAPS)
+#: stages that need a GPU (skipped in a CPU smoke run)
+GPU_ONLY = ("kernels", "allocator", "sanitizers", "preload", "native", "unit")
+
+#: the targets the stages run, by meson target name (ninja builds only these before `unit`)
+BUILD_TARGETS = ("test_codecs_gpu", "test_allocator_gpu", "gact-bench-codec", "gact", "gact_preload", "_gact")
+#: a GPU program's exit status that meson counts as skipped
+EXIT_SKIPPED = 77
+#: what compute-sanitizer says on a GPU it cannot instrument
+SANITIZER_UNSUPPORTED = re.compile(r"device not supported|not supported on this (device|platform)", re.I)
+#: environment of the torch workloads: no downloads, deterministic cuBLAS when asked for
+WORKLOAD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+                "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass
@@ -36,7 +62,7 @@ class Context:
     """What every stage needs: paths, the chosen tools, the environment for commands, options."""
 
     root: str                    # repository root
-    outdir: str                  # where report.json and logs/ go
+    work_dir: str                # logs/ and results/ (archived into the report folder)
     build_dir: str               # build-gpu (absolute)
     prefix: str                  # private prefix for dependencies (absolute)
     deps_dir: str                # .gpu-deps (absolute)
@@ -44,17 +70,32 @@ class Context:
     meson_cmd: List[str]
     python: str
     sm: str
-    memory_cap_gib: float = 4.0
-    codec_bench_args: List[str] = field(default_factory=lambda: ["--json"])
+    device: str = "cuda"         # "cpu": the smoke run (--device cpu)
+    tiny: bool = False
+    memory_cap_gib: float = 8.0
     cmd_env: Dict[str, str] = field(default_factory=dict)
     native_file: Optional[str] = None
     build_ok: Optional[bool] = None
     meson_summary: Dict[str, str] = field(default_factory=dict)
+    targets: Dict[str, str] = field(default_factory=dict)    # meson target name -> built file
+    module_ok: Optional[bool] = None
+    module_reason: str = ""
+    without_module: bool = False
     on_step: Optional[Callable[[], None]] = None
     jobs: Optional[int] = None
 
     def log(self, name: str) -> str:
-        return os.path.join(self.outdir, "logs", name + ".log")
+        return os.path.join(self.work_dir, "logs", name + ".log")
+
+    def result(self, name: str) -> str:
+        path = os.path.join(self.work_dir, "results", name + ".json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def built(self, name: str) -> Optional[str]:
+        """The file of target `name` when it exists on disk."""
+        p = self.targets.get(name)
+        return p if p and os.path.exists(p) else None
 
 
 @dataclass
@@ -78,6 +119,32 @@ def _skip(name: str, note: str) -> StepResult:
     return StepResult(name, "skipped", note=note)
 
 
+def ensure_built(ctx: Context, out: StageOutcome, budget: Budget, names: Sequence[str]) -> None:
+    """Build what this stage needs and the build stage did not get to (its time box ran out),
+    with at most 70 % of the stage's time; a no-op when everything is there."""
+    missing = [n for n in names if n in ctx.targets and not ctx.built(n)]
+    if not missing or ctx.device == "cpu":
+        return
+    ninja = ctx.env.tools.get("ninja") or "ninja"
+    rel = [os.path.relpath(ctx.targets[n], ctx.build_dir) for n in missing]
+    step = out.add(run_command(f"finish building {', '.join(missing)}", [ninja, "-C", ctx.build_dir, "-k", "0"] + rel,
+                               0.7 * budget.remaining(), ctx.log("build-more-" + "-".join(missing)),
+                               env=ctx.cmd_env, cwd=ctx.root), ctx)
+    if "_gact" in missing:
+        module_verdict(ctx, step.status)
+
+
+def _cannot_run(ctx: Context, out: StageOutcome, torch: bool = False) -> bool:
+    """True (with the stage's note set) when there is no build, or `torch` is wanted and missing."""
+    if not ctx.build_ok:
+        out.note = "skipped: no successful build"
+    elif torch and not ctx.env.torch:
+        out.note = f"skipped: torch is not importable by {ctx.python}"
+    else:
+        return False
+    return True
+
+
 def _read_json(path: str) -> Optional[object]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -99,11 +166,39 @@ def _meson_test_counts(text: str) -> Dict[str, int]:
 def parse_meson_summary(text: str) -> Dict[str, str]:
     """'CUDA kernels: YES' style lines of meson's summary() (section gact)."""
     out: Dict[str, str] = {}
-    for key in ("CUDA host code", "CUDA kernels", "Python module", "sanitizers"):
+    for key in ("CUDA host code", "CUDA kernels", "Python module", "sanitizers", "CUDA runtime RUNPATH"):
         m = re.findall(rf"^\s*{re.escape(key)}\s*:\s*(\S+)", text, flags=re.M)
         if m:
             out[key] = m[-1]
     return out
+
+
+def read_targets(build_dir: str) -> Dict[str, str]:
+    """Meson target name -> its first output file, from the build's introspection data."""
+    doc = _read_json(os.path.join(build_dir, "meson-info", "intro-targets.json"))
+    out: Dict[str, str] = {}
+    if isinstance(doc, list):
+        for t in doc:
+            if isinstance(t, dict) and t.get("filename"):
+                name = str(t.get("name"))
+                if name.startswith("_gact."):
+                    name = "_gact"          # the extension module's target carries the ABI suffix
+                out.setdefault(name, str(t["filename"][0]))
+    return out
+
+
+def gpu_program(ctx: Context, name: str, exe: Optional[str], args: Sequence[str], timeout: float, logname: str,
+                extra_env: Optional[Mapping[str, str]] = None) -> StepResult:
+    """Run a GPU test program; exit 77 ("no device") is a failure on a GPU host."""
+    if not exe:
+        return StepResult(name, "fail", note="not built (see the build stage)")
+    step = run_command(name, [exe] + list(args), timeout, ctx.log(logname), env=dict(ctx.cmd_env, **(extra_env or {})),
+                       cwd=ctx.root)
+    if step.returncode == EXIT_SKIPPED:
+        step.status = "fail"
+        step.note = ("exited 77 (skipped): the program saw no CUDA device; on a GPU host a skipped GPU test "
+                     "is a failure, not a pass")
+    return step
 
 
 # ---- build ----------------------------------------------------------------------------------
@@ -119,13 +214,47 @@ def provide_deps(ctx: Context) -> StepResult:
                           output_tail=f"{type(exc).__name__}: {exc}")
     ctx.cmd_env = res["env"]
     ctx.native_file = res.get("native_file")
-    step = StepResult("dependencies", "pass" if res["ok"] else "fail", time.monotonic() - t0,
+    not_found = list(res.get("not_found") or [])
+    ok = res["ok"] or not_found == ["pybind11"]     # pybind11 is needed by the Python module only
+    step = StepResult("dependencies", "pass" if ok else "fail", time.monotonic() - t0,
                       output_tail=res.get("probe_log", "")[-3000:], note="; ".join(res.get("notes", [])),
-                      figures={"deps": res.get("deps", {})})
+                      figures={"deps": res.get("deps", {}), "not_found": not_found})
     return step
 
 
+def module_verdict(ctx: Context, compiled: object) -> None:
+    """Set ctx.module_ok / module_reason after a build step whose status is `compiled`
+    (True/"pass", "timeout", or False/"fail")."""
+    if ctx.without_module:
+        ctx.module_ok, ctx.module_reason = False, "not used (--without-module)"
+    elif ctx.env.python_info.get("has_python_h") is False:
+        ctx.module_ok = False
+        ctx.module_reason = (f"{ctx.python} has no Python.h: the Python headers are missing on this host, so the "
+                             "_gact module cannot be built")
+    elif ctx.meson_summary.get("Python module", "").upper() in ("NO", "FALSE"):
+        ctx.module_ok = False
+        ctx.module_reason = "meson did not configure the Python module (pybind11 or the Python installation not found)"
+    elif "_gact" not in ctx.targets:
+        ctx.module_ok, ctx.module_reason = False, "the Python module is not in this build"
+    elif not ctx.built("_gact"):
+        ctx.module_ok = False
+        ctx.module_reason = ("the build ran out of its time box before the Python module" if compiled == "timeout"
+                             else "the Python module did not compile (see the build log)")
+    else:
+        ctx.module_ok, ctx.module_reason = True, ""
+
+
 def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if ctx.device == "cpu":
+        # The smoke run uses the build folder as it is (the suite's own build).
+        ok = os.path.isfile(os.path.join(ctx.build_dir, "build.ninja"))
+        ctx.build_ok = ok
+        ctx.targets = read_targets(ctx.build_dir) if ok else {}
+        out.add(StepResult("existing build", "pass" if ok else "fail",
+                           note=f"smoke run: {ctx.build_dir} as it is" if ok else f"no build in {ctx.build_dir}"), ctx)
+        module_verdict(ctx, ok)
+        out.figures["python_module"] = {"available": ctx.module_ok, "reason": ctx.module_reason}
+        return out
     b = budget.child(budget.remaining(), [0.5, 1.0, 6.0])
     b.take()
     dep_step = out.add(provide_deps(ctx), ctx)
@@ -135,11 +264,11 @@ def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         out.add(_skip("meson setup", "dependencies missing"))
         out.add(_skip("compile", "dependencies missing"))
         return out
-    opts = ["-Dbuildtype=release", "-Dcuda=enabled", f"-Dgpu_arch={ctx.sm}", f"-Dpython_exe={ctx.python}"]
-    if ctx.env.python_info.get("has_python_h") is False:
-        # Without Python.h the extension cannot build; the C++ suites still can.
+    opts = ["-Dbuildtype=release", "-Dcuda=enabled", f"-Dgpu_arch={ctx.sm}", f"-Dpython_exe={ctx.python}",
+            "-Dwerror=false"]
+    if (ctx.env.python_info.get("has_python_h") is False or "pybind11" in dep_step.figures.get("not_found", [])
+            or ctx.without_module):
         opts.append("-Dpython=disabled")
-        out.note = f"{ctx.python} has no Python.h: the Python module is not built (torch stage will fail)"
     if ctx.native_file:
         opts += ["--native-file", ctx.native_file]
     reconf = []
@@ -155,97 +284,263 @@ def stage_build(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         ctx.build_ok = False
         out.add(_skip("compile", "meson setup failed"))
         return out
+    ctx.targets = read_targets(ctx.build_dir)
+    wanted = [os.path.relpath(ctx.targets[t], ctx.build_dir) for t in BUILD_TARGETS if t in ctx.targets]
     ninja = ctx.env.tools.get("ninja") or "ninja"
     jobs = ["-j", str(ctx.jobs)] if ctx.jobs else []
-    comp = out.add(run_command("compile", [ninja, "-C", ctx.build_dir] + jobs, b.take(), ctx.log("build-compile"),
-                               env=ctx.cmd_env, cwd=ctx.root), ctx)
+    # -k 0: a target that fails (the module, say) does not stop the others
+    comp = out.add(run_command("compile", [ninja, "-C", ctx.build_dir, "-k", "0"] + jobs + wanted, b.take(),
+                               ctx.log("build-compile"), env=ctx.cmd_env, cwd=ctx.root), ctx)
     m = re.findall(r"\[(\d+)/(\d+)\]", comp.output_tail)
     if m:
         out.figures["ninja_steps"] = int(m[-1][1])
     out.figures["compile_s"] = round(comp.seconds, 1)
-    ctx.build_ok = comp.status == "pass"
+    out.figures["targets"] = {t: bool(ctx.built(t)) for t in BUILD_TARGETS}
+    module_verdict(ctx, comp.status)
+    if comp.status != "pass" and ctx.module_ok is False and all(ctx.built(t) for t in BUILD_TARGETS if t != "_gact"):
+        comp.status = "pass"       # only the module failed: reported below
+        comp.note = "every target but the Python module built"
+    ctx.build_ok = True   # configured: a later stage finishes building what it needs (ensure_built)
+    module = StepResult("Python module", "pass" if ctx.module_ok else "fail",
+                        note=ctx.module_reason or f"{ctx.built('_gact')}")
+    out.add(module, ctx)
+    out.figures["python_module"] = {"available": ctx.module_ok, "reason": ctx.module_reason}
     return out
 
 
-# ---- tests ----------------------------------------------------------------------------------
+# ---- kernels and allocator ------------------------------------------------------------------
 
-def _meson_test(ctx: Context, name: str, args: Sequence[str], timeout: float, logbase: str,
-                extra_env: Optional[Mapping[str, str]] = None) -> StepResult:
-    cmd = ctx.meson_cmd + ["test", "-C", ctx.build_dir, "--no-rebuild", "--print-errorlogs",
-                           "--logbase", logbase] + list(args)
-    env = dict(ctx.cmd_env, **(extra_env or {}))
-    step = run_command(name, cmd, timeout, ctx.log("tests-" + logbase), env=env, cwd=ctx.root)
-    counts = _meson_test_counts(read_tail(step.log or "", 20000))
-    step.figures.update(counts)
-    if step.status == "pass" and counts.get("ok", 0) == 0:
+def codec_test_figures(text: str) -> Dict[str, object]:
+    """'N checks, M failures' and 'corrupt blobs: a/b agree' of test_codecs_gpu's output."""
+    f: Dict[str, object] = {}
+    m = re.findall(r"(\d+) checks, (\d+) failures", text)
+    if m:
+        f["checks"], f["failures"] = int(m[-1][0]), int(m[-1][1])
+    m = re.findall(r"corrupt blobs: (\d+)/(\d+) agree", text)
+    if m:
+        f["corrupt_blobs_agree"] = f"{m[-1][0]}/{m[-1][1]}"
+    return f
+
+
+def last_json_object(text: str) -> Optional[dict]:
+    """The last line of `text` that parses as a JSON object."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict):
+                return doc
+    return None
+
+
+def codec_bench_figures(doc: Mapping[str, object]) -> Dict[str, object]:
+    """The CUDA half of gact-bench-codec --json, reduced to what the report ranks first."""
+    cuda = doc.get("cuda") if isinstance(doc.get("cuda"), Mapping) else {}
+    if not cuda:
+        return {"error": "gact-bench-codec printed no 'cuda' section"}
+    if cuda.get("error"):
+        return {"error": str(cuda["error"])}
+    rows = [r for r in cuda.get("rows") or [] if isinstance(r, Mapping)]
+    quant = [r for r in rows if r.get("codec") == "quant"]
+    target = float(cuda.get("target_vs_d2d_copy") or 0.8)
+    f: Dict[str, object] = {
+        "device": cuda.get("device"), "numel": cuda.get("numel"), "d2d_copy_gbps": cuda.get("d2d_copy_gbps"),
+        "target_vs_d2d_copy": target,
+        "rows": [{k: r.get(k) for k in ("dtype", "codec", "bits", "encode_gbps", "decode_gbps", "encode_vs_d2d_copy",
+                                        "decode_vs_d2d_copy", "blob_matches_cpu", "decode_matches_cpu")} for r in rows],
+        "differ_from_cpu": [f"{r.get('dtype')}/{r.get('codec')}/{r.get('bits')}" for r in rows
+                            if not (r.get("blob_matches_cpu") and r.get("decode_matches_cpu"))],
+    }
+    if quant:
+        enc = [float(r["encode_vs_d2d_copy"]) for r in quant]
+        dec = [float(r["decode_vs_d2d_copy"]) for r in quant]
+        f.update(quant_encode_vs_copy_min=round(min(enc), 3), quant_decode_vs_copy_min=round(min(dec), 3),
+                 quant_meets_target=bool(min(enc) >= target and min(dec) >= target))
+    return f
+
+
+def stage_kernels(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out):
+        return out
+    ensure_built(ctx, out, budget, ["test_codecs_gpu", "gact-bench-codec"])
+    b = budget.child(budget.remaining(), [1.2, 1.0])
+    step = out.add(gpu_program(ctx, "test_codecs_gpu (GPU = CPU, bit for bit)", ctx.built("test_codecs_gpu"), [],
+                               b.take(), "kernels-test-codecs-gpu"), ctx)
+    step.figures.update(codec_test_figures(read_tail(step.log or "", 20000)))
+    out.figures["bit_exact"] = dict(step.figures, status=step.status, note=step.note)
+    bench = gpu_program(ctx, "gact-bench-codec --device cuda", ctx.built("gact-bench-codec"),
+                        ["--device", "cuda", "--json", "--reps", "5"] + (["--cuda-numel", "1048576"] if ctx.tiny else []),
+                        b.take(), "kernels-bench-codec")
+    doc = last_json_object(read_tail(bench.log or "", 200000)) if bench.log else None
+    if doc is not None:
+        with open(ctx.result("bench_codec"), "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        figs = codec_bench_figures(doc)
+        out.figures["codec_bench"] = figs
+        if figs.get("error"):
+            bench.status, bench.note = "fail", str(figs["error"])
+        elif figs.get("differ_from_cpu"):
+            bench.status = "fail"
+            bench.note = "the device's blob or decode differs from the CPU's for " + ", ".join(figs["differ_from_cpu"])
+        else:
+            bench.figures = {k: figs.get(k) for k in ("d2d_copy_gbps", "quant_encode_vs_copy_min",
+                                                       "quant_decode_vs_copy_min", "quant_meets_target")}
+    elif bench.status == "pass":
+        bench.status, bench.note = "fail", "gact-bench-codec --json printed no JSON document"
+    out.add(bench, ctx)
+    return out
+
+
+def doctest_figures(text: str) -> Dict[str, object]:
+    m = re.findall(r"test cases:\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed", text)
+    return {"test_cases": int(m[-1][0]), "passed": int(m[-1][1]), "failed": int(m[-1][2])} if m else {}
+
+
+def stage_allocator(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out):
+        return out
+    ensure_built(ctx, out, budget, ["test_allocator_gpu"])
+    step = out.add(gpu_program(ctx, "test_allocator_gpu (real cudaMalloc, C ABI)", ctx.built("test_allocator_gpu"),
+                               [], budget.remaining(), "allocator-test"), ctx)
+    step.figures.update(doctest_figures(read_tail(step.log or "", 20000)))
+    out.figures = dict(step.figures)
+    return out
+
+
+# ---- torch workloads ------------------------------------------------------------------------
+
+def _python_step(ctx: Context, name: str, script: str, args: Sequence[str], timeout: float, logname: str,
+                 result: str, devenv: bool, extra_env: Optional[Mapping[str, str]] = None) -> StepResult:
+    """Run a workload script with the target Python; its result file decides pass/fail."""
+    cmd = [ctx.python, os.path.join(HERE, script), "--result", result] + list(args)
+    if devenv:
+        cmd = ctx.meson_cmd + ["devenv", "-C", ctx.build_dir, "--workdir", HERE] + cmd
+    env = dict(ctx.cmd_env)
+    env.update(extra_env or {})
+    try:
+        os.unlink(result)
+    except OSError:
+        pass
+    step = run_command(name, cmd, timeout, ctx.log(logname), env=env, cwd=HERE if not devenv else ctx.root)
+    # Shown with the variables this step adds, so the command can be rerun by hand.
+    step.command = [f"{k}={v}" for k, v in (extra_env or {}).items()] + list(step.command or cmd)
+    res = _read_json(result)
+    if isinstance(res, dict):
+        step.figures.update(res.get("figures", {}))
+        if not res.get("ok", False):
+            if step.status == "pass":
+                step.status = "fail"
+            step.note = str(res.get("error") or "the workload reported failure")[:500]
+    elif step.status == "pass":
         step.status = "fail"
-        step.note = "meson test ran no test"
+        step.note = "the workload wrote no result"
     return step
 
 
-def count_suite(ctx: Context, suite: str) -> Optional[int]:
-    """How many tests `suite` has in the build (None if meson cannot list them)."""
-    import subprocess
-    try:
-        r = subprocess.run(ctx.meson_cmd + ["test", "-C", ctx.build_dir, "--no-rebuild", "--list", "--suite", suite],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                           env=ctx.cmd_env, cwd=ctx.root, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if "No suitable tests" in r.stdout or "No tests defined" in r.stdout:
-        return 0
-    if r.returncode != 0:
-        return None
-    return len([ln for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith(("WARNING", "ninja"))])
+def _train_args(ctx: Context, timeout: float, allocator: str) -> List[str]:
+    args = ["--device", ctx.device, "--allocator", allocator, "--deadline-s", f"{max(5.0, timeout - 12.0):.0f}",
+            "--memory-cap-gib", str(ctx.memory_cap_gib)]
+    if ctx.tiny:
+        args += ["--tiny", "--steps", "1", "--warmup", "1"]
+    if not ctx.module_ok:
+        args += ["--no-module", "--module-note", f"the Python module is not available: {ctx.module_reason}"]
+        if allocator == "gact" and ctx.built("gact"):
+            args += ["--library", ctx.built("gact") or ""]
+    return args
 
 
-def stage_tests(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
-    if not ctx.build_ok:
-        out.note = "skipped: no successful build"
+def stage_train(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out, torch=True):
         return out
-    b = budget.child(budget.remaining(), [6.0, 2.0, 2.0])   # the suites first; the sanitizers share the rest
-    n_gpu = count_suite(ctx, "gpu")
-    out.figures["gpu_suite_tests"] = n_gpu
-    step = out.add(_meson_test(ctx, "meson test (gpu + unit)", ["--suite", "gpu", "--suite", "unit"], b.take(),
-                               "gpucheck-tests"), ctx)
-    if n_gpu == 0:
-        step.status = "fail"
-        step.note = (step.note + "; " if step.note else "") + "the 'gpu' suite has no tests in this build"
-    out.figures["tests"] = dict(step.figures)
-    cs = ctx.env.tools.get("compute-sanitizer")
-    for tool in ("memcheck", "racecheck"):
-        t = b.take()
-        if not cs:
-            out.add(_skip(f"compute-sanitizer {tool}", "compute-sanitizer not found in the CUDA toolkit"), ctx)
-            continue
-        if not n_gpu:
-            out.add(_skip(f"compute-sanitizer {tool}", "no gpu suite to run under it"), ctx)
-            continue
-        wrapper = f"{shlex.quote(cs)} --tool {tool} --error-exitcode 86"
-        if tool == "racecheck":
-            wrapper += " --racecheck-report all"
-        # GACT_GPU_TEST_QUICK: GPU test programs may run a reduced matrix under a sanitizer.
-        s = out.add(_meson_test(ctx, f"compute-sanitizer {tool}",
-                                ["--suite", "gpu", "--wrapper", wrapper, "--timeout-multiplier", "20"], t,
-                                "gpucheck-" + tool, {"GACT_GPU_TEST_QUICK": "1"}), ctx)
-        out.figures[tool] = dict(s.figures)
+    ensure_built(ctx, out, budget, ["_gact", "gact"])
+    t = budget.remaining()
+    allocator = "gact" if ctx.device == "cuda" else "torch"
+    if allocator == "gact" and not ctx.module_ok and not ctx.built("gact"):
+        out.note = "skipped: neither the Python module nor libgact.so was built"
+        return out
+    step = _python_step(ctx, "training through gact (use_allocator + Compressor)", "train_models.py",
+                        _train_args(ctx, t, allocator), t, "train", ctx.result("train"), devenv=bool(ctx.module_ok),
+                        extra_env=WORKLOAD_ENV)
+    figs = dict(step.figures)
+    step.figures = {k: figs.get(k) for k in ("device", "torch", "allocator", "gact_allocations_on_device",
+                                            "gact_num_ooms") if k in figs}
+    out.figures = {k: figs.get(k) for k in ("models", "swap_check", "max_batch", "memory_cap_mib", "arms",
+                                           "python_module", "allocator") if k in figs}
+    if not ctx.module_ok:
+        out.note = f"Python module not available ({ctx.module_reason}): only the fp32 arms ran"
+    out.add(step, ctx)
     return out
 
 
-# ---- torch ----------------------------------------------------------------------------------
+def stage_native(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out, torch=True):
+        return out
+    t = budget.remaining()
+    args = _train_args(ctx, t, "torch") + ["--arms", "fp32,bits2", "--no-swap-check", "--max-batch-arms", ""]
+    step = _python_step(ctx, "training on torch's own allocator (torch's peak)", "train_models.py", args, t,
+                        "native", ctx.result("native"), devenv=bool(ctx.module_ok), extra_env=WORKLOAD_ENV)
+    figs = dict(step.figures)
+    step.figures = {k: figs.get(k) for k in ("device", "torch") if k in figs}
+    out.figures = {"models": figs.get("models", {})}
+    out.add(step, ctx)
+    return out
 
-def find_file(build_dir: str, name: str, preferred: Sequence[str] = ()) -> Optional[str]:
-    """`name` under `build_dir`: the first of `preferred` (relative) that exists, else a search."""
-    for p in preferred:
-        full = os.path.join(build_dir, p)
-        if os.path.exists(full):
-            return full
-    for d, dirs, files in os.walk(build_dir):
-        dirs[:] = [x for x in dirs if not x.startswith("meson-") and not x.endswith(".p")]
-        if name in files:
-            return os.path.join(d, name)
-    return None
 
+# ---- sanitizers -----------------------------------------------------------------------------
+
+def sanitizer_step(ctx: Context, cs: str, tool: str, target: str, timeout: float) -> StepResult:
+    """One compute-sanitizer run in quick mode; 'device not supported' is a skip."""
+    name = f"compute-sanitizer {tool} {target}"
+    exe = ctx.built(target)
+    if not exe:
+        return StepResult(name, "fail", note="not built (see the build stage)")
+    cmd = [cs, "--tool", tool, "--error-exitcode", "86"]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "all"]
+    step = run_command(name, cmd + [exe], timeout, ctx.log(f"sanitizer-{tool}-{target}"),
+                       env=dict(ctx.cmd_env, GACT_GPU_TEST_QUICK="1"), cwd=ctx.root)
+    text = read_tail(step.log or "", 20000)
+    m = re.findall(r"ERROR SUMMARY:\s*(\d+) error", text)
+    if m:
+        step.figures["errors"] = int(m[-1])
+    if step.status != "pass" and SANITIZER_UNSUPPORTED.search(text):
+        step.status = "skipped"
+        step.note = "compute-sanitizer does not support this device"
+    elif step.returncode == EXIT_SKIPPED:
+        step.status = "fail"
+        step.note = "the program saw no CUDA device under the sanitizer (exit 77)"
+    elif step.returncode == 86:
+        step.note = f"{tool} reported errors"
+    return step
+
+
+def stage_sanitizers(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out):
+        return out
+    cs = ctx.env.tools.get("compute-sanitizer")
+    runs = [("memcheck", "test_codecs_gpu"), ("racecheck", "test_codecs_gpu"), ("memcheck", "test_allocator_gpu")]
+    if not cs:
+        for tool, target in runs:
+            out.add(_skip(f"compute-sanitizer {tool} {target}", "compute-sanitizer not found in the CUDA toolkit"), ctx)
+        return out
+    ensure_built(ctx, out, budget, ["test_codecs_gpu", "test_allocator_gpu"])
+    # the codec program launches kernels (racecheck is the slowest); the allocator program launches none
+    b = budget.child(budget.remaining(), [1.5, 1.8, 0.7])
+    for tool, target in runs:
+        step = out.add(sanitizer_step(ctx, cs, tool, target, b.take()), ctx)
+        out.figures[f"{tool}/{target}"] = {"status": step.status, **step.figures}
+        if step.status == "skipped" and "does not support" in step.note:
+            for t2, g2 in runs[runs.index((tool, target)) + 1:]:
+                out.add(_skip(f"compute-sanitizer {t2} {g2}", step.note), ctx)
+                b.take()
+            break
+    return out
+
+
+# ---- preload shim ---------------------------------------------------------------------------
 
 #: allocator counters under "errors" that are not failures: a 0-byte request is answered with
 #: nullptr, as cudaMalloc does, and torch may legitimately make one
@@ -292,66 +587,32 @@ def check_stats_dump(path: str, expect_calls: Optional[str] = None) -> Dict[str,
                     errors += int(v)
         peaks[name] = a.get("allocated_bytes.all.peak")
     res.update(allocations=allocs, allocated_bytes_total=bytes_alloc, errors=errors, error_counters=counters,
-               peak_bytes=peaks, allocators=sorted(allocators))
-    if allocs <= 0 and bytes_alloc <= 0:
-        problems.append("no allocation counted (allocation.all.allocated and allocated_bytes.all.allocated are 0)")
+               peaks=peaks)
+    if allocs <= 0:
+        problems.append("the dump counts no allocation")
     if errors:
-        problems.append(f"{errors} allocator error(s) counted: {counters}")
-    if expect_calls is not None:
+        problems.append(f"{errors} allocator error(s): " + ", ".join(f"{k}={v}" for k, v in counters.items()
+                                                                     if v and k not in BENIGN_ERROR_COUNTERS))
+    if expect_calls:
         pre = doc.get("preload")
         if not isinstance(pre, dict):
-            problems.append("stats dump has no preload section (the shim did not run)")
+            problems.append("no preload section in the dump (was the shim loaded?)")
         else:
-            res["preload"] = {k: v for k, v in pre.items() if isinstance(v, (int, float))}
-            if int(pre.get(expect_calls, 0) or 0) <= 0:
-                problems.append(f"the shim intercepted no call counted in preload.{expect_calls}")
-            if int(pre.get("failed_allocs", 0) or 0) > 0:
-                problems.append(f"{pre.get('failed_allocs')} allocation(s) failed in the shim")
+            res["preload"] = {k: v for k, v in pre.items() if isinstance(v, (int, float, str, bool))}
+            if not int(pre.get(expect_calls, 0) or 0):
+                problems.append(f"preload.{expect_calls} is 0: the shim took no call of this kind")
+            if int(pre.get("failed_allocs", 0) or 0):
+                problems.append(f"preload.failed_allocs = {pre.get('failed_allocs')}")
     res["ok"] = not problems
     return res
 
 
-def _python_step(ctx: Context, name: str, script: str, args: Sequence[str], timeout: float, logname: str,
-                 result: str, devenv: bool, extra_env: Optional[Mapping[str, str]] = None) -> StepResult:
-    cmd = [ctx.python, os.path.join(HERE, script), "--result", result] + list(args)
-    if devenv:
-        cmd = ctx.meson_cmd + ["devenv", "-C", ctx.build_dir] + cmd
-    env = dict(ctx.cmd_env)
-    env.update(extra_env or {})
-    try:
-        os.unlink(result)
-    except OSError:
-        pass
-    step = run_command(name, cmd, timeout, ctx.log(logname), env=env, cwd=ctx.root)
-    # Shown with the variables this step adds, so the command can be rerun by hand.
-    step.command = [f"{k}={v}" for k, v in (extra_env or {}).items()] + list(step.command or cmd)
-    res = _read_json(result)
-    if isinstance(res, dict):
-        step.figures.update(res.get("figures", {}))
-        if not res.get("ok", False):
-            if step.status == "pass":
-                step.status = "fail"
-            step.note = str(res.get("error") or "the workload reported failure")[:500]
-    elif step.status == "pass":
-        step.status = "fail"
-        step.note = "the workload wrote no result"
-    return step
-
-
-def stage_torch(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
-    if not ctx.build_ok:
-        out.note = "skipped: no successful build"
+def stage_preload(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out, torch=True):
         return out
-    t = ctx.env.torch
-    if not t:
-        out.note = f"skipped: torch is not importable by {ctx.python}"
-        return out
-    b = budget.child(budget.remaining(), [1.0, 1.0, 1.0])
-    res_dir = os.path.join(ctx.outdir, "results")
-    os.makedirs(res_dir, exist_ok=True)
-    out.add(_python_step(ctx, "use_allocator training step", "torch_allocator_step.py", [], b.take(),
-                         "torch-use-allocator", os.path.join(res_dir, "torch_use_allocator.json"), devenv=True), ctx)
-    shim = find_file(ctx.build_dir, "libgact_preload.so", ["bindings/libgact_preload.so"])
+    ensure_built(ctx, out, budget, ["gact_preload"])
+    b = budget.child(budget.remaining(), [1.0, 1.0])
+    shim = ctx.built("gact_preload")
     for label, extra, calls in (("no caching", {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "malloc_calls"),
                                 ("cudaMallocAsync", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
                                  "malloc_async_calls")):
@@ -359,114 +620,46 @@ def stage_torch(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
         t_s = b.take()
         name = f"LD_PRELOAD shim ({label})"
         if not shim:
-            out.add(StepResult(name, "fail", note="libgact_preload.so not found in the build"), ctx)
+            out.add(StepResult(name, "fail", note="libgact_preload.so not built"), ctx)
             continue
-        dump = os.path.join(res_dir, f"stats_preload_{slug}.json")
+        dump = ctx.result(f"stats_preload_{slug}")
         try:
             os.unlink(dump)
         except OSError:
             pass
         env = dict(extra, LD_PRELOAD=shim, GACT_STATS_PATH=dump)
-        step = _python_step(ctx, name, "preload_train.py", [], t_s, f"torch-preload-{slug}",
-                            os.path.join(res_dir, f"preload_{slug}.json"), devenv=False, extra_env=env)
+        step = _python_step(ctx, name, "preload_train.py", [], t_s, f"preload-{slug}", ctx.result(f"preload_{slug}"),
+                            devenv=False, extra_env=env)
         verdict = check_stats_dump(dump, expect_calls=calls)
         step.figures["stats_dump"] = verdict
         if step.status == "pass" and not verdict["ok"]:
             step.status = "fail"
             step.note = "; ".join(verdict["problems"])  # type: ignore[arg-type]
         out.add(step, ctx)
-    out.figures = {s.name: {k: v for k, v in s.figures.items() if not isinstance(v, dict) or k == "stats_dump"}
-                   for s in out.steps}
     return out
 
 
-# ---- bench ----------------------------------------------------------------------------------
+# ---- unit -----------------------------------------------------------------------------------
 
-def _bandwidth_figures(doc: object, prefix: str = "") -> Dict[str, float]:
-    """Numbers in a benchmark JSON whose key names a bandwidth (GB/s), by dotted path."""
-    found: Dict[str, float] = {}
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            p = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and re.search(r"gb.?s|gbps|bandwidth", str(k), re.I):
-                found[p] = float(v)
-            else:
-                found.update(_bandwidth_figures(v, p))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc[:64]):
-            found.update(_bandwidth_figures(v, f"{prefix}[{i}]"))
-    return found
-
-
-def add_copy_ratios(codec: Dict[str, object], copy_gbps: float) -> None:
-    """Put each codec GB/s figure beside the device-to-device copy bandwidth: '<x>_vs_d2d_copy'."""
-    codec["d2d_copy_gbps"] = copy_gbps
-    for row in codec.get("rows") or []:  # type: ignore[union-attr]
-        for k, v in list(row.items()):
-            if k.endswith("_gbps") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[k[:-len("_gbps")] + "_vs_d2d_copy"] = round(v / copy_gbps, 3)
-    bw = codec.get("bandwidths_gbps")
-    if isinstance(bw, dict):
-        codec["vs_d2d_copy"] = {k: round(v / copy_gbps, 3) for k, v in bw.items()}
-
-
-def stage_bench(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
-    if not ctx.build_ok:
-        out.note = "skipped: no successful build"
+def stage_unit(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome:
+    if _cannot_run(ctx, out):
         return out
-    b = budget.child(budget.remaining(), [1.0, 5.0])
-    res_dir = os.path.join(ctx.outdir, "results")
-    os.makedirs(res_dir, exist_ok=True)
-    t = b.take()
-    exe = find_file(ctx.build_dir, "gact-bench-codec", ["tools/gact-bench-codec", "tools/bench/gact-bench-codec"])
-    codec: Dict[str, object] = {}
-    if not exe:
-        out.add(StepResult("gact-bench-codec", "fail", note="gact-bench-codec not found in the build"), ctx)
-    else:
-        step = run_command("gact-bench-codec", [exe] + ctx.codec_bench_args, t, ctx.log("bench-codec"),
-                           env=ctx.cmd_env, cwd=ctx.root)
-        doc = None
-        try:
-            with open(step.log or "", encoding="utf-8", errors="replace") as f:
-                text = f.read().split("\n", 1)[-1]        # first line is the command
-            i = text.find("{")
-            doc = json.loads(text[i:text.rfind("}") + 1]) if i >= 0 else None
-        except (OSError, ValueError):
-            doc = None
-        if doc is None and step.status == "pass":
-            step.status = "fail"
-            step.note = "gact-bench-codec --json printed no JSON document"
-        if doc is not None:
-            with open(os.path.join(res_dir, "bench_codec.json"), "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-            rows = doc.get("results") if isinstance(doc, dict) else None
-            if isinstance(rows, list) and all(isinstance(r, dict) for r in rows):
-                codec["rows"] = rows[:96]
-                codec.update({k: doc[k] for k in ("device", "numel", "memcpy_gbps") if k in doc})
-            else:
-                codec["bandwidths_gbps"] = _bandwidth_figures(doc)
-        out.add(step, ctx)
-    t = b.take()
-    if not ctx.env.torch:
-        out.add(_skip("model training benchmarks", f"torch is not importable by {ctx.python}"), ctx)
-    else:
-        result = os.path.join(res_dir, "bench_models.json")
-        step = _python_step(ctx, "model training benchmarks", "bench_models.py",
-                            ["--deadline-s", f"{max(5.0, t - 15.0):.0f}", "--memory-cap-gib", str(ctx.memory_cap_gib)],
-                            t, "bench-models", result, devenv=True)
-        res = _read_json(result)
-        if isinstance(res, dict):
-            figs = res.get("figures", {})
-            out.figures["models"] = figs.get("models", {})
-            out.figures["memory_cap_mib"] = figs.get("memory_cap_mib")
-            out.figures["cap_accounting"] = figs.get("cap_accounting")
-            copy = figs.get("d2d_copy_gbps")
-            if copy:
-                add_copy_ratios(codec, copy)
-        step.figures = {k: v for k, v in step.figures.items() if k != "models"}
-        out.add(step, ctx)
-    out.figures["codec"] = codec
+    b = budget.child(budget.remaining(), [2.0, 1.0])
+    ninja = ctx.env.tools.get("ninja") or "ninja"
+    comp = out.add(run_command("compile the rest", [ninja, "-C", ctx.build_dir, "-k", "0"], b.take(),
+                               ctx.log("unit-compile"), env=ctx.cmd_env, cwd=ctx.root), ctx)
+    if comp.status != "pass":
+        out.add(_skip("meson test --suite unit", "the rest of the build did not complete"), ctx)
+        return out
+    cmd = ctx.meson_cmd + ["test", "-C", ctx.build_dir, "--no-rebuild", "--print-errorlogs", "--suite", "unit",
+                           "--logbase", "gpucheck-unit"]
+    step = run_command("meson test --suite unit", cmd, b.take(), ctx.log("unit-tests"), env=ctx.cmd_env, cwd=ctx.root)
+    step.figures.update(_meson_test_counts(read_tail(step.log or "", 20000)))
+    out.figures = dict(step.figures)
+    out.add(step, ctx)
     return out
 
 
-STAGE_FUNCS = {"build": stage_build, "tests": stage_tests, "torch": stage_torch, "bench": stage_bench}
+STAGE_FUNCS = {"build": stage_build, "kernels": stage_kernels, "allocator": stage_allocator, "train": stage_train,
+               "sanitizers": stage_sanitizers, "preload": stage_preload, "native": stage_native, "unit": stage_unit}
+assert list(STAGE_FUNCS) == STAGES

@@ -1,23 +1,67 @@
 """Registering gact as PyTorch's CUDA allocator.
 
-:func:`use_allocator` hands torch the C ABI of ``libgact.so``
-(``gact_alloc``/``gact_free``, bindings/c_abi.cpp) through
-``torch.cuda.memory.CUDAPluggableAllocator``. Torch accepts a new allocator only
-before its CUDA state is initialized, so this must run first thing, before any
-tensor touches a GPU.
+:func:`use_allocator` hands torch gact's C ABI (bindings/gact.h, bindings/c_abi.cpp)
+through ``torch.cuda.memory.CUDAPluggableAllocator``:
+
+* ``gact_torch_alloc`` / ``gact_free`` as the alloc and free functions. torch does not
+  check the pointer an allocator returns, so ``gact_torch_alloc`` throws when a request
+  cannot be served; torch raises that as a ``RuntimeError`` whose text starts
+  ``CUDA out of memory. Tried to allocate`` (a pluggable allocator cannot raise
+  ``torch.cuda.OutOfMemoryError`` itself, which is a subclass of ``RuntimeError``);
+* ``gact_record_stream`` for ``Tensor.record_stream`` (a block used on a side stream is
+  not reused before that stream's work is done), ``gact_empty_cache`` for
+  ``torch.cuda.empty_cache()``, ``gact_set_memory_fraction`` for
+  ``torch.cuda.set_per_process_memory_fraction()``, where this torch has the hooks.
+
+The library is the ``_gact`` module itself when it was built with CUDA kernels: it links
+and exports the C ABI over the device allocators its activation store uses, so torch's
+tensors and a Compressor's compressed activations share one cache per device. Otherwise
+(or with ``GACT_LIBRARY``) it is ``libgact.so``, which has allocators of its own.
+
+Torch accepts a new allocator only before its CUDA state is initialized, so this must run
+first thing, before any tensor touches a GPU. Under any pluggable allocator, torch's
+``torch.cuda.memory_stats()`` and ``torch.backends.cudnn.benchmark = True`` raise (torch
+asks the allocator for ``cacheInfo``, which pluggable allocators do not have):
+:func:`use_allocator` turns an enabled cudnn benchmark off with a warning.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import os
+import warnings
+from typing import Dict, Optional
 
 import torch
 
 from . import _compat
 
+#: torch's hook setters (on ``CUDAPluggableAllocator.allocator()``) and the gact function for each
+HOOKS = {
+    "set_record_stream_fn": "gact_record_stream",
+    "set_reset_fn": "gact_empty_cache",
+    "set_memory_fraction_fn": "gact_set_memory_fraction",
+}
+ALLOC_FN = "gact_torch_alloc"
+FREE_FN = "gact_free"
+
+#: what the last :func:`use_allocator` installed: ``{"library": path, "hooks": [torch setters
+#: wired], "shared_with_store": bool}`` (true when the library is the ``_gact`` module, whose
+#: activation store uses the same device allocators); None before
+installed: Optional[Dict[str, object]] = None
+
+
+def _exports_c_abi(path: str) -> bool:
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return False
+    return all(hasattr(lib, name) for name in (ALLOC_FN, FREE_FN, *HOOKS.values()))
+
 
 def _find_library() -> str:
+    """The shared object whose C ABI torch gets (see the module docstring)."""
     env = os.environ.get("GACT_LIBRARY")
     if env:
         if not os.path.isfile(env):
@@ -25,6 +69,8 @@ def _find_library() -> str:
         return env
     import _gact
 
+    if getattr(_gact, "have_kernels", False) and _exports_c_abi(_gact.__file__):
+        return _gact.__file__
     here = os.path.dirname(os.path.abspath(_gact.__file__))
     candidates = [
         os.path.join(here, "libgact.so"),  # installed beside _gact
@@ -38,17 +84,22 @@ def _find_library() -> str:
     if found:
         return found
     raise RuntimeError(
-        "gact.use_allocator: libgact.so not found (looked beside _gact and on the linker path); "
-        "set GACT_LIBRARY to its path"
+        "gact.use_allocator: this _gact has no CUDA kernels and libgact.so was not found (looked beside _gact "
+        "and on the linker path); set GACT_LIBRARY to its path"
     )
 
 
+def _function_address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
 def use_allocator() -> str:
-    """Make gact's caching allocator PyTorch's CUDA allocator; returns the library path.
+    """Make gact's caching allocator PyTorch's CUDA allocator; returns the library path
+    (details in :data:`installed`).
 
     Raises:
         RuntimeError: when torch has no CUDA or no pluggable-allocator support (torch < 2.0),
-            when CUDA was already initialized in this process, or when libgact.so is missing.
+            when CUDA was already initialized in this process, or when no library is found.
     """
     if not torch.cuda.is_available():
         raise RuntimeError(
@@ -65,6 +116,29 @@ def use_allocator() -> str:
             "before anything touches the GPU (first thing after `import gact`)"
         )
     path = _find_library()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gact_alloc", "gact_free")
+    lib = ctypes.CDLL(path)  # the handle torch's own CDLL of the same file shares
+    missing = [n for n in (ALLOC_FN, FREE_FN) if not hasattr(lib, n)]
+    if missing:
+        raise RuntimeError(f"gact.use_allocator: {path} does not export {', '.join(missing)} (an older gact?)")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
+    native = alloc.allocator()
+    wired = []
+    for setter, fn in HOOKS.items():
+        if hasattr(native, setter) and hasattr(lib, fn):
+            getattr(native, setter)(_function_address(lib, fn))
+            wired.append(setter)
+    if torch.backends.cudnn.benchmark:
+        warnings.warn(
+            "gact.use_allocator: torch.backends.cudnn.benchmark=True fails under a pluggable CUDA allocator "
+            "(torch asks it for cacheInfo); turned off",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        torch.backends.cudnn.benchmark = False
     torch.cuda.memory.change_current_allocator(alloc)
+    import _gact
+
+    global installed
+    installed = {"library": path, "hooks": wired,
+                 "shared_with_store": os.path.realpath(path) == os.path.realpath(_gact.__file__)}
     return path

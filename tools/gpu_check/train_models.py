@@ -1,0 +1,508 @@
+"""GPU check workload: training steps of ResNet-50, a ViT and BERT through gact, arm by arm.
+
+Run by gpu-check (inside ``meson devenv -C build-gpu`` when the Python module was built):
+
+    python train_models.py --result results/train.json --allocator gact --deadline-s 100
+
+``--allocator gact`` makes gact torch's CUDA allocator first (``gact.use_allocator()``, or,
+without the Python module, the same registration straight from ``--library libgact.so``),
+so every figure below comes through gact's caching allocator; ``--allocator torch`` keeps
+torch's own (the "native" comparison, and the CPU).
+
+For each model (workload_models.py), on one fixed batch, five arms: ``fp32`` (no
+compression), ``bits4``, ``bits2``, ``auto`` (``bits="auto", budget=2``) and ``auto_swap``
+(the same with ``swap=True``), each through ``gact.Compressor``:
+
+1. gradient agreement: the gradients of one step at the initial weights (same seed, so the
+   same dropout) against the fp32 arm's: cosine and relative L2 error;
+2. step time: median of the timed steps (SGD with momentum) after warm-up;
+3. peak memory: gact's high-water mark of allocated and reserved bytes on the device (its
+   allocator holds torch's tensors and the compressed blobs), reset before the timed steps;
+   torch's own max_memory_allocated where torch's allocator is in use; the store's ratio.
+
+Then the swap check: with deterministic algorithms, the gradients of ``bits=2`` with
+``swap=True`` must equal those with ``swap=False`` bit for bit, or differ no more than two
+fp32 runs of the same step differ from each other. Last, while time is left, the largest
+batch under a memory cap (``torch.cuda.set_per_process_memory_fraction``, which gact's
+allocator honours for everything on the device) for fp32 against bits2 and auto.
+
+The result file is rewritten after every arm, so a run cut by its deadline keeps what it
+measured. Without the Python module (``--no-module``) only the fp32 arms run; the others are
+recorded as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import workload_models as wm
+
+ARMS: List[Tuple[str, Optional[Dict[str, Any]]]] = [
+    ("fp32", None),
+    ("bits4", {"bits": 4}),
+    ("bits2", {"bits": 2}),
+    ("auto", {"bits": "auto", "budget": 2}),
+    ("auto_swap", {"bits": "auto", "budget": 2, "swap": True}),
+]
+#: torch's hook setters and the gact functions for them (as gact.use_allocator wires them)
+HOOKS = (("set_record_stream_fn", "gact_record_stream"), ("set_reset_fn", "gact_empty_cache"),
+         ("set_memory_fraction_fn", "gact_set_memory_fraction"))
+MIB = float(1 << 20)
+
+
+def install_library(path: str) -> Dict[str, Any]:
+    """gact as torch's CUDA allocator straight from a library, for a build without the module."""
+    lib = ctypes.CDLL(path)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "gact_torch_alloc", "gact_free")
+    native = alloc.allocator()
+    wired = []
+    for setter, fn in HOOKS:
+        if hasattr(native, setter):
+            getattr(native, setter)(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value)
+            wired.append(setter)
+    torch.backends.cudnn.benchmark = False
+    torch.cuda.memory.change_current_allocator(alloc)
+    return {"library": path, "hooks": wired, "shared_with_store": False}
+
+
+class GactStats:
+    """gact's statistics document read through the C ABI of the library torch uses (or the module)."""
+
+    def __init__(self, path: Optional[str]):
+        self.lib = None
+        if path:
+            self.lib = ctypes.CDLL(path)
+            self.lib.gact_stats_json.restype = ctypes.c_void_p
+            self.lib.gact_free_string.argtypes = [ctypes.c_void_p]
+
+    def document(self) -> Dict[str, Any]:
+        if self.lib is None:
+            return {}
+        p = self.lib.gact_stats_json()
+        if not p:
+            raise RuntimeError("gact_stats_json() returned NULL")
+        try:
+            return json.loads(ctypes.string_at(p).decode("utf-8"))
+        finally:
+            self.lib.gact_free_string(p)
+
+    def reset_peaks(self) -> None:
+        if self.lib is not None:
+            self.lib.gact_reset_peak_stats()
+
+    def device(self, index: int) -> Dict[str, Any]:
+        a = (self.document().get("allocators") or {}).get(f"cuda:{index}")
+        return a if isinstance(a, dict) else {}
+
+
+class Trainer:
+    def __init__(self, a: argparse.Namespace, res: wm.Result):
+        self.a = a
+        self.res = res
+        self.dev = torch.device(a.device)
+        self.cuda = self.dev.type == "cuda"
+        self.t_end = time.monotonic() + a.deadline_s
+        # the arms stop early enough to leave the batch search its share
+        searching = self.cuda and a.allocator == "gact" and a.max_batch_arms != ""
+        self.arms_end = self.t_end - (a.search_reserve_s if searching else 0.0)
+        self.gact = None if a.no_module else __import__("gact")
+        self.stats = GactStats(None)
+        self.torch_allocator = a.allocator == "torch" or not self.cuda
+
+    def left(self) -> float:
+        return self.t_end - time.monotonic()
+
+    def arms_left(self) -> float:
+        return self.arms_end - time.monotonic()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def cleanup(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    # -- one step ------------------------------------------------------------------------
+    def compressor(self, model, kw):
+        return None if kw is None else self.gact.Compressor(model, **kw)
+
+    @staticmethod
+    def forward_backward(w: wm.Workload, comp, x, y) -> torch.Tensor:
+        """Forward (saving through `comp` when given) and backward; the loss."""
+        if comp is not None:
+            with comp:
+                loss = w.loss(x, y)
+        else:
+            loss = w.loss(x, y)
+        loss.backward()
+        return loss
+
+    def step(self, w: wm.Workload, opt, comp, x, y) -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = self.forward_backward(w, comp, x, y)
+        opt.step()
+        if comp is not None:
+            comp.step()
+        return float(loss)
+
+    def gradients(self, w: wm.Workload, init, kw, x, y) -> torch.Tensor:
+        """All parameter gradients of one step at the initial weights, flattened (float64)."""
+        w.model.load_state_dict(init)
+        w.model.zero_grad(set_to_none=True)
+        comp = self.compressor(w.model, kw)
+        try:
+            torch.manual_seed(1234)       # the same dropout in every arm
+            self.forward_backward(w, comp, x, y)
+            if comp is not None:
+                comp.step()
+            g = torch.cat([p.grad.reshape(-1).double() for p in w.model.parameters() if p.grad is not None])
+        finally:
+            if comp is not None:
+                comp.close()
+        w.model.zero_grad(set_to_none=True)
+        return g
+
+    @staticmethod
+    def agreement(g: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
+        nr = float(ref.norm())
+        cos = float(torch.dot(g, ref) / (g.norm() * ref.norm())) if nr > 0 else float("nan")
+        return {"grad_cosine": round(cos, 6), "grad_rel_l2": round(float((g - ref).norm()) / nr, 6) if nr > 0 else None}
+
+    # -- an arm --------------------------------------------------------------------------
+    def arm(self, w: wm.Workload, name: str, kw, init, ref: Optional[torch.Tensor], x, y) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"status": "running", "settings": kw or {}}
+        comp = None
+        try:
+            g = self.gradients(w, init, kw, x, y)
+            if ref is not None:
+                out.update(self.agreement(g, ref))
+            del g
+            w.model.load_state_dict(init)
+            opt = torch.optim.SGD(w.model.parameters(), lr=1e-3, momentum=0.9)
+            comp = self.compressor(w.model, kw)
+            before = self.store_counters(comp)
+            losses, times = [], []
+            for i in range(self.a.warmup + self.a.steps):
+                if i == self.a.warmup:
+                    self.sync()
+                    self.reset_peaks()
+                t0 = time.perf_counter()
+                losses.append(self.step(w, opt, comp, x, y))
+                self.sync()
+                if i >= self.a.warmup:
+                    times.append(time.perf_counter() - t0)
+            out.update(batch=x.shape[0], steps=len(times), step_ms=round(1000 * statistics.median(times), 3),
+                       samples_per_s=round(x.shape[0] / statistics.median(times), 2),
+                       losses=[round(v, 4) for v in losses])
+            out.update(self.peaks())
+            if comp is not None:
+                after = self.store_counters(comp)
+                delta = {k: after[k] - before.get(k, 0) for k in after}
+                out["store"] = delta
+                if delta.get("bytes_stored"):
+                    out["store_ratio"] = round(delta["bytes_in"] / delta["bytes_stored"], 3)
+                pol = getattr(comp, "policy", None)
+                if pol is not None and getattr(pol, "decisions", 0):
+                    per = pol.estimate_seconds / pol.decisions / statistics.median(times)
+                    out["policy"] = {"estimator": pol.estimator, "decisions": pol.decisions,
+                                     "estimate_steps": round(per, 2), "adapt_interval": pol.adapt_interval,
+                                     "overhead_pct": round(100.0 * per / pol.adapt_interval, 3)}
+            bad = [v for v in losses if not math.isfinite(v)]
+            out["status"] = "fail" if bad else "pass"
+            if bad:
+                out["error"] = f"non-finite losses: {losses}"
+            if isinstance(out.get("grad_cosine"), float) and math.isnan(out["grad_cosine"]):
+                out["status"], out["error"] = "fail", "gradient cosine is NaN"
+        except Exception as exc:
+            out.update(status="fail", error=f"{type(exc).__name__}: {exc}"[:1000])
+        finally:
+            if comp is not None:
+                comp.close()
+            self.cleanup()
+        return out
+
+    STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes")
+
+    def store_counters(self, comp) -> Dict[str, int]:
+        if comp is None:
+            return {}
+        store = comp.stats().get("store") or {}
+        return {k: int(store[k]) for k in self.STORE_COUNTERS if isinstance(store.get(k), (int, float))}
+
+    def reset_peaks(self) -> None:
+        self.stats.reset_peaks()
+        if self.cuda and self.torch_allocator:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peaks(self) -> Dict[str, Any]:
+        p: Dict[str, Any] = {}
+        if self.cuda:
+            d = self.stats.device(self.dev.index or 0)
+            if d:
+                p["gact_peak_mib"] = round(int(d.get("allocated_bytes.all.peak", 0)) / MIB, 1)
+                p["gact_reserved_peak_mib"] = round(int(d.get("reserved_bytes.all.peak", 0)) / MIB, 1)
+                act = ((d.get("tags") or {}).get("activation") or {}).get("peak_bytes")
+                if isinstance(act, (int, float)):
+                    p["gact_activation_peak_mib"] = round(act / MIB, 1)
+            if self.torch_allocator:
+                p["torch_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+        return p
+
+    # -- swap ----------------------------------------------------------------------------
+    def swap_check(self, w: wm.Workload, init, x, y) -> Dict[str, Any]:
+        """bits=2 with swap against without, under deterministic algorithms (see the docstring)."""
+        if self.cuda:
+            torch.backends.cudnn.deterministic = True
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            a = self.gradients(w, init, None, x, y)
+            b = self.gradients(w, init, None, x, y)
+            noise = float((a - b).norm() / a.norm())
+            del b
+            s0 = self.gradients(w, init, {"bits": 2}, x, y)
+            s1 = self.gradients(w, init, {"bits": 2, "swap": True}, x, y)
+            equal = bool(torch.equal(s0, s1))
+            diff = float((s0 - s1).norm() / s0.norm())
+            within = diff <= max(2.0 * noise, 1e-12)
+            out = {"bitwise_equal": equal, "rel_l2_swap_vs_no_swap": diff, "rel_l2_fp32_run_to_run": noise,
+                   "status": "pass" if equal or within else "fail",
+                   "verdict": "equal" if equal else ("within fp32 run-to-run noise" if within else "DIFFERENT")}
+            del a, s0, s1
+            return out
+        except Exception as exc:
+            return {"status": "fail", "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        finally:
+            if self.cuda:
+                torch.use_deterministic_algorithms(False)
+                torch.backends.cudnn.deterministic = False
+            self.cleanup()
+
+    # -- largest batch under a cap -------------------------------------------------------
+    def fits(self, w: wm.Workload, opt, comp, b: int, gen: torch.Generator) -> bool:
+        ok = False
+        try:
+            x, y = w.inputs(b, self.dev, gen)
+            ok = math.isfinite(self.step(w, opt, comp, x, y))
+            self.sync()
+            del x, y
+        except Exception as exc:
+            if not wm.is_oom(exc):
+                raise
+            if comp is not None:
+                try:
+                    comp.step()   # end the interrupted iteration
+                except Exception:
+                    pass
+        opt.zero_grad(set_to_none=True)
+        self.cleanup()
+        return ok
+
+    def max_batch(self, w: wm.Workload, kw, init, deadline: float) -> Dict[str, Any]:
+        w.model.load_state_dict(init)
+        opt = torch.optim.SGD(w.model.parameters(), lr=1e-3, momentum=0.9)
+        comp = self.compressor(w.model, kw)
+        gen = torch.Generator().manual_seed(2)
+        lo, hi, b, probes, cut = 0, None, max(2, w.batch // 8), [], False
+        try:
+            while hi is None and b <= 8192:
+                if time.monotonic() > deadline:
+                    cut = True
+                    break
+                ok = self.fits(w, opt, comp, b, gen)
+                probes.append([b, ok])
+                lo, hi, b = (b, None, b * 2) if ok else (lo, b, b)
+            while hi is not None and hi - lo > max(1, lo // 16):
+                if time.monotonic() > deadline:
+                    cut = True
+                    break
+                mid = (lo + hi) // 2
+                ok = self.fits(w, opt, comp, mid, gen)
+                probes.append([mid, ok])
+                lo, hi = (mid, hi) if ok else (lo, mid)
+        finally:
+            if comp is not None:
+                comp.close()
+            del opt
+            self.cleanup()
+        return {"max_batch": lo or None, "first_failing_batch": hi, "cut_by_deadline": cut, "probes": probes}
+
+    # -- driver --------------------------------------------------------------------------
+    def install(self) -> None:
+        f = self.res.figures
+        f["torch"] = torch.__version__
+        f["python_module"] = "not used (--no-module)" if self.gact is None else "imported"
+        if self.cuda and not self.torch_allocator:  # before anything initializes CUDA
+            if self.gact is not None:
+                self.gact.use_allocator()
+                info = dict(self.gact.allocator.installed or {})
+            else:
+                if not self.a.library:
+                    raise RuntimeError("--allocator gact without the Python module needs --library libgact.so")
+                info = install_library(self.a.library)
+            self.stats = GactStats(str(info["library"]))
+            f["allocator"] = info
+        else:
+            f["allocator"] = {"torch": "its own caching allocator" if self.cuda else "cpu"}
+            if self.gact is not None:
+                import _gact
+                self.stats = GactStats(_gact.__file__)
+        f["device"] = torch.cuda.get_device_name(0) if self.cuda else "cpu"
+
+    def run(self) -> None:
+        self.install()
+        f = self.res.figures
+        arms = [(n, kw) for n, kw in ARMS if n in self.a.arms.split(",")]
+        models = [m for m in self.a.models.split(",") if m]
+        f["arms"] = [n for n, _ in arms]
+        f["models"] = {}
+        f["swap_check"] = {}
+        self.res.save()
+        inputs = {}
+        for m in models:
+            if self.arms_left() < 10:
+                f["models"][m] = {"status": "skipped", "note": "out of time"}
+                continue
+            torch.manual_seed(0)
+            w = wm.make_workload(m, self.a.tiny)
+            w.model.to(self.dev)
+            init = {k: v.detach().clone() for k, v in w.model.state_dict().items()}
+            x, y = w.inputs(w.batch, self.dev, torch.Generator().manual_seed(1))
+            inputs[m] = (w, init)
+            mo: Dict[str, Any] = {"source": w.source, "batch": w.batch, "arms": {}}
+            f["models"][m] = mo
+            ref = None
+            for arm, kw in arms:
+                if kw is not None and self.gact is None:
+                    mo["arms"][arm] = {"status": "skipped", "note": self.a.module_note or "the Python module is not available"}
+                    continue
+                if self.arms_left() < 5:
+                    mo["arms"][arm] = {"status": "skipped", "note": "out of time"}
+                    continue
+                if ref is None and arm == "fp32":
+                    try:
+                        ref = self.gradients(w, init, None, x, y)
+                    except Exception as exc:
+                        mo["arms"][arm] = {"status": "fail", "error": f"{type(exc).__name__}: {exc}"[:1000]}
+                        continue
+                mo["arms"][arm] = self.arm(w, arm, kw, init, ref, x, y)
+                self.res.save()
+            del ref
+            base = mo["arms"].get("fp32", {})
+            for arm, r in mo["arms"].items():
+                if arm == "fp32" or r.get("status") != "pass" or base.get("status") != "pass":
+                    continue
+                r["step_time_vs_fp32"] = round(r["step_ms"] / base["step_ms"], 3)
+                for k in ("gact_peak_mib", "torch_peak_mib"):
+                    if r.get(k) and base.get(k):
+                        r[k.replace("_mib", "_vs_fp32")] = round(r[k] / base[k], 3)
+            if self.gact is not None and not self.a.no_swap_check:
+                if self.arms_left() > 5:
+                    f["swap_check"][m] = self.swap_check(w, init, x, y)
+                else:
+                    f["swap_check"][m] = {"status": "skipped", "note": "out of time"}
+            del x, y
+            w.model.to("cpu")
+            self.cleanup()
+            self.res.save()
+        if self.cuda and not self.torch_allocator:
+            d = self.stats.device(0)
+            f["gact_allocations_on_device"] = int(d.get("allocation.all.allocated", 0) or 0)
+            f["gact_num_ooms"] = int(d.get("num_ooms", 0) or 0)
+            # One device allocator per process: torch's tensors and the store's blobs in one.
+            names = sorted(n for n in (self.stats.document().get("allocators") or {}) if n.startswith("cuda"))
+            act = ((d.get("tags") or {}).get("activation") or {}).get("peak_bytes", 0)
+            f["device_allocators"] = names
+            f["activation_peak_bytes_in_torch_allocator"] = act
+        self.search_batches(inputs)
+        problems = [f"{m}/{arm}: {r.get('error')}" for m, mo in f["models"].items()
+                    for arm, r in (mo.get("arms") or {}).items() if r.get("status") == "fail"]
+        problems += [f"swap check {m}: {r.get('verdict') or r.get('error')}" for m, r in f["swap_check"].items()
+                     if r.get("status") == "fail"]
+        if self.cuda and not self.torch_allocator and not f.get("gact_allocations_on_device"):
+            problems.append("gact's device allocator counts no allocation: torch is not using it")
+        shared = (f.get("allocator") or {}).get("shared_with_store")
+        if shared and (len(f.get("device_allocators") or []) != 1 or not f.get("activation_peak_bytes_in_torch_allocator")):
+            problems.append(f"the store's device arena is not torch's allocator: allocators {f.get('device_allocators')}, "
+                            f"activation peak {f.get('activation_peak_bytes_in_torch_allocator')} bytes in cuda:0")
+        if problems:
+            self.res.data["error"] = "; ".join(problems)[:3000]
+
+    def search_batches(self, inputs) -> None:
+        f = self.res.figures
+        if not self.cuda or self.torch_allocator or self.a.max_batch_arms == "":
+            f["max_batch"] = {"note": "not searched: " + ("on the CPU" if not self.cuda else
+                                                            "only under gact's allocator (one cap for everything)")}
+            return
+        cap = int(self.a.memory_cap_gib * (1 << 30))
+        total = torch.cuda.get_device_properties(0).total_memory
+        f["memory_cap_mib"] = cap >> 20
+        mb: Dict[str, Any] = {}
+        f["max_batch"] = mb
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        try:
+            wanted = [(n, kw) for n, kw in ARMS if n in self.a.max_batch_arms.split(",")]
+            for m, (w, init) in inputs.items():
+                w.model.to(self.dev)
+                mb[m] = {}
+                for arm, kw in wanted:
+                    if kw is not None and self.gact is None:
+                        continue
+                    if self.left() < 10:
+                        mb[m][arm] = {"note": "out of time"}
+                        continue
+                    mb[m][arm] = self.max_batch(w, kw, init, time.monotonic() + min(self.left() - 5, self.a.search_s))
+                    self.res.save()
+                base = (mb[m].get("fp32") or {}).get("max_batch")
+                for arm, r in mb[m].items():
+                    if arm != "fp32" and base and r.get("max_batch"):
+                        r["vs_fp32"] = round(r["max_batch"] / base, 3)
+                w.model.to("cpu")
+                self.cleanup()
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="small shapes (the CPU smoke run)")
+    ap.add_argument("--allocator", default="gact", choices=["gact", "torch"])
+    ap.add_argument("--library", help="libgact.so, for --allocator gact without the Python module")
+    ap.add_argument("--no-module", action="store_true", help="do not import gact: fp32 arms only")
+    ap.add_argument("--module-note", default="", help="why the module is not used (for the report)")
+    ap.add_argument("--models", default=",".join(wm.MODEL_NAMES))
+    ap.add_argument("--arms", default=",".join(n for n, _ in ARMS))
+    ap.add_argument("--max-batch-arms", default="fp32,bits2,auto")
+    ap.add_argument("--no-swap-check", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--deadline-s", type=float, default=120.0)
+    ap.add_argument("--search-s", type=float, default=15.0, help="time box of one batch search")
+    ap.add_argument("--search-reserve-s", type=float, default=35.0,
+                    help="seconds of the deadline kept from the arms for the batch searches")
+    ap.add_argument("--memory-cap-gib", type=float, default=8.0)
+    a = ap.parse_args()
+    res = wm.Result(a.result)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        res.data["error"] = f"torch {torch.__version__} sees no CUDA device"
+        res.save()
+        print(res.data["error"])
+        return 1
+    return res.run(lambda r: Trainer(a, r).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
