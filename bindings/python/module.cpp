@@ -116,8 +116,8 @@ struct runtime {
     if (dev < 0) return host_arena;
 #if defined(GACT_HAVE_KERNELS)
     std::lock_guard lock(cuda_mu);
-    for (std::size_t i = 0; i < cuda_backends.size(); ++i)
-      if (cuda_backends[i]->device() == dev) return *cuda_arenas[i];
+    for (auto const& [d, arena] : cuda_arenas)
+      if (d == dev) return *arena;
 #endif
     GACT_FAIL("gact: no arena for CUDA device " + std::to_string(dev));
   }
