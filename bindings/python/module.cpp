@@ -126,6 +126,13 @@ struct runtime {
     gact::alloc::allocator_options o;
     o.name = "host";
     o.memory_limit = static_cast<std::size_t>(opts.memory_limit);
+    // Host memory is counted by the pages a process touched (its RSS): segments sized close to their
+    // blocks, so that the arena keeps little beyond what blobs and decoded tensors use.
+    o.small_size = std::size_t{128} << 10;
+    o.small_segment_size = std::size_t{512} << 10;
+    o.min_large_alloc = std::size_t{512} << 10;
+    o.large_segment_size = std::size_t{1} << 20;
+    o.round_large = std::size_t{16} << 10;
     return o;
   }
 

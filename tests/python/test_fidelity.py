@@ -457,3 +457,16 @@ def test_zoo_gradient_cosine(name):
         ratio = (s1["bytes_in"] - s0["bytes_in"]) / max(1, s1["bytes_stored"] - s0["bytes_stored"])
         print(f"{name} {bits} bits: cosine {sum(cos) / 2:.5f} (min {min(cos):.5f}), store ratio {ratio:.2f}x")
         assert sum(cos) / 2 >= floor, (name, bits, cos)
+
+
+def test_readme_table_is_the_table():
+    """bindings/python/README.md shows gact/saved.py's table as table_markdown() writes it."""
+    import os
+    import gact.saved as S
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "bindings", "python", "README.md")
+    text = open(readme).read()
+    start = text.index("<!-- saved-table")
+    start = text.index("\n", start) + 1
+    end = text.index("<!-- /saved-table -->")
+    assert text[start:end].strip() == S.table_markdown().strip(), \
+        "README table out of date: paste gact.saved.table_markdown() between the saved-table markers"

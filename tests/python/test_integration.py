@@ -388,10 +388,11 @@ def test_checkpoint_composes_and_gradients_match_statistically(mode):
         counts[m] = k.store_delta(before, gact.stats(), "tensors_in") / n
     print(f"compressed tensors per step: plain {counts['none']:.0f}, checkpoint ({mode}) {counts[mode]:.0f}")
     # Plain: inputs of layers 1..3 (3 activations). Reentrant checkpoint: the segment's
-    # input is saved by checkpoint at the boundary (compressed), the segment saves nothing,
-    # layer 3's input is outside: 2. Non-reentrant: checkpoint keeps the segment's input
-    # itself, outside saved-tensor hooks, and its own hooks win inside: only layer 3's: 1.
-    assert counts["none"] == 3 and counts[mode] == {"reentrant": 2, "non-reentrant": 1}[mode], counts
+    # input is saved by checkpoint at the boundary and kept exact (the recomputation reads it
+    # through every op of the segment), the segment saves nothing, layer 3's input is outside:
+    # 1. Non-reentrant: checkpoint keeps the segment's input itself, outside saved-tensor
+    # hooks, and its own hooks win inside: only layer 3's: 1.
+    assert counts["none"] == 3 and counts[mode] == 1, counts
     # Welch two-sample t test per coordinate, Bonferroni over coordinates, family-wise
     # false-failure rate 1e-3; df = n - 1 (conservative for Welch with equal n).
     a, b = samples["none"], samples[mode]

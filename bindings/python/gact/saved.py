@@ -307,8 +307,9 @@ TABLE: dict[str, Row] = {}
 
 
 def _add(names: str, reads: str, reason: str, rule) -> None:
+    row = Row(reads, reason, rule)
     for n in names.split():
-        TABLE[n] = Row(reads, reason, rule)
+        TABLE[n] = row
 
 
 _add("relu relu_", "result > 0", "predicate `x > 0`; a boundary blob when the next layer reads the values too", _relu)
@@ -322,10 +323,11 @@ _add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes 
 _add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropout feature_alpha_dropout",
      "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
 _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
+_EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
+                        "tensor, so rounding would move elements across it (a bias, not noise)")
 for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max min maximum minimum fmax fmin " \
           "prod l1_loss smooth_l1_loss huber_loss".split():
-    TABLE[_n] = _exact_row("the gradient jumps where the value crosses a threshold, a sign, or another tensor: "
-                           "rounding would move elements across it (a bias, not noise)")
+    TABLE[_n] = _EXACT_ROW
 _add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
 _add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
@@ -353,11 +355,14 @@ def rule_for(name: str | None) -> Row | None:
 
 
 def table_markdown() -> str:
-    """The README table: one row per op."""
-    rows = ["| op | backward reads | stored as |", "|---|---|---|"]
+    """The README table: one row per op (the names that share a rule on one line)."""
+    groups: dict[int, tuple[list[str], Row]] = {}
     for name, row in TABLE.items():
-        rows.append(f"| `{name}` | {row.reads} | {row.reason} |")
-    return "\n".join(rows)
+        groups.setdefault(id(row), ([], row))[0].append(name)
+    lines = ["| op | backward reads | stored as |", "|---|---|---|"]
+    for names, row in groups.values():
+        lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {row.reads} | {row.reason} |")
+    return "\n".join(lines)
 
 
 # ---- the tracker ----------------------------------------------------------------------------
