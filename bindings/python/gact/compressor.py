@@ -631,7 +631,9 @@ class Compressor:
             info = _C.store_info(h)
             if info["values"] and info["dtype"] in ("float32", "float16", "bfloat16", "float64"):
                 if upgraded:
-                    info = dict(info, refcount=1)  # a mask turned into values: the blob's bytes are this key's
+                    # a ReLU's mask turned into values: the blob's bytes are this key's; the ReLU gates
+                    # the input gradient with the same codes (the online model does not cover that)
+                    info = dict(info, refcount=1, gated=True)
                 # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
                 policy.on_stored(key, info)
         return p

@@ -313,7 +313,7 @@ class AutoPolicy:
             module = key.rsplit(":", 1)[0]
             target = self._alias.get(key, key)
             calls = self._grad_sq.get(module)
-            if not calls or module not in self._fan_in:
+            if not calls or module not in self._fan_in or info.get("gated"):
                 uncovered.add(target)
                 continue
             if info["codec"] == "raw" or info["groups"] == 0:
