@@ -69,6 +69,23 @@ TEST_CASE("count and positive") {
   CHECK_THROWS_AS(op::positive("GACT_ADAPT_INTERVAL", "-3"), gact::invalid_argument);
 }
 
+TEST_CASE("threads: at most k_max_threads, never wrapped (issue 15)") {
+  CHECK(op::threads("GACT_THREADS", "0") == 0);
+  CHECK(op::threads("GACT_THREADS", "4") == 4);
+  CHECK(op::threads("GACT_THREADS", "1024") == gact::k_max_threads);
+  for (char const* bad : {"1025", "4294967298", "18446744073709551616", "-1", "2.5", "x", ""}) {
+    INFO(bad);
+    CHECK_THROWS_AS(op::threads("GACT_THREADS", bad), gact::invalid_argument);
+  }
+  // 4294967298 = 2^32 + 2 once became 2 threads through a cast to int.
+  CHECK(error_of([] { op::threads("GACT_THREADS", "4294967298"); }) ==
+        "GACT_THREADS: '4294967298' is not a thread count in [0, 1024]; use 0 (all hardware threads) or e.g. 4");
+  auto const lookup = [](char const* name) -> char const* {
+    return std::string_view(name) == "GACT_THREADS" ? "4294967298" : nullptr;
+  };
+  CHECK_THROWS_AS(gact::options::from_env(lookup), gact::invalid_argument);
+}
+
 TEST_CASE("real and fraction_bits") {
   CHECK(op::real("X", "2.5") == 2.5);
   CHECK(op::real("X", "-1") == -1.0);
