@@ -83,6 +83,10 @@ class caching_allocator {
   std::size_t block_size(void const* p) const noexcept;
   /// True when `p` is the start of a live block of this allocator.
   bool owns(void const* p) const noexcept;
+  /// True when `p` lies inside a segment this allocator has reserved and not released
+  /// (a live block, a free or pending one, or inside one): memory only this allocator may
+  /// give back to the backend.
+  bool contains(void const* p) const noexcept;
 
   /// Counters in the key names of torch.cuda.memory_stats(), flattened
   /// ("allocated_bytes.all.current", "num_alloc_retries", ...), plus gact's sections
