@@ -133,7 +133,7 @@ struct tag_stat {
 
 struct caching_allocator::impl {
   device::backend& be;
-  allocator_options const opts;
+  allocator_options opts;  // fixed after construction, except memory_limit (set_memory_limit, under mu)
   mutable std::mutex mu;
 
   detail::node_pool nodes;  // before the sets that use it
@@ -729,5 +729,12 @@ std::size_t caching_allocator::allocated_bytes() const noexcept {
 device::backend& caching_allocator::backend() const noexcept { return impl_->be; }
 
 allocator_options const& caching_allocator::options() const noexcept { return impl_->opts; }
+
+void caching_allocator::set_memory_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->opts.memory_limit = bytes;
+  std::size_t const reserved = static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current);
+  if (bytes != 0 && reserved > bytes) impl_->release_cached();  // get under the new cap where the cache allows
+}
 
 }  // namespace gact::alloc

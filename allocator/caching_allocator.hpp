@@ -109,7 +109,14 @@ class caching_allocator {
   std::size_t allocated_bytes() const noexcept;
 
   device::backend& backend() const noexcept;
+  /// The options; memory_limit may change later (set_memory_limit), so read it while no
+  /// other thread may call that.
   allocator_options const& options() const noexcept;
+
+  /// Change the hard cap on reserved bytes (0 = none) for later reservations. When more is
+  /// reserved than the new cap, the cached free segments are released first; blocks in use
+  /// are never taken back (later allocations fail until enough is freed).
+  void set_memory_limit(std::size_t bytes);
 
  private:
   struct impl;
