@@ -107,7 +107,10 @@ def find_extension_dir(source_root: str | None, build_dir: str | None, env: dict
     it (``meson devenv``), else ``<source_root>/build/bindings/python``."""
     if source_root is None:
         parent = _package_parent()
-        return parent if _has_extension(parent) else None
+        if _has_extension(parent):
+            return parent
+        spec = importlib.util.find_spec("_gact")  # locates it without loading it
+        return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
     candidates = []
     if build_dir is not None:
         candidates.append(os.path.join(os.path.abspath(build_dir), "bindings", "python"))
