@@ -23,9 +23,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <vector>
 
 #include "allocator/error.hpp"
 #include "allocator/log.hpp"
@@ -174,7 +176,10 @@ void arm(int sig, void (*handler)(int, siginfo_t*, void*), std::atomic<struct si
   bool const ours = (cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == handler;
   if (ours) return;
   if (only_over_default && !((cur.sa_flags & SA_SIGINFO) == 0 && cur.sa_handler == SIG_DFL)) return;
-  previous.store(new struct sigaction(cur), std::memory_order_release);  // leaked: tiny, read by handlers
+  // Never freed (a handler may be reading the one it replaces); kept reachable, one per re-arm.
+  static auto* const kept = new std::vector<std::unique_ptr<struct sigaction>>();
+  kept->push_back(std::make_unique<struct sigaction>(cur));
+  previous.store(kept->back().get(), std::memory_order_release);
   struct sigaction sa {};
   sa.sa_sigaction = handler;
   sa.sa_flags = SA_SIGINFO | SA_RESTART;
