@@ -7,21 +7,10 @@
 
 #include "allocator/error.hpp"
 #include "allocator/options.hpp"
+#include "test_helpers.hpp"
 
 namespace op = gact::option_parse;
-
-namespace {
-
-std::string error_of(auto&& fn) {
-  try {
-    fn();
-  } catch (gact::invalid_argument const& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
+using gact::test::error_of;
 
 TEST_SUITE("unit") {
 

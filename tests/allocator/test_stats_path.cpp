@@ -22,22 +22,15 @@
 
 #include "allocator/error.hpp"
 #include "allocator/stats_registry.hpp"
+#include "test_helpers.hpp"
 
 namespace fs = std::filesystem;
+using gact::test::error_of;
 
 namespace {
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    path = fs::temp_directory_path() / ("gact-test-stats-path-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fs::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct temp_dir : gact::test::temp_dir {
+  temp_dir() : gact::test::temp_dir("gact-test-stats-path-") {}
 };
 
 std::string slurp(fs::path const& p) {
@@ -73,15 +66,6 @@ bool appears(fs::path const& p) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return false;
-}
-
-std::string error_of(auto&& fn) {
-  try {
-    fn();
-  } catch (std::exception const& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
