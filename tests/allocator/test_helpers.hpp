@@ -1,5 +1,5 @@
 // gact/tests/allocator/test_helpers.hpp — small helpers shared by the allocator layer's
-// test files: a temporary directory and the message of an expected exception.
+// test files: a temporary directory, a file's text and the message of an expected exception.
 #pragma once
 
 #include <unistd.h>
@@ -7,6 +7,8 @@
 #include <chrono>
 #include <exception>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 namespace gact::test {
@@ -27,6 +29,14 @@ struct temp_dir {
   temp_dir(temp_dir const&) = delete;
   temp_dir& operator=(temp_dir const&) = delete;
 };
+
+/// The whole content of the file `p`.
+inline std::string read_text(std::filesystem::path const& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 /// The message of the exception `fn()` throws, or "" when it throws none.
 inline std::string error_of(auto&& fn) {

@@ -27,12 +27,7 @@ struct temp_dir : gact::test::temp_dir {
   temp_dir() : gact::test::temp_dir("gact-test-stats-") {}
 };
 
-nlohmann::json read_json(fs::path const& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return nlohmann::json::parse(ss.str());
-}
+nlohmann::json read_json(fs::path const& p) { return nlohmann::json::parse(gact::test::read_text(p)); }
 
 }  // namespace
 

@@ -33,13 +33,6 @@ struct temp_dir : gact::test::temp_dir {
   temp_dir() : gact::test::temp_dir("gact-test-stats-path-") {}
 };
 
-std::string slurp(fs::path const& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 /// Read everything from `fd` until EOF.
 std::string drain(int fd) {
   std::string out;
@@ -80,7 +73,7 @@ TEST_CASE("dump through a symlink replaces its target and keeps the link") {
   fs::create_symlink(target, link);
   gact::stats::dump(link.string());
   CHECK(fs::is_symlink(link));
-  CHECK(is_document(slurp(target)));
+  CHECK(is_document(gact::test::read_text(target)));
 }
 
 TEST_CASE("dump into a FIFO writes in place; without a reader it fails at once") {
@@ -125,7 +118,7 @@ TEST_CASE("dump to /proc/self/fd/N: into the pipe, or appended to the file it st
   struct stat after {};
   REQUIRE(::stat(out.c_str(), &after) == 0);
   CHECK(after.st_ino == before.st_ino);  // the same file, not a replacement
-  std::string const text = slurp(out);
+  std::string const text = gact::test::read_text(out);
   REQUIRE(text.starts_with("before\n"));
   CHECK(is_document(text.substr(7)));
 }
@@ -183,7 +176,7 @@ TEST_CASE("SIGUSR1 dumps to a path set with set_dump_path; re-arming chains to a
   CHECK(gact::stats::dump_path() == file.string());
   std::raise(SIGUSR1);
   REQUIRE(appears(expanded));
-  CHECK(is_document(slurp(expanded)));
+  CHECK(is_document(gact::test::read_text(expanded)));
 
   // A handler installed after gact's replaces it; install_dump_triggers() puts gact's back
   // on top and chains to it, so both run.
@@ -200,7 +193,7 @@ TEST_CASE("SIGUSR1 dumps to a path set with set_dump_path; re-arming chains to a
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   CHECK(g_user_calls.load() == calls + 1);
-  CHECK(is_document(slurp(expanded)));
+  CHECK(is_document(gact::test::read_text(expanded)));
 
   gact::stats::set_dump_path("");  // dumps off: nothing at exit into the removed directory
   CHECK(gact::stats::dump_path().empty());
