@@ -21,7 +21,9 @@ Stats (``--stats stats.json``): every process writes its own document,
 ``stats.rank<R>.json`` (started by a torch.distributed launcher, RANK set) or
 ``stats.pid<P>.json``, at exit, on SIGUSR1 and on SIGTERM; when the command ends, gact-run
 merges them into ``stats.json`` (see ``gact/_statsmerge.py``). Per-process files left by
-an earlier run with the same ``--stats`` are removed first. gact-run waits for the
+an earlier run with the same ``--stats`` are removed first. Without ``--stats``, a
+GACT_STATS_PATH in the environment is used the same way (one with ``{pid}`` or ``{proc}``
+is left as it is: per-process files, no merge). gact-run waits for the
 command, forwards SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 to it (SIGINT and SIGQUIT reach it
 from the terminal directly) and exits with its status.
 
@@ -257,6 +259,9 @@ def _exit_like(returncode: int) -> int:
 def main(argv: list[str] | None = None, source_root: str | None = None) -> int:
     """Run gact-run; ``source_root`` is the source tree when started as ``tools/gact-run``."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv), source_tree=source_root is not None)
+    inherited = os.environ.get("GACT_STATS_PATH")
+    if args.stats is None and inherited and "{pid}" not in inherited and "{proc}" not in inherited:
+        args.stats = inherited  # the same path for every process would keep only the last one's
     ext_dir = find_extension_dir(source_root, getattr(args, "build_dir", None), dict(os.environ))
     if ext_dir is None:
         if source_root is not None:
