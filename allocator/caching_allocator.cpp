@@ -506,7 +506,8 @@ caching_allocator::caching_allocator(device::backend& be, allocator_options opts
     stats::install_dump_triggers();  // GACT_STATS_PATH: dump at exit and on SIGUSR1
   } catch (std::exception const& e) {
     // The provider is registered; a constructor that throws now would leave it dangling.
-    GACT_LOG_WARN("allocator '{}': stats dump triggers not installed: {}", impl_->stats_name, e.what());
+    // Said once per process: every allocator created after the first would say it again.
+    GACT_WARN_CAPPED(1, "allocator '{}': stats dump triggers not installed: {}", impl_->stats_name, e.what());
   }
 }
 

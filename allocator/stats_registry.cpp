@@ -452,14 +452,9 @@ void install_dump_triggers() {
     char const* env = std::getenv("GACT_STATS_PATH");
     if (env == nullptr || *env == '\0') return;  // not now; a later call may find it set
     std::string const path(env);
+    check_path(path, "GACT_STATS_PATH");  // not remembered: every later call reports it again
+    g_path = new std::string(path);       // leaked: read by the exit handler
     g_path_from_env = true;
-    try {
-      check_path(path, "GACT_STATS_PATH");
-    } catch (...) {
-      g_path = new std::string();  // dumps off: reported once, here, not again by every allocator
-      throw;
-    }
-    g_path = new std::string(path);  // leaked: read by the exit handler
   } else if (g_path->empty()) {
     return;
   }

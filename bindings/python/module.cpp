@@ -458,8 +458,8 @@ PYBIND11_MODULE(_gact, m) {
       },
       py::arg("path"), "Write the stats document to path atomically.");
   m.def("install_dump_triggers", []() {
-    rt();
-    gact::stats::install_dump_triggers();
+    gact::stats::install_dump_triggers();  // first: a bad GACT_STATS_PATH raises before anything warns
+    rt();                                  // the store and the host arena, registered (and re-armed)
   });
 
   // ---- event trace (allocator/event_trace.hpp) -----------------------------------------
