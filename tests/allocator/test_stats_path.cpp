@@ -33,23 +33,10 @@ struct temp_dir : gact::test::temp_dir {
   temp_dir() : gact::test::temp_dir("gact-test-stats-path-") {}
 };
 
-/// Read everything from `fd` until EOF.
+/// Read a non-blocking pipe or FIFO read end until its writer, once it came and wrote,
+/// closes: before any writer has opened a FIFO, a read sees end-of-file too, so that is
+/// waited out.
 std::string drain(int fd) {
-  std::string out;
-  char buf[4096];
-  for (;;) {
-    ssize_t const n = ::read(fd, buf, sizeof buf);
-    if (n > 0) {
-      out.append(buf, static_cast<std::size_t>(n));
-    } else if (n == 0 || errno != EINTR) {
-      return out;
-    }
-  }
-}
-
-/// Read a FIFO's non-blocking read end until its writer, once it came and wrote, closes:
-/// before any writer has opened it, a read sees end-of-file too, so that is waited out.
-std::string drain_fifo(int fd) {
   std::string out;
   char buf[4096];
   for (;;) {
@@ -103,7 +90,7 @@ TEST_CASE("dump into a FIFO writes in place; without a reader it fails at once")
   int const rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
   REQUIRE(rd >= 0);
   std::string got;
-  std::thread reader([&] { got = drain_fifo(rd); });
+  std::thread reader([&] { got = drain(rd); });
   gact::stats::dump(fifo.string());  // closes its end: the reader sees EOF
   reader.join();
   ::close(rd);
@@ -115,7 +102,7 @@ TEST_CASE("dump into a FIFO writes in place; without a reader it fails at once")
 
 TEST_CASE("dump to /proc/self/fd/N: into the pipe, or appended to the file it stands for") {
   int fds[2];
-  REQUIRE(::pipe(fds) == 0);
+  REQUIRE(::pipe2(fds, O_NONBLOCK) == 0);  // the write end too: the dump opens its own through /proc
   std::string got;
   std::thread reader([&] { got = drain(fds[0]); });
   gact::stats::dump("/proc/self/fd/" + std::to_string(fds[1]));
