@@ -9,6 +9,8 @@
 //                best fit. Nodes come from a node_pool, records from an object_pool,
 //                so the cached path allocates nothing.
 //   live         flat map address -> block of every block handed out and not freed.
+//   segments     ordered map base address -> size of every segment reserved and not
+//                released (for contains(): is an address inside this allocator's memory?).
 //   pending      (event, block) pairs of blocks freed while used on other streams.
 //
 // Invariants:
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -138,6 +141,7 @@ struct caching_allocator::impl {
   free_set small_free{block_less{}, detail::pool_allocator<block*>(nodes)};
   free_set large_free{block_less{}, detail::pool_allocator<block*>(nodes)};
   detail::ptr_map<block*> live;
+  std::map<std::uintptr_t, std::size_t> segments;  // invariant: sum of sizes == reserved_bytes.all.current
   std::vector<pending_event> pending;
   std::vector<device::event_t> spare_events;
 
@@ -218,6 +222,13 @@ struct caching_allocator::impl {
       throw;
     }
     b->ptr = reinterpret_cast<std::uintptr_t>(p);
+    try {
+      segments.emplace(b->ptr, seg_size);
+    } catch (...) {
+      be.release(p, seg_size);
+      records.destroy(b);
+      throw;
+    }
     b->size = seg_size;
     b->stream = stream;
     b->small = small;
@@ -230,6 +241,7 @@ struct caching_allocator::impl {
   }
 
   void release_segment(block* b) noexcept {
+    segments.erase(b->ptr);
     be.release(reinterpret_cast<void*>(b->ptr), b->size);
     stat_sub(st.segment, b->small, 1);
     stat_sub(st.reserved_bytes, b->small, static_cast<std::int64_t>(b->size));
@@ -494,7 +506,8 @@ caching_allocator::caching_allocator(device::backend& be, allocator_options opts
     stats::install_dump_triggers();  // GACT_STATS_PATH: dump at exit and on SIGUSR1
   } catch (std::exception const& e) {
     // The provider is registered; a constructor that throws now would leave it dangling.
-    GACT_LOG_WARN("allocator '{}': stats dump triggers not installed: {}", impl_->stats_name, e.what());
+    // Said once per process: every allocator created after the first would say it again.
+    GACT_WARN_CAPPED(1, "allocator '{}': stats dump triggers not installed: {}", impl_->stats_name, e.what());
   }
 }
 
@@ -647,11 +660,6 @@ void caching_allocator::empty_cache() {
   impl_->release_cached();
 }
 
-void caching_allocator::set_memory_limit(std::size_t bytes) noexcept {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->opts.memory_limit = bytes;
-}
-
 std::size_t caching_allocator::block_size(void const* p) const noexcept {
   std::lock_guard<std::mutex> lock(impl_->mu);
   block const* b = impl_->live.find(reinterpret_cast<std::uintptr_t>(p));
@@ -661,6 +669,15 @@ std::size_t caching_allocator::block_size(void const* p) const noexcept {
 bool caching_allocator::owns(void const* p) const noexcept {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->live.find(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+}
+
+bool caching_allocator::contains(void const* p) const noexcept {
+  auto const a = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->segments.upper_bound(a);
+  if (it == impl_->segments.begin()) return false;
+  --it;
+  return a - it->first < it->second;
 }
 
 nlohmann::json caching_allocator::stats_json() const {
@@ -713,5 +730,12 @@ std::size_t caching_allocator::allocated_bytes() const noexcept {
 device::backend& caching_allocator::backend() const noexcept { return impl_->be; }
 
 allocator_options const& caching_allocator::options() const noexcept { return impl_->opts; }
+
+void caching_allocator::set_memory_limit(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->opts.memory_limit = bytes;
+  std::size_t const reserved = static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current);
+  if (bytes != 0 && reserved > bytes) impl_->release_cached();  // get under the new cap where the cache allows
+}
 
 }  // namespace gact::alloc

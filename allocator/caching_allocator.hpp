@@ -79,15 +79,14 @@ class caching_allocator {
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
 
-  /// Change the hard cap on reserved bytes (0 = none) from now on. A cap below the bytes
-  /// reserved now frees nothing by itself: new segments are refused (after releasing cached
-  /// ones) until enough memory has been given back.
-  void set_memory_limit(std::size_t bytes) noexcept;
-
   /// The rounded size of a live block (0 for an unknown pointer).
   std::size_t block_size(void const* p) const noexcept;
   /// True when `p` is the start of a live block of this allocator.
   bool owns(void const* p) const noexcept;
+  /// True when `p` lies inside a segment this allocator has reserved and not released
+  /// (a live block, a free or pending one, or inside one): memory only this allocator may
+  /// give back to the backend.
+  bool contains(void const* p) const noexcept;
 
   /// Counters in the key names of torch.cuda.memory_stats(), flattened
   /// ("allocated_bytes.all.current", "num_alloc_retries", ...), plus gact's sections
@@ -110,7 +109,14 @@ class caching_allocator {
   std::size_t allocated_bytes() const noexcept;
 
   device::backend& backend() const noexcept;
+  /// The options; memory_limit may change later (set_memory_limit), so read it while no
+  /// other thread may call that.
   allocator_options const& options() const noexcept;
+
+  /// Change the hard cap on reserved bytes (0 = none) for later reservations. When more is
+  /// reserved than the new cap, the cached free segments are released first; blocks in use
+  /// are never taken back (later allocations fail until enough is freed).
+  void set_memory_limit(std::size_t bytes);
 
  private:
   struct impl;

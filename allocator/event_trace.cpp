@@ -2,8 +2,10 @@
 // counter snapshots (see event_trace.hpp).
 //
 // State (one process-wide instance, leaked so that exit-time dumps can still read it):
-//   ring       `capacity` slots; event number s (0-based since enable) lives in slot
-//              s % capacity. Invariant: recorded >= |kept| = min(recorded, capacity);
+//   ring       up to `capacity` slots, grown as events arrive (a large GACT_TRACE costs
+//              memory only once that many events were recorded, 64 B each); event
+//              number s (0-based since enable) lives in slot s % capacity.
+//              Invariants: ring.size() == min(recorded, capacity) <= capacity;
 //              the kept events are numbers recorded-|kept| .. recorded-1.
 //   sources    names by register_source() id.
 //   snapshots  the last k_max_snapshots snapshots, oldest first.
@@ -25,12 +27,14 @@ namespace gact::alloc::event_trace {
 namespace {
 
 constexpr std::size_t k_max_capacity = std::size_t{1} << 26;
+static_assert(sizeof(event) <= 64, "event_trace.hpp documents 64 bytes an event");
 constexpr std::size_t k_max_snapshots = 4096;
 constexpr std::size_t k_max_sources = 65535;
 
 struct state {
   std::mutex mu;
-  std::vector<event> ring;      // size() == capacity
+  std::vector<event> ring;      // size() == min(recorded, capacity): grown lazily
+  std::size_t capacity = 0;
   std::uint64_t recorded = 0;
   std::uint64_t t0_ns = 0;      // steady clock at enable()
   std::vector<std::string> sources;
@@ -78,18 +82,20 @@ char const* kind_name(event_kind k) noexcept {
 }
 
 void enable(std::size_t capacity) {
-  GACT_EXPECTS(capacity <= k_max_capacity, "event_trace::enable: capacity " + std::to_string(capacity) +
+  GACT_EXPECTS(capacity <= k_max_capacity, "trace: capacity " + std::to_string(capacity) +
                                                " exceeds the maximum of " + std::to_string(k_max_capacity) +
-                                               " events");
+                                               " events (" + std::to_string(k_max_capacity * sizeof(event) >> 20) +
+                                               " MiB once full)");
   if (capacity == 0) {
     disable();
     return;
   }
-  std::vector<event> fresh(capacity);  // allocated outside the lock
+  std::vector<event> old;  // freed outside the lock
   state& s = st();
   {
     std::lock_guard lock(s.mu);
-    s.ring.swap(fresh);
+    s.ring.swap(old);
+    s.capacity = capacity;
     s.recorded = 0;
     s.t0_ns = now_ns();
     detail::g_enabled.store(true, std::memory_order_relaxed);
@@ -144,9 +150,20 @@ void record(event e) noexcept {
   e.time_ns = now_ns();
   state& s = st();
   std::lock_guard lock(s.mu);
-  if (s.ring.empty()) return;
+  if (s.capacity == 0) return;
   e.seq = s.recorded;
-  s.ring[s.recorded % s.ring.size()] = e;
+  if (s.ring.size() < s.capacity) {
+    try {
+      s.ring.push_back(e);  // still growing: ring.size() == recorded
+    } catch (...) {
+      // No memory to grow: keep the events so far and wrap around from here on.
+      if (s.ring.empty()) return;
+      s.capacity = s.ring.size();
+      s.ring[s.recorded % s.capacity] = e;
+    }
+  } else {
+    s.ring[s.recorded % s.capacity] = e;
+  }
   ++s.recorded;
 }
 
@@ -154,10 +171,10 @@ ring_copy copy() {
   state& s = st();
   ring_copy out;
   std::lock_guard lock(s.mu);
-  out.capacity = s.ring.size();
+  out.capacity = s.capacity;
   out.recorded = s.recorded;
   if (out.capacity == 0) return out;
-  std::uint64_t const kept = std::min<std::uint64_t>(s.recorded, out.capacity);
+  std::uint64_t const kept = std::min<std::uint64_t>(s.recorded, s.ring.size());
   out.dropped = s.recorded - kept;
   out.events.reserve(kept);
   for (std::uint64_t n = s.recorded - kept; n < s.recorded; ++n) out.events.push_back(s.ring[n % out.capacity]);
@@ -288,6 +305,7 @@ nlohmann::json snapshots_json() {
 void clear() noexcept {
   state& s = st();
   std::lock_guard lock(s.mu);
+  s.ring.clear();
   s.recorded = 0;
   s.snapshots.clear();
   s.snapshots_dropped = 0;

@@ -87,7 +87,9 @@ inline bool enabled() noexcept {
 }
 
 /// Turn tracing on with room for `capacity` events (a fresh, empty buffer; snapshots are
-/// kept), or off for capacity 0. Registers the "timeline" and "snapshots" stats sections.
+/// kept), or off for capacity 0. The buffer grows as events arrive: it holds
+/// min(recorded, capacity) events of 64 bytes, so a large capacity costs nothing until used
+/// (at most 4 GiB at the maximum). Registers the "timeline" and "snapshots" stats sections.
 /// @throws gact::invalid_argument for capacity > 2^26 (64 Mi events).
 void enable(std::size_t capacity);
 /// Turn tracing off; the recorded events stay readable (and in the stats document).

@@ -1,4 +1,9 @@
-// gact/allocator/log.cpp — the "gact" spdlog logger and its level from GACT_LOG_LEVEL.
+// gact/allocator/log.cpp — the "gact" spdlog logger, its level from GACT_LOG_LEVEL, and
+// the cap on the length of one message.
+//
+// A message longer than k_max_message bytes is cut before any sink sees it (mimalloc
+// caps its error messages the same way): a caller's 100 kB tag name or path must not
+// become a 100 kB log line, once per call.
 #include "log.hpp"
 
 #include <spdlog/sinks/stdout_sinks.h>
@@ -7,25 +12,52 @@
 #include <string>
 
 #include "error.hpp"
+#include "options.hpp"
 
 namespace gact::log {
 namespace {
 
-spdlog::level::level_enum parse_level(std::string const& name) {
-  if (name == "trace") return spdlog::level::trace;
-  if (name == "debug") return spdlog::level::debug;
-  if (name == "info") return spdlog::level::info;
-  if (name == "warn" || name == "warning") return spdlog::level::warn;
-  if (name == "error") return spdlog::level::err;
-  if (name == "off") return spdlog::level::off;
-  GACT_FAIL("GACT_LOG_LEVEL: '" + name + "' is not a level; use trace|debug|info|warn|error|off");
+spdlog::level::level_enum to_spdlog(option_level l) noexcept {
+  switch (l) {
+    case option_level::trace: return spdlog::level::trace;
+    case option_level::debug: return spdlog::level::debug;
+    case option_level::info: return spdlog::level::info;
+    case option_level::warn: return spdlog::level::warn;
+    case option_level::error: return spdlog::level::err;
+    case option_level::off: return spdlog::level::off;
+  }
+  return spdlog::level::warn;
 }
+
+/// The options table's parser, so that the logger accepts exactly what GACT_LOG_LEVEL's
+/// row accepts (any case, "warning").
+spdlog::level::level_enum parse_level(std::string const& name) {
+  return to_spdlog(option_parse::level("GACT_LOG_LEVEL", name));
+}
+
+/// A logger whose messages are capped at k_max_message bytes.
+class capped_logger final : public spdlog::logger {
+ public:
+  using spdlog::logger::logger;
+
+ protected:
+  void sink_it_(spdlog::details::log_msg const& msg) override {
+    if (msg.payload.size() <= k_max_message) {
+      spdlog::logger::sink_it_(msg);
+      return;
+    }
+    std::string const text = cap_message(std::string_view(msg.payload.data(), msg.payload.size()));
+    spdlog::details::log_msg cut(msg);
+    cut.payload = spdlog::string_view_t(text.data(), text.size());
+    spdlog::logger::sink_it_(cut);
+  }
+};
 
 std::shared_ptr<spdlog::logger> make_logger() {
   // A private logger (not registered globally) so that a host application's
   // spdlog registry and ours never clash.
   auto sink = std::make_shared<spdlog::sinks::stderr_sink_mt>();
-  auto lg = std::make_shared<spdlog::logger>("gact", sink);
+  auto lg = std::make_shared<capped_logger>("gact", sink);
   lg->set_pattern("[gact %L] %v");
   lg->set_level(spdlog::level::warn);
   if (char const* env = std::getenv("GACT_LOG_LEVEL"); env != nullptr && *env != '\0') {
@@ -39,6 +71,15 @@ std::shared_ptr<spdlog::logger> make_logger() {
 }
 
 }  // namespace
+
+std::string cap_message(std::string_view text) {
+  if (text.size() <= k_max_message) return std::string(text);
+  std::string out(text.substr(0, k_max_message));
+  out += "... (";
+  out += std::to_string(text.size() - k_max_message);
+  out += " more bytes cut)";
+  return out;
+}
 
 spdlog::logger& get() {
   // Leaked on purpose: the logger must outlive every static destructor that may log.

@@ -4,21 +4,33 @@
 // level comes from GACT_LOG_LEVEL (trace|debug|info|warn|error|off, default
 // warn) when it is first used. GACT_LOG_TRACE compiles out of release builds.
 // `warn_capped` limits how often one call site can warn (mimalloc style), so a
-// pathological caller cannot flood the log.
+// pathological caller cannot flood the log, and no message is longer than
+// k_max_message bytes (a longer one is cut, saying how much was cut).
 #pragma once
 
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <cstddef>
 #include <memory>
+#include <string>
+#include <string_view>
 
 namespace gact::log {
 
 /// The shared "gact" logger (created on first use, level from GACT_LOG_LEVEL).
 spdlog::logger& get();
 
-/// Re-read GACT_LOG_LEVEL or set the level by name; throws gact::invalid_argument on a bad name.
+/// Set the level by name, as GACT_LOG_LEVEL accepts it (trace|debug|info|warn|error|off, any case).
+/// @throws gact::invalid_argument naming GACT_LOG_LEVEL on a bad name.
 void set_level(std::string const& name);
+
+/// Longest message the logger writes; the rest is cut (see cap_message).
+inline constexpr std::size_t k_max_message = 1024;
+
+/// `text` itself when it fits in k_max_message bytes, else its first k_max_message bytes
+/// followed by "... (N more bytes cut)". Every message of the logger goes through this.
+std::string cap_message(std::string_view text);
 
 /// True while a call site identified by `counter` has warned fewer than `cap` times.
 inline bool allow_capped(std::atomic<int>& counter, int cap = 16) noexcept {

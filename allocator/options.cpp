@@ -205,6 +205,15 @@ std::uint32_t group(std::string_view label, std::string_view value) {
   return static_cast<std::uint32_t>(v);
 }
 
+std::uint32_t threads(std::string_view label, std::string_view value) {
+  std::uint64_t v = 0;
+  if (!parse_u64(trim(value), v) || v > k_max_threads) {
+    reject(label, value, "a thread count in [0, " + std::to_string(k_max_threads) + "]",
+           "0 (all hardware threads) or e.g. 4");
+  }
+  return static_cast<std::uint32_t>(v);
+}
+
 }  // namespace option_parse
 
 options options::from_env(std::function<char const*(char const*)> const& lookup) {

@@ -18,6 +18,7 @@
 //   text           any string
 //   bits           1|2|4|8|auto (auto is stored as 0)
 //   group          power of two in [64, 1024]
+//   threads        unsigned integer in [0, k_max_threads] (0 = all hardware threads)
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -44,10 +45,15 @@ using level = option_level;
 using text = std::string;
 using bits = int;  ///< 1, 2, 4, 8; 0 = auto
 using group = std::uint32_t;
+using threads = std::uint32_t;
 }  // namespace option_types
 
 /// Value of bits meaning "chosen per tensor by the adaptive policy".
 inline constexpr int k_bits_auto = 0;
+
+/// Most CPU threads a setting may ask for (GACT_THREADS): more than any machine gact runs on,
+/// few enough that a mistyped value is an error instead of a wrapped-around count.
+inline constexpr std::uint32_t k_max_threads = 1024;
 
 /// All settings; one member per row of options.def, initialized to its default.
 struct options {
@@ -93,6 +99,7 @@ option_level level(std::string_view label, std::string_view value);
 std::string text(std::string_view label, std::string_view value);
 int bits(std::string_view label, std::string_view value);
 std::uint32_t group(std::string_view label, std::string_view value);
+std::uint32_t threads(std::string_view label, std::string_view value);
 }  // namespace option_parse
 
 /// The name of a level ("warn").

@@ -21,10 +21,22 @@
 // object; any other name is a top-level section. Providers are called with no
 // allocator lock held by the registry, and must be thread-safe.
 //
-// Dumps: dump(path) writes the document atomically (temp file + rename). When
-// GACT_STATS_PATH is set, install_dump_triggers() arranges a dump at exit and on
-// SIGUSR1; the signal handler only writes a byte to a pipe that a service
-// thread reads, so no JSON is built inside the handler.
+// Dumps: dump(path) writes the document. A regular file or a new path is replaced
+// atomically (temp file + rename in its directory); a symbolic link keeps being a link
+// (its target is replaced); a FIFO, a terminal, /dev/stdout or /proc/self/fd/N is
+// written in place, never replaced. A path holding a NUL byte is rejected.
+//
+// Triggers: with a configured path (GACT_STATS_PATH, or set_dump_path() from
+// gact.configure(stats_path=...)), install_dump_triggers() checks the path at once
+// (an error names the variable) and arranges a dump at exit, on SIGUSR1 and on SIGTERM.
+// The handlers only write a byte to a pipe that a service thread reads, so no JSON is
+// built inside a handler. SIGUSR1 chains to the handler it replaced; a handler
+// installed later replaces gact's (calling install_dump_triggers() again re-arms gact's
+// and chains to it). SIGTERM is taken only while its action is the default: the
+// service thread dumps, then the process ends by SIGTERM as it would have.
+// The configured path may hold {pid} (the process id) and {proc} ("rank<RANK>" in a
+// process started by a torch.distributed launcher, else "pid<pid>"), expanded at each
+// dump, so that every process of a job writes its own file.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -32,6 +44,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace gact::stats {
@@ -54,10 +67,30 @@ void unregister_provider(std::uint64_t token) noexcept;
 /// The whole document, built now.
 nlohmann::json document();
 
-/// Write document() to `path` atomically. @throws gact::error naming the path on I/O failure.
+/// Write document() to `path` (see the file comment for links and special files).
+/// @throws gact::invalid_argument for an empty path or one holding a NUL byte;
+///         gact::error naming the path on I/O failure (a directory, a FIFO with no reader, ...).
 void dump(std::string const& path);
 
-/// If GACT_STATS_PATH is set: dump there at normal exit and on SIGUSR1 (idempotent; safe to call often).
+/// `path_template` with {pid} and {proc} expanded for this process.
+std::string expand_path(std::string const& path_template);
+
+/// Check, before anything is written, that dumps to `path` (a template) can succeed:
+/// no NUL byte, not a directory, its directory exists. Empty is fine (dumps off).
+/// @throws gact::invalid_argument "<label>: '<path>' ..." naming what is wrong.
+void check_path(std::string const& path, std::string_view label);
+
+/// If a path is configured (GACT_STATS_PATH when set_dump_path() was never called): check
+/// it, then dump there at normal exit, on SIGUSR1 and on SIGTERM. Idempotent; a later call
+/// re-arms a SIGUSR1 handler that was replaced since, chaining to the new one.
+/// @throws gact::invalid_argument naming GACT_STATS_PATH when that path cannot be written.
 void install_dump_triggers();
+
+/// Configure the path of the triggered dumps ("" = none) and install the triggers.
+/// @throws gact::invalid_argument naming stats_path when the path cannot be written.
+void set_dump_path(std::string const& path);
+
+/// The configured path template ("" = none).
+std::string dump_path();
 
 }  // namespace gact::stats

@@ -3,7 +3,8 @@
 // libgact_preload.so: gact's caching allocator LD_PRELOADed into an unmodified
 // CUDA program. It defines cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
 // and cudaMemGetInfo, which the dynamic linker binds before libcudart's; the
-// real functions are found with dlsym(RTLD_NEXT, ...) (next_cuda_api()), and
+// real functions are found with dlsym(RTLD_NEXT, ...), or in a runtime the program
+// loaded privately (dlopen RTLD_NOLOAD of its soname; next_cuda_api()), and
 // gact's backend calls only those, never the process's own symbols. The shim
 // does not link libcudart: it uses whatever runtime the program loaded.
 //
@@ -41,20 +42,37 @@
 // PyTorch never does this (its cudaMallocAsync backend defers such frees until
 // no capture is underway).
 //
+// Frees gact cannot honour are answered as the runtime answers them: cudaFree or
+// cudaFreeAsync of a pointer already freed (parked or given back), or of an address
+// inside gact's segments that is not the start of a live block, returns
+// cudaErrorInvalidValue and touches nothing (counted as "invalid_frees"); such a pointer
+// is never handed to the runtime, which would free the gact segment around it.
+//
+// Settings: the GACT_* variables and GACT_STATS_PATH are checked when the shim is
+// loaded; a bad one stops the program before main with a message naming it (exit
+// status 2), instead of failing every cudaMalloc later. No runtime found yet (it is
+// loaded later) is not cached: that call fails with cudaErrorInitializationError and
+// the next call looks again.
+//
 // Failures never crash the program: an allocation gact cannot serve returns
 // cudaErrorMemoryAllocation after a rate-limited log line. Stats: the allocators
 // appear as "preload:cuda:<device>" and the shim's own counters as the
 // "preload" section; with GACT_STATS_PATH set the document is dumped at exit.
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "allocator/options.hpp"
 #include "allocator/stats_registry.hpp"
 #include "bindings/device_allocators.hpp"
 
@@ -76,6 +94,7 @@ struct counters {
   std::atomic<std::uint64_t> free_calls{0};           ///< cudaFree of gact pointers (deferred)
   std::atomic<std::uint64_t> free_async_calls{0};     ///< cudaFreeAsync of gact pointers
   std::atomic<std::uint64_t> foreign_frees{0};        ///< cudaFree/cudaFreeAsync passed to the runtime
+  std::atomic<std::uint64_t> invalid_frees{0};        ///< double frees / interior pointers: cudaErrorInvalidValue
   std::atomic<std::uint64_t> capture_passthrough{0};  ///< allocations passed through during capture
   std::atomic<std::uint64_t> per_thread_passthrough{0};
   std::atomic<std::uint64_t> failed_allocs{0};        ///< returned cudaErrorMemoryAllocation
@@ -139,15 +158,53 @@ class shim {
     }
   }
 
-  /// Park a block freed by cudaFree until the next device synchronization.
-  void park(caching_allocator& owner, void* p) {
+  /// What a free of `p` finds: a live gact block (its allocator), a pointer gact cannot
+  /// free (already freed, or inside a gact segment), or a pointer that is not gact's.
+  enum class free_kind { gact, invalid, foreign };
+  free_kind classify(void* p, caching_allocator*& owner) noexcept {
+    owner = allocators_.owner(p);
+    if (owner != nullptr) return parked_ptrs_.count(p) != 0 ? free_kind::invalid : free_kind::gact;
+    bool inside = false;
+    allocators_.for_each([&](int, caching_allocator& a) { inside = inside || a.contains(p); });
+    return inside ? free_kind::invalid : free_kind::foreign;
+  }
+
+  /// cudaFree(p) / cudaFreeAsync(p, s): classify `p` and, for a live gact block, `give_back`
+  /// it, all under mu_, so that two frees of one pointer (or a free racing a flush) are seen
+  /// in order. @returns cudaSuccess, cudaErrorInvalidValue, or for a foreign pointer
+  /// cudaErrorNotSupported (the caller hands it to the runtime).
+  template <class F>
+  cudaError_t free_block(void* p, char const* call, F&& give_back) {
+    std::lock_guard lk(mu_);
+    caching_allocator* owner = nullptr;
+    switch (classify(p, owner)) {
+      case free_kind::foreign:
+        return cudaErrorNotSupported;
+      case free_kind::invalid:
+        counters_.invalid_frees.fetch_add(1, std::memory_order_relaxed);
+        GACT_WARN_CAPPED(16, "gact preload: {}({}): not a live allocation (already freed, or inside one); "
+                         "cudaErrorInvalidValue", call, p);
+        return cudaErrorInvalidValue;
+      case free_kind::gact:
+        break;
+    }
+    return give_back(*owner);
+  }
+
+  /// Park a block freed by cudaFree until the next device synchronization. Requires mu_.
+  void park_locked(caching_allocator& owner, void* p) {
     std::size_t const bytes = owner.block_size(p);
     int device = 0;
     if (api_.get_device(&device) != cudaSuccess) {
       (void)api_.get_last_error();
     }
-    std::lock_guard lk(mu_);
     parked_.push_back(parked{&owner, p, bytes, device});
+    try {
+      parked_ptrs_.insert(p);
+    } catch (...) {
+      parked_.pop_back();
+      throw;
+    }
     parked_bytes_ += bytes;
   }
 
@@ -195,17 +252,20 @@ class shim {
         ok = false;
       }
     }
+    std::lock_guard lk(mu_);
     if (!ok) {
-      std::lock_guard lk(mu_);  // put the batch back; try again later
-      for (parked const& b : batch) {
+      for (parked const& b : batch) {  // put the batch back (still in parked_ptrs_); try again later
         parked_.push_back(b);
         parked_bytes_ += b.bytes;
       }
       return 0;
     }
+    // Given back and forgotten together under mu_: a free of the same address after this is
+    // judged against the allocator's state alone.
     std::size_t bytes = 0;
     for (parked const& b : batch) {
       b.owner->deallocate(b.ptr);
+      parked_ptrs_.erase(b.ptr);
       bytes += b.bytes;
     }
     counters_.flushes.fetch_add(1, std::memory_order_relaxed);
@@ -222,6 +282,7 @@ class shim {
     j["free_calls"] = get(counters_.free_calls);
     j["free_async_calls"] = get(counters_.free_async_calls);
     j["foreign_frees"] = get(counters_.foreign_frees);
+    j["invalid_frees"] = get(counters_.invalid_frees);
     j["capture_passthrough"] = get(counters_.capture_passthrough);
     j["per_thread_stream_passthrough"] = get(counters_.per_thread_passthrough);
     j["failed_allocs"] = get(counters_.failed_allocs);
@@ -253,30 +314,67 @@ class shim {
   cuda_api const& api_;
   gact::bindings::device_allocators allocators_;
   counters counters_;
-  std::mutex mu_;                ///< guards parked_ and parked_bytes_
+  std::mutex mu_;                ///< guards parked_, parked_ptrs_, parked_bytes_; frees classify under it
   std::vector<parked> parked_;   ///< invariant: parked_bytes_ == sum of parked_[i].bytes
+  /// Every parked pointer not yet given back (those of parked_, and of a batch being flushed).
+  std::unordered_set<void*> parked_ptrs_;
   std::size_t parked_bytes_ = 0;
 };
 
 void flush_at_exit() noexcept;
 
-/// The shim, created on the first intercepted call; nullptr when no CUDA runtime can be
-/// found after the shim (then every call fails with cudaErrorInitializationError).
+std::atomic<shim*> g_shim{nullptr};
+std::mutex g_shim_mu;
+
+/// The shim, created on the first intercepted call that finds a CUDA runtime; nullptr while
+/// none can be found (that call fails with cudaErrorInitializationError; a later call, after
+/// the program has loaded its runtime, looks again).
 shim* the_shim() noexcept {
-  static shim* const s = []() -> shim* {
-    try {
-      auto* p = new shim(gact::device::next_cuda_api());  // never destroyed: exit handlers may still call us
-      gact::stats::register_provider("preload", [p] { return p->stats_json(); });
-      gact::stats::install_dump_triggers();
-      // Registered after the dump trigger, so it runs before the exit dump.
-      std::atexit(flush_at_exit);
-      return p;
-    } catch (...) {
-      GACT_LOG_ERROR("gact preload: disabled: {}", shim::what(std::current_exception()));
-      return nullptr;
+  if (shim* s = g_shim.load(std::memory_order_acquire)) [[likely]] {
+    return s;
+  }
+  try {
+    std::lock_guard lk(g_shim_mu);
+    if (shim* s = g_shim.load(std::memory_order_acquire)) {
+      return s;
     }
-  }();
-  return s;
+    auto* p = new shim(gact::device::next_cuda_api());  // never destroyed: exit handlers may still call us
+    gact::stats::register_provider("preload", [p] { return p->stats_json(); });
+    try {
+      gact::stats::install_dump_triggers();
+    } catch (std::exception const& e) {  // checked at load; only a path removed since lands here
+      GACT_LOG_ERROR("gact preload: no stats dumps: {}", e.what());
+    }
+    // Registered after the dump trigger, so it runs before the exit dump.
+    std::atexit(flush_at_exit);
+    g_shim.store(p, std::memory_order_release);
+    return p;
+  } catch (...) {
+    GACT_WARN_CAPPED(8, "gact preload: not active yet: {}", shim::what(std::current_exception()));
+    return nullptr;
+  }
+}
+
+/// Checked when the shim is loaded, before the program's main: a bad GACT_* value would
+/// otherwise make every allocation fail later with a misleading out-of-memory. Writes the
+/// reason to stderr directly (the logger's own level may be the bad setting) and stops.
+__attribute__((constructor)) void check_settings_at_load() noexcept {
+  std::string why;
+  try {
+    (void)gact::options::from_env();
+    char const* path = std::getenv("GACT_STATS_PATH");
+    if (path != nullptr) gact::stats::check_path(path, "GACT_STATS_PATH");
+    return;
+  } catch (std::exception const& e) {
+    why = e.what();
+  } catch (...) {
+    why = "unknown error while reading the GACT_* settings";
+  }
+  std::string const msg = "gact preload (LD_PRELOAD=libgact_preload.so): " + why +
+                          "\ngact preload: stopped before the program started; fix the setting, or unset it "
+                          "(or LD_PRELOAD) to run without gact\n";
+  [[maybe_unused]] ssize_t const n = ::write(STDERR_FILENO, msg.data(), msg.size());
+  ::_exit(2);
 }
 
 void flush_at_exit() noexcept {
@@ -317,24 +415,28 @@ __attribute__((visibility("default"))) cudaError_t CUDARTAPI cudaFree(void* devP
   if (devPtr == nullptr) {
     return s->api().free(devPtr);  // the runtime's own meaning (context set-up)
   }
-  caching_allocator* owner = s->allocators().owner(devPtr);
-  if (owner == nullptr) {
+  cudaError_t const err = s->free_block(devPtr, "cudaFree", [&](caching_allocator& owner) {
+    try {
+      s->park_locked(owner, devPtr);
+    } catch (...) {
+      // Could not park (no memory for the list): recycle synchronously instead.
+      GACT_WARN_CAPPED(8, "gact preload: cudaFree({}) could not defer: {}", devPtr, shim::what(std::current_exception()));
+      if (s->api().device_synchronize() != cudaSuccess) {
+        (void)s->api().get_last_error();
+        return cudaSuccess;  // leak the block rather than reuse it unsynchronized
+      }
+      owner.deallocate(devPtr);
+    }
+    return cudaSuccess;
+  });
+  if (err == cudaErrorNotSupported) {
     s->count().foreign_frees.fetch_add(1, std::memory_order_relaxed);
     return s->api().free(devPtr);
   }
-  try {
-    s->park(*owner, devPtr);
-  } catch (...) {
-    // Could not park (no memory for the list): recycle synchronously instead.
-    GACT_WARN_CAPPED(8, "gact preload: cudaFree({}) could not defer: {}", devPtr, shim::what(std::current_exception()));
-    if (s->api().device_synchronize() != cudaSuccess) {
-      (void)s->api().get_last_error();
-      return cudaSuccess;  // leak the block rather than reuse it unsynchronized
-    }
-    owner->deallocate(devPtr);
+  if (err == cudaSuccess) {
+    s->count().free_calls.fetch_add(1, std::memory_order_relaxed);
   }
-  s->count().free_calls.fetch_add(1, std::memory_order_relaxed);
-  return cudaSuccess;
+  return err;
 }
 
 __attribute__((visibility("default"))) cudaError_t CUDARTAPI cudaMallocAsync(void** devPtr, size_t size,
@@ -368,28 +470,33 @@ __attribute__((visibility("default"))) cudaError_t CUDARTAPI cudaFreeAsync(void*
   if (s == nullptr) {
     return cudaErrorInitializationError;
   }
-  caching_allocator* owner = devPtr != nullptr ? s->allocators().owner(devPtr) : nullptr;
-  if (owner == nullptr) {
-    if (devPtr != nullptr) {
-      s->count().foreign_frees.fetch_add(1, std::memory_order_relaxed);
-    }
+  if (devPtr == nullptr) {
     return s->api().free_async(devPtr, hStream);
   }
   cudaStream_t const stream = hStream == cudaStreamLegacy ? nullptr : hStream;
-  try {
-    if (hStream == cudaStreamPerThread || s->capturing(stream)) {
-      // No stream handle gact can record an event on now: treat like cudaFree.
-      s->park(*owner, devPtr);
-    } else {
-      owner->record_stream(devPtr, gact::device::to_handle(stream));  // no-op on the allocation stream
-      owner->deallocate(devPtr);
+  cudaError_t const err = s->free_block(devPtr, "cudaFreeAsync", [&](caching_allocator& owner) {
+    try {
+      if (hStream == cudaStreamPerThread || s->capturing(stream)) {
+        // No stream handle gact can record an event on now: treat like cudaFree.
+        s->park_locked(owner, devPtr);
+      } else {
+        owner.record_stream(devPtr, gact::device::to_handle(stream));  // no-op on the allocation stream
+        owner.deallocate(devPtr);
+      }
+    } catch (...) {
+      GACT_WARN_CAPPED(8, "gact preload: cudaFreeAsync({}) failed: {}", devPtr, shim::what(std::current_exception()));
+      return cudaErrorInvalidValue;
     }
-  } catch (...) {
-    GACT_WARN_CAPPED(8, "gact preload: cudaFreeAsync({}) failed: {}", devPtr, shim::what(std::current_exception()));
-    return cudaErrorInvalidValue;
+    return cudaSuccess;
+  });
+  if (err == cudaErrorNotSupported) {
+    s->count().foreign_frees.fetch_add(1, std::memory_order_relaxed);
+    return s->api().free_async(devPtr, hStream);
   }
-  s->count().free_async_calls.fetch_add(1, std::memory_order_relaxed);
-  return cudaSuccess;
+  if (err == cudaSuccess) {
+    s->count().free_async_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  return err;
 }
 
 __attribute__((visibility("default"))) cudaError_t CUDARTAPI cudaMemGetInfo(size_t* free_bytes, size_t* total) {

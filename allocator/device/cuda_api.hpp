@@ -62,10 +62,12 @@ struct cuda_api {
 cuda_api const& direct_cuda_api() noexcept;
 
 /// The table of the runtime found *after* the calling object in the symbol
-/// search order (`dlsym(RTLD_NEXT, name)` for each entry), resolved once.
-/// Used by the LD_PRELOAD shim, whose own cudaMalloc must not be called.
+/// search order (`dlsym(RTLD_NEXT, name)` for each entry), or else of a runtime the
+/// process has loaded privately (dlopen of libcudart.so.13, .12, ... with RTLD_NOLOAD).
+/// Resolved once it succeeds; a failure is not cached. Used by the LD_PRELOAD shim, whose
+/// own cudaMalloc must not be called.
 /// @throws gact::cuda_error naming the first symbol that could not be found
-///         (no CUDA runtime loaded in the process).
+///         (no CUDA runtime loaded in the process yet).
 cuda_api const& next_cuda_api();
 
 namespace detail {

@@ -29,6 +29,7 @@
 #include "allocator/device/host_backend.hpp"
 #include "allocator/error.hpp"
 #include "allocator/event_trace.hpp"
+#include "allocator/log.hpp"
 #include "allocator/options.hpp"
 #include "allocator/stats_registry.hpp"
 #include "allocator/store/activation_store.hpp"
@@ -283,6 +284,35 @@ py::capsule make_dlpack(std::shared_ptr<gact::store::decoded_image const> img, g
       PyErr_Clear();
     }
   });
+}
+
+// ---- options that act at once (gact.configure) ----------------------------------------
+// Settings the core reads live are applied here; the ones a Compressor reads at
+// construction (bits, group_size, ...) act on Compressors built afterwards; threads sizes
+// the store's codec executor at start and cannot change later, so a change is rejected.
+void apply_option(runtime& r, std::string const& keyword, std::string const& value) {
+  gact::options next = r.opts;
+  next.set(keyword, value);  // validated: ValueError naming the keyword
+  if (next.threads != r.opts.threads) {
+    GACT_FAIL("threads: the codec executor's thread count is fixed when gact starts (it is " +
+              std::to_string(r.opts.threads) + "); set GACT_THREADS before importing gact");
+  }
+  if (next.stats_path != r.opts.stats_path) gact::stats::set_dump_path(next.stats_path);
+  if (next.trace != r.opts.trace) gact::alloc::event_trace::enable(static_cast<std::size_t>(next.trace));
+  if (next.log_level != r.opts.log_level) gact::log::set_level(std::string(gact::level_name(next.log_level)));
+  if (next.memory_limit != r.opts.memory_limit) {
+    r.host_arena.set_memory_limit(static_cast<std::size_t>(next.memory_limit));
+  }
+  r.opts = next;
+}
+
+/// Sections the core writes itself; stats_set_section must not replace them.
+bool core_section(std::string const& name) {
+  for (char const* s : {"schema_version", "gact_version", "pid", "time_unix_ms", "allocators", "tags", "store",
+                        "codecs", "swap", "policy", "timeline", "snapshots", "preload"}) {
+    if (name == s) return true;
+  }
+  return name.starts_with("allocators/");
 }
 
 }  // namespace
@@ -672,8 +702,8 @@ PYBIND11_MODULE(_gact, m) {
       },
       py::arg("path"), "Write the stats document to path atomically.");
   m.def("install_dump_triggers", []() {
-    rt();
-    gact::stats::install_dump_triggers();
+    gact::stats::install_dump_triggers();  // first: a bad GACT_STATS_PATH raises before anything warns
+    rt();                                  // the store and the host arena, registered (and re-armed)
   });
 
   // ---- event trace (allocator/event_trace.hpp) -----------------------------------------
@@ -713,7 +743,18 @@ PYBIND11_MODULE(_gact, m) {
   });
   m.def("options_current", []() { return json_loads(rt().opts.to_json().dump()); });
   m.def(
-      "options_set", [](std::string const& keyword, std::string const& value) { rt().opts.set(keyword, value); },
+      "options_set", [](std::string const& keyword, std::string const& value) { apply_option(rt(), keyword, value); },
       py::arg("keyword"), py::arg("value"),
-      "Set one option from text (validated; raises ValueError naming the setting).");
+      "Set one option from text (validated; raises ValueError naming the setting) and apply it: "
+      "stats_path, trace, log_level and memory_limit act at once; threads cannot change after start.");
+  m.def(
+      "stats_set_section",
+      [](std::string const& name, std::string const& json_text) {
+        GACT_EXPECTS(!name.empty() && !core_section(name), "stats_set_section: '" + name + "' is gact's own section");
+        auto j = nlohmann::json::parse(json_text, nullptr, false);
+        GACT_EXPECTS(!j.is_discarded(), "stats_set_section: the text for '" + name + "' is not JSON");
+        gact::stats::register_provider(name, [j = std::move(j)] { return j; });
+      },
+      py::arg("name"), py::arg("json_text"),
+      "Add (or replace) a top-level section of the stats document holding fixed JSON (gact-run's \"run\").");
 }

@@ -289,10 +289,28 @@ TEST_CASE("set_memory_limit: a cap set after use applies to new segments; 0 lift
   a.deallocate(p);
   a.deallocate(q);
   a.deallocate(r);
-  a.set_memory_limit(1);  // below what is reserved: nothing is freed by the call itself
-  CHECK(a.reserved_bytes() > 0);
-  a.empty_cache();
+  a.set_memory_limit(1);  // below what is reserved: the cached segments go back
   CHECK(a.reserved_bytes() == 0);
+}
+
+TEST_CASE("set_memory_limit caps later reservations and releases the cache to get under it (issue 15)") {
+  // gact.configure(memory_limit=...) showed the new value in options() but changed nothing.
+  gact::test::manual_backend be;
+  caching_allocator a(be);
+  void* p = a.allocate(4096);          // one 2 MiB small segment
+  void* q = a.allocate(12 * k_mib);    // its own large segment
+  a.deallocate(q);                     // cached, still reserved
+  CHECK(a.reserved_bytes() > 4 * k_mib);
+  a.set_memory_limit(4 * k_mib);
+  CHECK(a.reserved_bytes() == 2 * k_mib);  // the cached large segment went back
+  CHECK(a.options().memory_limit == 4 * k_mib);
+  CHECK_THROWS_AS(a.allocate(12 * k_mib), gact::out_of_memory);
+  CHECK(a.stats_json()["options"]["memory_limit"] == 4 * k_mib);
+  a.set_memory_limit(0);
+  void* r = a.allocate(12 * k_mib);
+  CHECK(r != nullptr);
+  a.deallocate(r);
+  a.deallocate(p);
 }
 
 }  // TEST_SUITE

@@ -74,6 +74,43 @@ TEST_CASE("event trace: off by default in tests, and record() is then a no-op") 
   CHECK(et::copy().recorded == 0);
 }
 
+TEST_CASE("event trace: the largest capacity costs memory only as events arrive (issue 15)") {
+  // GACT_TRACE=67108864 used to commit the whole ring (4 GiB) at import.
+  auto const resident = [] {
+    std::ifstream in("/proc/self/statm");
+    std::size_t pages = 0, rss = 0;
+    in >> pages >> rss;
+    return rss * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  };
+  std::size_t const before = resident();
+  {
+    trace_on on(std::size_t{1} << 26);
+    for (std::uint64_t i = 0; i < 1000; ++i) et::record(et::event_kind::step, 0, 0, 0, 0, gact::alloc::tag_other, i);
+    std::size_t const after = resident();
+    CHECK(after < before + (std::size_t{256} << 20));
+    auto const r = et::copy();
+    CHECK(r.capacity == (std::size_t{1} << 26));
+    REQUIRE(r.events.size() == 1000);
+    CHECK(r.dropped == 0);
+    CHECK(r.events.front().key == 0);
+    CHECK(r.events.back().key == 999);
+  }
+  CHECK_THROWS_WITH_AS(et::enable((std::size_t{1} << 26) + 1),
+                       doctest::Contains("exceeds the maximum of 67108864 events (4096 MiB once full)"),
+                       gact::invalid_argument);
+}
+
+TEST_CASE("event trace: clear() then fewer events than before, in a ring that had grown") {
+  trace_on on(8);
+  for (std::uint64_t i = 0; i < 5; ++i) et::record(et::event_kind::step, 0, 0, 0, 0, gact::alloc::tag_other, i);
+  et::clear();
+  for (std::uint64_t i = 100; i < 111; ++i) et::record(et::event_kind::step, 0, 0, 0, 0, gact::alloc::tag_other, i);
+  auto const r = et::copy();
+  REQUIRE(r.events.size() == 8);
+  CHECK(r.dropped == 3);
+  for (std::size_t i = 0; i < 8; ++i) CHECK(r.events[i].key == 103 + i);
+}
+
 TEST_CASE("event trace: wrap-around keeps the newest `capacity` events, oldest first") {
   trace_on on(8);
   for (std::uint64_t i = 0; i < 21; ++i) et::record(et::event_kind::step, 0, 0, 0, 0, gact::alloc::tag_other, i);

@@ -7,21 +7,10 @@
 
 #include "allocator/error.hpp"
 #include "allocator/options.hpp"
+#include "test_helpers.hpp"
 
 namespace op = gact::option_parse;
-
-namespace {
-
-std::string error_of(auto&& fn) {
-  try {
-    fn();
-  } catch (gact::invalid_argument const& e) {
-    return e.what();
-  }
-  return "";
-}
-
-}  // namespace
+using gact::test::error_of;
 
 TEST_SUITE("unit") {
 
@@ -67,6 +56,23 @@ TEST_CASE("count and positive") {
         "GACT_THREADS: '-1' is not a non-negative integer; use e.g. 0, 2 or 100");
   CHECK_THROWS_AS(op::positive("GACT_ADAPT_INTERVAL", "0"), gact::invalid_argument);
   CHECK_THROWS_AS(op::positive("GACT_ADAPT_INTERVAL", "-3"), gact::invalid_argument);
+}
+
+TEST_CASE("threads: at most k_max_threads, never wrapped (issue 15)") {
+  CHECK(op::threads("GACT_THREADS", "0") == 0);
+  CHECK(op::threads("GACT_THREADS", "4") == 4);
+  CHECK(op::threads("GACT_THREADS", "1024") == gact::k_max_threads);
+  for (char const* bad : {"1025", "4294967298", "18446744073709551616", "-1", "2.5", "x", ""}) {
+    INFO(bad);
+    CHECK_THROWS_AS(op::threads("GACT_THREADS", bad), gact::invalid_argument);
+  }
+  // 4294967298 = 2^32 + 2 once became 2 threads through a cast to int.
+  CHECK(error_of([] { op::threads("GACT_THREADS", "4294967298"); }) ==
+        "GACT_THREADS: '4294967298' is not a thread count in [0, 1024]; use 0 (all hardware threads) or e.g. 4");
+  auto const lookup = [](char const* name) -> char const* {
+    return std::string_view(name) == "GACT_THREADS" ? "4294967298" : nullptr;
+  };
+  CHECK_THROWS_AS(gact::options::from_env(lookup), gact::invalid_argument);
 }
 
 TEST_CASE("real and fraction_bits") {

@@ -17,31 +17,17 @@
 #include "allocator/error.hpp"
 #include "allocator/stats.hpp"
 #include "allocator/stats_registry.hpp"
+#include "test_helpers.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
 
-/// A fresh directory under the system temp dir, removed at scope exit.
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    path = fs::temp_directory_path() / ("gact-test-stats-" + std::to_string(::getpid()) + "-" +
-                                        std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
-    fs::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
+struct temp_dir : gact::test::temp_dir {
+  temp_dir() : gact::test::temp_dir("gact-test-stats-") {}
 };
 
-nlohmann::json read_json(fs::path const& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return nlohmann::json::parse(ss.str());
-}
+nlohmann::json read_json(fs::path const& p) { return nlohmann::json::parse(gact::test::read_text(p)); }
 
 }  // namespace
 

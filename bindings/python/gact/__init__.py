@@ -22,6 +22,7 @@ directly), and the ``gact-run`` command (compress an unmodified script).
 
 from __future__ import annotations
 
+import operator as _operator
 import os as _os
 
 try:
@@ -42,6 +43,7 @@ __version__ = _C.__version__
 
 GactError = _C.GactError
 CorruptBlobError = _C.CorruptBlobError
+OutOfMemoryError = _C.OutOfMemoryError  # a MemoryError: gact's arena could not hold a blob
 
 __all__ = [
     "Compressor",
@@ -55,6 +57,7 @@ __all__ = [
     "codecs",
     "GactError",
     "CorruptBlobError",
+    "OutOfMemoryError",
     "__version__",
 ]
 
@@ -75,7 +78,14 @@ def dump_stats(path: str | _os.PathLike) -> None:
 
 
 def install_dump_triggers() -> None:
-    """If GACT_STATS_PATH is set, dump the stats there at exit and on SIGUSR1."""
+    """If a stats path is set (GACT_STATS_PATH, or ``configure(stats_path=...)``), dump the
+    stats there at exit, on SIGUSR1 and on SIGTERM. Done at import when GACT_STATS_PATH is
+    set. A SIGUSR1 handler installed later (``signal.signal(signal.SIGUSR1, f)``) replaces
+    gact's: call this again afterwards, and gact's handler comes back and chains to ``f``.
+
+    Raises:
+        ValueError: naming GACT_STATS_PATH when that path cannot be written.
+    """
     _C.install_dump_triggers()
 
 
@@ -90,9 +100,28 @@ def trace(capacity: int = 100_000, snapshot_every: int = 1) -> None:
     render a dump.
 
     Raises:
-        ValueError: for a capacity above 2**26 events.
+        TypeError: for a capacity or snapshot_every that is not an integer.
+        ValueError: for a negative value or a capacity above 2**26 events.
     """
+    capacity = _whole("capacity", capacity)
+    snapshot_every = _whole("snapshot_every", snapshot_every)
     if capacity < 0 or snapshot_every < 0:
         raise ValueError(f"gact.trace: capacity ({capacity}) and snapshot_every ({snapshot_every}) "
                          "must be >= 0")
-    _C.trace_enable(int(capacity), int(snapshot_every))
+    _C.trace_enable(capacity, snapshot_every)
+
+
+def _whole(name: str, value) -> int:
+    """``value`` as an int when it is an integer (not a bool, not a float). @raises TypeError"""
+    if isinstance(value, bool):
+        raise TypeError(f"gact.trace: {name} must be an integer, not a bool ({value!r})")
+    try:
+        return _operator.index(value)
+    except TypeError:
+        raise TypeError(f"gact.trace: {name} must be an integer, not {type(value).__name__} ({value!r})") from None
+
+
+# With GACT_STATS_PATH set, the SIGUSR1 and SIGTERM dumps work from here on (not only once
+# the first tensor is stored); a path that cannot be written fails the import, naming it.
+if _os.environ.get("GACT_STATS_PATH"):
+    _C.install_dump_triggers()

@@ -29,25 +29,50 @@ CorruptBlobError = _C.CorruptBlobError
 __all__ = ["Blob", "CorruptBlobError", "encode", "decode"]
 
 
+def _blob_bytes(data: Any, where: str) -> bytes:
+    """The bytes of a bytes-like ``data`` (bytes, bytearray, memoryview, Blob, any buffer).
+
+    Anything else is a TypeError: ``bytes(10**10)`` would be ten billion zero bytes, and
+    ``bytes([1, 2])`` or a str would be a blob nobody meant."""
+    if isinstance(data, bytes):
+        return bytes(data) if type(data) is not bytes else data
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"{where}: expected a blob as bytes, bytearray or memoryview, "
+                        f"not {type(data).__name__}") from None
+    with view:
+        return view.tobytes()
+
+
 class Blob(bytes):
     """An encoded tensor: the blob's bytes, with its header fields as attributes
     (``codec``, ``dtype`` (a torch dtype), ``shape``, ``numel``, ``bits``, ``group_size``,
-    ``seed``, ``key``)."""
+    ``seed``, ``key``). ``Blob(data)`` validates ``data`` like :meth:`from_bytes`.
+
+    Raises:
+        TypeError: for data that is not bytes-like.
+        CorruptBlobError: when the header or sizes do not check out.
+    """
 
     _info: dict
+
+    def __new__(cls, data: Any) -> "Blob":
+        raw = _blob_bytes(data, "gact.codecs.Blob")
+        info = _C.codec_parse(raw)
+        b = super().__new__(cls, raw)
+        b._info = info
+        return b
 
     @classmethod
     def from_bytes(cls, data: Any) -> "Blob":
         """Validate ``data`` (bytes, bytearray, memoryview, Blob) as a blob.
 
         Raises:
+            TypeError: for data that is not bytes-like.
             CorruptBlobError: when the header or sizes do not check out.
         """
-        raw = bytes(data)
-        info = _C.codec_parse(raw)
-        b = cls(raw)
-        b._info = info
-        return b
+        return cls(data)
 
     def _field(self, name: str) -> Any:
         return self._info[name]
@@ -152,9 +177,10 @@ def decode(blob: Any, device: Any = None) -> torch.Tensor:
     (default: the CPU).
 
     Raises:
+        TypeError: for a blob that is not bytes-like (an int is not a size here).
         CorruptBlobError: when the blob fails validation.
     """
-    b = blob if isinstance(blob, Blob) else Blob.from_bytes(blob)
+    b = blob if isinstance(blob, Blob) else Blob(_blob_bytes(blob, "gact.codecs.decode"))
     out = torch.empty(b.shape, dtype=b.dtype)
     _C.codec_decode(bytes(b), out.data_ptr(), out.numel() * out.element_size())
     if device is not None:

@@ -748,3 +748,18 @@ class Compressor:
             f"gact.Compressor(bits={self.bits!r}, group_size={self.group_size}, min_bytes={self.min_bytes}, "
             f"seed={self.seed}, step={self._step})"
         )
+
+    # ---- gact-run: threads --------------------------------------------------------------
+
+    def install_thread(self) -> None:
+        """Install the hooks of :meth:`install_global` in the calling thread too: torch 1.13
+        keeps saved-tensor hooks per thread, so a thread started after ``install_global`` saves
+        uncompressed without this. ``gact-run`` calls it first thing in every new thread. A
+        no-op unless installed globally; the hooks and the thread's op tracker (which tells a
+        ReLU's output, stored exactly as a mask, from values) go with the thread."""
+        if getattr(self, "_global_pop", None) is None or getattr(self._local, "tracker", None) is not None:
+            return
+        _compat.push_default_hooks(self._pack, self._unpack)
+        tracker = _saved.OpTracker(self._flush)
+        tracker.__enter__()
+        self._local.tracker = tracker

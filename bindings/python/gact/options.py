@@ -1,13 +1,14 @@
 """gact's options table (allocator/options.def) as seen from Python.
 
 Every setting has one name, a default, a ``GACT_*`` environment variable (read
-once when ``_gact`` is imported) and a keyword. :func:`options` returns the
+once when gact starts) and a keyword. :func:`options` returns the
 current values; :func:`configure` changes them, validated by the C++ parser, so
 a bad value raises ``ValueError`` naming the setting and what is accepted.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import _gact as _C
@@ -38,13 +39,27 @@ def configure(**settings: Any) -> OptionsTable:
     """Set options by keyword, e.g. ``gact.configure(bits=2, min_bytes="8K")``.
 
     Values are converted to text and parsed by the same parser as the environment
-    variables. Returns the updated table.
+    variables. Returns the updated table. What each change does:
+
+    * ``stats_path`` (the path is checked now; ``""`` turns dumps off), ``trace``
+      (a fresh ring of that many events; 0 = off), ``log_level`` and ``memory_limit``
+      (the host arena's cap) act at once;
+    * ``bits``, ``budget``, ``group_size``, ``min_bytes``, ``seed``, ``swap``,
+      ``swap_budget``, ``prefetch`` and ``adapt_interval`` are the defaults of
+      Compressors built afterwards;
+    * ``threads`` sizes the codec executor when gact starts: a different value raises
+      (set GACT_THREADS before ``import gact``).
 
     Raises:
-        ValueError: for an unknown keyword or a bad value (the message names both).
+        ValueError: for an unknown keyword, a bad value or a change that cannot apply
+            (the message names the setting).
     """
     for k, v in settings.items():
         if isinstance(v, bool):
             v = "true" if v else "false"
+        elif isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        elif v is None and k == "stats_path":
+            v = ""
         _C.options_set(k, str(v))
     return options()

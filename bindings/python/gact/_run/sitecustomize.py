@@ -1,22 +1,37 @@
 """gact-run's sitecustomize: compress saved activations in an unmodified script.
 
 Python imports this module at start-up because gact-run puts its folder first on
-PYTHONPATH. It does nothing unless GACT_RUN=1. Then it:
+PYTHONPATH, so it runs in every Python process of the command. It does nothing unless
+GACT_RUN=1. Then it:
 
 1. chains to the sitecustomize this one shadows (Debian ships one), if any;
 2. builds a model-less ``gact.Compressor`` from the GACT_* options and installs its
-   saved-tensor hooks for the whole process (``Compressor.install_global``);
-3. steps the compressor after every ``torch.optim.Optimizer.step``, through
-   torch's global optimizer post-hook where it exists (2.x) or by wrapping the
-   ``step`` of each optimizer class on construction (1.13);
-4. dumps the stats document to GACT_STATS_PATH at exit.
+   saved-tensor hooks for the whole process (``Compressor.install_global``), and for every
+   thread started from then on (torch 1.13 keeps saved-tensor hooks per thread), through
+   ``threading.setprofile`` (``Compressor.install_thread``), chained to a profiler set
+   there before;
+3. ends a step after every ``torch.optim.Optimizer.step`` (torch's global optimizer
+   post-hook on 2.x, a wrapper on each optimizer class's ``step`` on 1.13); in a script
+   that never calls one (weights updated by hand), at the end of every backward
+   (``torch.autograd.backward``). Once an optimizer step has been seen, backward no
+   longer ends steps;
+4. records what it did in the stats document's ``run`` section (pid, rank, argv,
+   ``compressed``); the stats themselves are dumped by gact's core to GACT_STATS_PATH
+   (``stats.{proc}.json``: one file per process) at exit, on SIGUSR1 and on SIGTERM.
 
-Importing torch here costs start-up time in every Python process the command
-starts; that is the price of needing no change to the script.
+When the hooks cannot be installed (torch or gact missing, a bad GACT_* value) the
+process stops here, before the script runs, with exit status 3 and the reason on stderr;
+with GACT_RUN_ALLOW_UNCOMPRESSED=1 (``--allow-uncompressed``) it runs uncompressed and
+its stats say so (``run.compressed`` false, ``run.reason``).
+
+Importing torch here costs start-up time in every Python process the command starts;
+that is the price of needing no change to the script.
 """
 
 import os
 import sys
+
+EXIT_NO_HOOKS = 3
 
 
 def _chain_shadowed_sitecustomize():
@@ -35,72 +50,202 @@ def _chain_shadowed_sitecustomize():
         print(f"gact-run: the shadowed sitecustomize ({spec.origin}) failed: {e}", file=sys.stderr)
 
 
+def _run_info(compressed, reason=None):
+    info = {"launcher": "gact-run", "pid": os.getpid(), "rank": os.environ.get("RANK"),
+            "argv": list(sys.argv), "compressed": compressed}
+    if reason is not None:
+        info["reason"] = reason
+    return info
+
+
+class _Steps:
+    """When a step ends: after an optimizer step, or at the end of a backward in a script
+    that has not called one. ``dirty``: something ran since the last step ended (a module's
+    forward, or a backward that did not end the step)."""
+
+    def __init__(self, comp):
+        self.comp = comp
+        self.seen_optimizer = False
+        self.dirty = False
+        self.in_step = False
+        self.backward_depth = 0
+
+    def end(self):
+        if self.in_step:
+            return
+        self.in_step = True  # the policy's own passes (a probe's backward) must not step again
+        try:
+            self.comp.step()
+        finally:
+            self.in_step = False
+            self.dirty = False
+
+    def after_optimizer_step(self, *_args, **_kwargs):
+        first = not self.seen_optimizer
+        self.seen_optimizer = True
+        if self.dirty or not first:
+            self.end()
+
+    def forward_started(self, *_args):
+        self.dirty = True
+
+    def wrap_backward(self, backward):
+        import functools
+
+        @functools.wraps(backward)
+        def stepped_backward(*args, **kwargs):
+            self.backward_depth += 1
+            try:
+                out = backward(*args, **kwargs)
+            finally:
+                self.backward_depth -= 1
+            if self.backward_depth == 0 and not self.in_step:
+                if self.seen_optimizer:
+                    self.dirty = True
+                else:
+                    self.end()
+            return out
+
+        return stepped_backward
+
+
+def _install_optimizer_hook(torch, _compat, after_step):
+    import functools
+
+    if _compat.HAS_OPTIMIZER_POST_HOOK:
+        import torch.optim.optimizer as om
+
+        om.register_optimizer_step_post_hook(after_step)
+        return
+    original_init = torch.optim.Optimizer.__init__
+
+    def wrap_step(cls):
+        step = cls.__dict__.get("step")
+        if step is None or getattr(step, "_gact_wrapped", False):
+            return
+
+        @functools.wraps(step)
+        def stepped(self, *args, **kwargs):
+            out = step(self, *args, **kwargs)
+            after_step()
+            return out
+
+        stepped._gact_wrapped = True
+        stepped.hooked = True  # torch 1.13's profiler wrapper checks this and leaves it alone
+        cls.step = stepped
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        for cls in type(self).__mro__:
+            if cls is torch.optim.Optimizer:
+                break
+            if "step" in cls.__dict__:
+                wrap_step(cls)
+                break
+
+    torch.optim.Optimizer.__init__ = init
+
+
+def _install_thread_hooks(push):
+    """Push the saved-tensor hooks in every thread started from now on: ``threading`` calls
+    the function set with ``threading.setprofile`` first thing in a new thread; it pushes
+    the hooks, then hands the thread to the profiler that was set before (or none)."""
+    import threading
+
+    previous = threading.getprofile() if hasattr(threading, "getprofile") else None
+
+    def thread_start(frame, event, arg):
+        sys.setprofile(previous)
+        push()
+        if previous is not None:
+            return previous(frame, event, arg)
+        return None
+
+    threading.setprofile(thread_start)
+
+
 def _install():
     import atexit
-    import functools
+    import json
 
     import torch
 
+    import _gact
     import gact
     from gact import _compat
 
     comp = gact.Compressor(None)
     comp.install_global()
     gact._run_compressor = comp  # for inspection by the script or tests
+    _install_thread_hooks(comp.install_thread)
 
-    def after_step(*_args, **_kwargs):
-        comp.step()
-
-    if _compat.HAS_OPTIMIZER_POST_HOOK:
-        import torch.optim.optimizer as om
-
-        om.register_optimizer_step_post_hook(after_step)
+    steps = _Steps(comp)
+    gact._run_steps = steps
+    _install_optimizer_hook(torch, _compat, steps.after_optimizer_step)
+    torch.autograd.backward = steps.wrap_backward(torch.autograd.backward)
+    if _compat.HAS_GLOBAL_MODULE_HOOKS:
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _inp: steps.forward_started())
     else:
-        original_init = torch.optim.Optimizer.__init__
+        steps.dirty = True  # no way to see a forward: every optimizer step ends a step
 
-        def wrap_step(cls):
-            step = cls.__dict__.get("step")
-            if step is None or getattr(step, "_gact_wrapped", False):
-                return
+    def close_last_step():
+        if steps.dirty and not steps.seen_optimizer:
+            steps.end()
 
-            @functools.wraps(step)
-            def stepped(self, *args, **kwargs):
-                out = step(self, *args, **kwargs)
-                after_step()
-                return out
+    atexit.register(close_last_step)
+    _gact.stats_set_section("run", json.dumps(_run_info(True)))
 
-            stepped._gact_wrapped = True
-            stepped.hooked = True  # torch 1.13's profiler wrapper checks this and leaves it alone
-            cls.step = stepped
 
-        @functools.wraps(original_init)
-        def init(self, *args, **kwargs):
-            original_init(self, *args, **kwargs)
-            for cls in type(self).__mro__:
-                if cls is torch.optim.Optimizer:
-                    break
-                if "step" in cls.__dict__:
-                    wrap_step(cls)
-                    break
+def _run_uncompressed(reason):
+    """--allow-uncompressed: say so on stderr and in this process's stats."""
+    import json
 
-        torch.optim.Optimizer.__init__ = init
+    print(f"gact-run: running UNCOMPRESSED (--allow-uncompressed): {reason}", file=sys.stderr)
+    info = _run_info(False, reason)
+    try:
+        import _gact
 
+        _gact.stats_set_section("run", json.dumps(info))
+        _gact.install_dump_triggers()
+        return
+    except Exception:  # noqa: BLE001 - no gact at all: write a minimal document ourselves
+        pass
     path = os.environ.get("GACT_STATS_PATH")
-    if path:
+    if not path:
+        return
+    rank = os.environ.get("RANK", "")
+    proc = "rank" + rank if rank.isdigit() else "pid%d" % os.getpid()
+    path = path.replace("{pid}", str(os.getpid())).replace("{proc}", proc)
 
-        def dump():
-            try:
-                gact.dump_stats(path)
-            except Exception as e:
-                print(f"gact-run: cannot write the stats to {path}: {e}", file=sys.stderr)
+    def write():
+        import time
 
-        atexit.register(dump)
+        doc = {"schema_version": 2, "gact_version": None, "pid": os.getpid(),
+               "time_unix_ms": int(time.time() * 1000), "allocators": {}, "run": info}
+        try:
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=2)
+        except OSError as e:
+            print(f"gact-run: cannot write {path}: {e}", file=sys.stderr)
+
+    import atexit
+
+    atexit.register(write)
 
 
 _chain_shadowed_sitecustomize()
 if os.environ.get("GACT_RUN") == "1":
     try:
         _install()
-    except Exception as e:
-        print(f"gact-run: could not install gact's hooks: {e}", file=sys.stderr)
-        raise
+    except Exception as e:  # noqa: BLE001 - any reason gact cannot run here stops this process
+        reason = f"{type(e).__name__}: {e}"
+        if os.environ.get("GACT_RUN_ALLOW_UNCOMPRESSED") == "1":
+            _run_uncompressed(reason)
+        else:
+            print(f"gact-run: gact's hooks could not be installed in {' '.join(sys.argv) or sys.executable} "
+                  f"(pid {os.getpid()}): {reason}\n"
+                  "gact-run: stopped before the script ran; fix the cause, or pass --allow-uncompressed "
+                  "to run without compression", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(EXIT_NO_HOOKS)

@@ -1,0 +1,117 @@
+"""Plain PyTorch training scripts that know nothing of gact, in the launch patterns
+gact-run must handle (tests/python/test_gact_run.py runs them under gact-run):
+
+  thread      the training loop runs in a threading.Thread
+  launcher    this script starts itself again in a subprocess (mode thread) and waits
+  by-hand     no optimizer: an LSTM cell unrolled over time, weights updated by hand
+  ddp         one rank of DistributedDataParallel over gloo (started by torchrun)
+  forever     trains until killed, printing "ready" after three steps
+  options     prints what gact-run configured (needs gact: only for the flags test)
+
+Each prints "step N loss L" per step (options: one JSON line).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def mlp_steps(steps):
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    y = (x[:, :5].sum(1) > 0).long()
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = 0
+    while steps < 0 or step < steps:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if steps < 0 and step == 2:
+            print("ready", flush=True)
+        step += 1
+
+
+def by_hand(steps):
+    torch.manual_seed(0)
+    cell, head = nn.LSTMCell(16, 128), nn.Linear(128, 16)
+    params = list(cell.parameters()) + list(head.parameters())
+    x = torch.randn(12, 32, 16)
+    for step in range(steps):
+        h = c = torch.zeros(32, 128)
+        loss = 0.0
+        for t in range(11):
+            h, c = cell(x[t], (h, c))
+            loss = loss + F.mse_loss(head(h), x[t + 1])
+        for p in params:
+            p.grad = None
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+def ddp(steps):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 32, generator=g)
+    y = (x[:, 0] > 0).long()
+    for step in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+def options():
+    import json
+
+    import gact
+
+    comp = gact._run_compressor
+    print(json.dumps({"options": dict(gact.options()), "group_size": comp.group_size, "swap": comp.swap}))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "options"))
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "thread":
+        t = threading.Thread(target=mlp_steps, args=(args.steps,))
+        t.start()
+        t.join()
+    elif args.mode == "launcher":
+        sys.exit(subprocess.call([sys.executable, os.path.abspath(__file__), "thread", "--steps", str(args.steps)]))
+    elif args.mode == "by-hand":
+        by_hand(args.steps)
+    elif args.mode == "ddp":
+        ddp(args.steps)
+    elif args.mode == "forever":
+        mlp_steps(-1)
+    else:
+        options()
+
+
+if __name__ == "__main__":
+    main()

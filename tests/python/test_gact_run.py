@@ -1,0 +1,189 @@
+"""gact-run under real launch patterns (issue 15).
+
+Each test runs tools/gact-run on a plain PyTorch script (data/gact_run_modes.py) in a
+subprocess and reads the stats it leaves: the merged ``--stats`` file and the
+per-process files ``STEM.rank<R>.json`` / ``STEM.pid<P>.json``. Covered: a training
+loop in a thread, a launcher that starts the script in a subprocess, torchrun with two
+CPU ranks over gloo, a script that never calls ``optimizer.step()``, SIGTERM, hooks that
+cannot be installed (exit 3 before the script; ``--allow-uncompressed``), the flags, and
+the source tree's launcher outside ``meson devenv`` (finds the build or refuses).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import _gact
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+GACT_RUN = os.path.join(ROOT, "tools", "gact-run")
+SCRIPT = os.path.join(HERE, "data", "gact_run_modes.py")
+BUILD_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_gact.__file__))))
+TIMEOUT = 300
+
+
+def env_for_run(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GACT_")}
+    env.update(OMP_NUM_THREADS="1", GACT_LOG_LEVEL="error")
+    env.update(extra)
+    return env
+
+
+def gact_run(args, cmd, env=None, **kw):
+    full = [sys.executable, GACT_RUN] + args + ["--"] + cmd
+    return subprocess.run(full, capture_output=True, text=True, timeout=TIMEOUT, env=env or env_for_run(), **kw)
+
+
+def steps_printed(out):
+    return [ln for ln in out.splitlines() if ln.startswith("step ")]
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_training_loop_in_a_thread_is_compressed(tmp_path):
+    # torch 1.13 keeps saved-tensor hooks per thread: a loop in a threading.Thread saved
+    # everything uncompressed (tensors_in 0) before gact-run pushed the hooks in new threads.
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "4", "--stats", str(stats)], [sys.executable, SCRIPT, "thread", "--steps", "4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(steps_printed(r.stdout)) == 4
+    store = load(stats)["store"]
+    assert store["tensors_in"] >= 4 * 3, store
+    assert store["quant_bits"]["4"] >= 4 * 2, store
+    assert store["steps"] == 4 and store["leaks"] == 0, store
+    # The thread has its own op tracker too: the ReLU's output is stored as an exact mask,
+    # not quantized as values (that would flip the mask of small positive activations).
+    assert store["roles"]["predicate"]["tensors"] >= 4, store["roles"]
+
+
+def test_launcher_subprocess_gets_its_own_stats_file_and_the_merge_counts_it(tmp_path):
+    # Every process used to dump to the same path at exit; the launcher, exiting last,
+    # left tensors_in 0. (GACT_STATS_PATH in the environment works as --stats does.)
+    stats = tmp_path / "stats.json"
+    r = gact_run([], [sys.executable, SCRIPT, "launcher", "--steps", "3"], env=env_for_run(GACT_STATS_PATH=str(stats)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted(p.name for p in tmp_path.glob("stats.pid*.json"))
+    assert len(files) == 2, files
+    per = [load(tmp_path / f)["store"]["tensors_in"] for f in files]
+    assert sorted(per)[0] == 0 and sorted(per)[1] > 0, per  # the launcher saved nothing
+    doc = load(stats)
+    assert doc["merged"]["files"] == 2
+    assert doc["store"]["tensors_in"] == sum(per)
+    assert doc["store"]["steps"] == 3
+    assert len(doc["processes"]) == 2 and all(k.startswith("pid") for k in doc["processes"])
+    assert all(name.split("/", 1)[0] in doc["processes"] for name in doc["allocators"])
+
+
+def test_torchrun_two_cpu_ranks_write_rank_files(tmp_path):
+    stats = tmp_path / "stats.json"
+    # --redirects/--tee: torch 1.13's torchrun cannot parse their default "0" under Python
+    # 3.11 (enum.Flag iteration skips the zero member); 2/1 send stderr to files, tee stdout.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--redirects", "2", "--tee", "1", "--log_dir", str(tmp_path / "logs"), SCRIPT, "ddp", "--steps", "3"]
+    r = gact_run(["--bits", "4", "--stats", str(stats)], cmd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        store = load(tmp_path / f"stats.rank{rank}.json")["store"]
+        assert store["tensors_in"] >= 3 * 3, (rank, store)
+        assert store["steps"] == 3 and store["leaks"] == 0, (rank, store)
+    doc = load(stats)
+    assert {"rank0", "rank1"} <= set(doc["processes"]), doc["merged"]
+    assert doc["merged"]["labels"][:2] == ["rank0", "rank1"]
+    ranks = [doc["processes"][f"rank{r}"]["store"]["tensors_in"] for r in (0, 1)]
+    assert doc["store"]["tensors_in"] == sum(p["store"]["tensors_in"] for p in doc["processes"].values())
+    assert ranks[0] == ranks[1] > 0
+    assert doc["processes"]["rank1"]["run"]["rank"] == "1"
+
+
+def test_script_without_optimizer_steps_at_each_backward(tmp_path):
+    # Weights updated by hand: the compressor never stepped (steps 0), per-step keys grew
+    # forever (LSTMCell:0 ... LSTMCell:N) and so did the policy's records.
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "auto", "--stats", str(stats)], [sys.executable, SCRIPT, "by-hand", "--steps", "3"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = load(stats)
+    store = doc["store"]
+    assert store["steps"] == 3, store
+    assert store["leaks"] == 0, store
+    policy = next(iter(doc["processes"].values()))["policy"]
+    per_step = store["tensors_in"] // 3
+    assert per_step > 0 and store["tensors_in"] == 3 * per_step
+    assert len(policy["tensors"]) == per_step, "the keys of one step were not reused by the next"
+
+
+def test_sigterm_still_dumps_and_gact_run_dies_of_it(tmp_path):
+    stats = tmp_path / "stats.json"
+    p = subprocess.Popen([sys.executable, GACT_RUN, "--stats", str(stats), "--", sys.executable, SCRIPT, "forever"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_for_run())
+    try:
+        for line in p.stdout:
+            if line.strip() == "ready":
+                break
+        p.send_signal(signal.SIGTERM)
+        p.wait(TIMEOUT)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGTERM, p.stderr.read()[-2000:]
+    store = load(stats)["store"]
+    assert store["tensors_in"] >= 3 * 3 and store["steps"] >= 3, store
+
+
+def test_hooks_that_cannot_be_installed_stop_before_the_script(tmp_path):
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--stats", str(stats)], cmd, env=env_for_run(GACT_GROUP_SIZE="100"))
+    assert r.returncode == 3, r.stderr
+    assert "GACT_GROUP_SIZE: '100'" in r.stderr and "--allow-uncompressed" in r.stderr
+    assert not marker.exists(), "the script ran uncompressed"
+    assert not stats.exists()
+
+    r = gact_run(["--allow-uncompressed", "--stats", str(stats)], cmd, env=env_for_run(GACT_GROUP_SIZE="100"))
+    assert r.returncode == 0, r.stderr
+    assert marker.exists()
+    assert "UNCOMPRESSED" in r.stderr
+    doc = load(stats)
+    (proc,) = doc["processes"].values()
+    assert proc["run"]["compressed"] is False and "GACT_GROUP_SIZE" in proc["run"]["reason"]
+    assert doc["merged"]["uncompressed"] == list(doc["processes"])
+
+
+def test_flags_reach_every_process(tmp_path):
+    r = gact_run(["--threads", "1", "--group-size", "128", "--adapt-interval", "7", "--swap", "--prefetch", "3",
+                  "--seed", "5"], [sys.executable, SCRIPT, "options"])
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    opts = got["options"]
+    assert (opts["threads"], opts["group_size"], opts["adapt_interval"], opts["prefetch"], opts["seed"]) == \
+        (1, 128, 7, 3, 5)
+    assert opts["swap"] is True and got["swap"] is True and got["group_size"] == 128
+    bad = gact_run(["--group-size", "100"], [sys.executable, "-c", "print('ran')"])
+    assert bad.returncode == 2 and "--group-size '100'" in bad.stderr and "ran" not in bad.stdout
+
+
+def test_source_tree_launcher_outside_devenv_finds_the_build_or_refuses(tmp_path):
+    env = env_for_run()
+    env.pop("PYTHONPATH", None)
+    args = [] if os.path.realpath(BUILD_DIR) == os.path.realpath(os.path.join(ROOT, "build")) else \
+        ["--build-dir", BUILD_DIR]
+    stats = tmp_path / "stats.json"
+    r = gact_run(args + ["--bits", "4", "--stats", str(stats)], [sys.executable, SCRIPT, "thread", "--steps", "2"],
+                 env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert load(stats)["store"]["tensors_in"] > 0
+
+    marker = tmp_path / "ran"
+    empty = tmp_path / "empty-build"
+    empty.mkdir()
+    r = gact_run(["--build-dir", str(empty)], [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+                 env=env)
+    assert r.returncode == 2 and "no built gact module" in r.stderr, r.stderr
+    assert not marker.exists()
