@@ -234,6 +234,7 @@ char const* skip_reason_name(skip_reason r) noexcept {
     case skip_reason::device: return "device";
     case skip_reason::stats: return "stats";
     case skip_reason::exact: return "exact";
+    case skip_reason::memory: return "memory";
     case skip_reason::k_count: break;
   }
   return "unknown";
@@ -245,7 +246,7 @@ skip_reason parse_skip_reason(std::string const& name) {
     if (name == skip_reason_name(r)) return r;
   }
   GACT_FAIL("skip reason: '" + name +
-            "' is unknown; use parameter, small, dtype, excluded, input, layout, device, stats or exact");
+            "' is unknown; use parameter, small, dtype, excluded, input, layout, device, stats, exact or memory");
 }
 
 char const* unstored_name(unstored u) noexcept {
@@ -365,6 +366,7 @@ struct activation_store::entry {
   tensor_info info;
   std::uint64_t key = 0;        // put_params::key, for the event trace
   handle self = 0;              // this entry's handle
+  owner_id owner = 0;           // put_params::owner of the put that made it
   // identity
   bool has_identity = false;
   storage_key skey;
@@ -709,9 +711,13 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         }
         if (!serves) continue;
         ++e.info.refcount;
-        ++c_->dedup_hits;
-        c_->dedup_bytes += bytes_in;
-        if (view_off != e.span_lo || v.shape != e.info.shape) ++c_->view_hits;
+        bool const other_view = view_off != e.span_lo || v.shape != e.info.shape;
+        for (counters* k : {c_.get(), owner_counters(p.owner)}) {
+          if (k == nullptr) continue;
+          ++k->dedup_hits;
+          k->dedup_bytes += bytes_in;
+          if (other_view) ++k->view_hits;
+        }
         return {h, view_off - e.span_lo, true};
       }
     }
@@ -770,24 +776,31 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
       std::lock_guard lock(mu_);
       if (!entries_.contains(e.self)) goto fresh;  // released meanwhile: store the view on its own below
       ++e.info.refcount;
-      ++c_->upgrades;
-      ++c_->dedup_hits;
-      c_->dedup_bytes += bytes_in;
-      // The entry is now a quant blob: move it from the mask codec's counts to quant's.
-      auto& mk = c_->codecs[std::size_t(codec::codec_id::mask)];
-      auto& qt = c_->codecs[std::size_t(codec::codec_id::quant)];
-      mk.tensors -= std::min<std::uint64_t>(mk.tensors, 1);
-      mk.bytes_in -= std::min<std::uint64_t>(mk.bytes_in, e.info.bytes_in);
-      mk.bytes_stored -= std::min<std::uint64_t>(mk.bytes_stored, old_bytes);
-      ++qt.tensors;
-      qt.bytes_in += e.info.bytes_in;
-      qt.bytes_stored += r.bytes;
-      c_->bytes_stored -= std::min<std::uint64_t>(c_->bytes_stored, old_bytes);
-      c_->bytes_stored += r.bytes;
-      c_->current_stored += r.bytes;
-      c_->current_stored -= std::min<std::uint64_t>(c_->current_stored, old_bytes);
-      c_->peak_stored = std::max(c_->peak_stored, c_->current_stored);
-      ++c_->quant_bits[static_cast<std::size_t>(ubits)];
+      for (counters* k : {c_.get(), owner_counters(p.owner)}) {
+        if (k == nullptr) continue;
+        ++k->upgrades;
+        ++k->dedup_hits;
+        k->dedup_bytes += bytes_in;
+      }
+      // The entry is now a quant blob: move it from the mask codec's counts to quant's (for the store
+      // and the entry's owner, whose tensor it is).
+      for (counters* k : {c_.get(), owner_counters(e.owner)}) {
+        if (k == nullptr) continue;
+        auto& mk = k->codecs[std::size_t(codec::codec_id::mask)];
+        auto& qt = k->codecs[std::size_t(codec::codec_id::quant)];
+        mk.tensors -= std::min<std::uint64_t>(mk.tensors, 1);
+        mk.bytes_in -= std::min<std::uint64_t>(mk.bytes_in, e.info.bytes_in);
+        mk.bytes_stored -= std::min<std::uint64_t>(mk.bytes_stored, old_bytes);
+        ++qt.tensors;
+        qt.bytes_in += e.info.bytes_in;
+        qt.bytes_stored += r.bytes;
+        k->bytes_stored -= std::min<std::uint64_t>(k->bytes_stored, old_bytes);
+        k->bytes_stored += r.bytes;
+        k->current_stored += r.bytes;
+        k->current_stored -= std::min<std::uint64_t>(k->current_stored, old_bytes);
+        k->peak_stored = std::max(k->peak_stored, k->current_stored);
+        ++k->quant_bits[static_cast<std::size_t>(ubits)];
+      }
       return {e.self, view_off - e.span_lo, true, true};
     }
   }
@@ -803,6 +816,7 @@ fresh:
   ent->info.bytes_in = bytes_in;
   ent->info.refcount = 1;
   ent->key = p.key;
+  ent->owner = p.owner;
   ent->dense = dense;
   ent->numel = static_cast<std::int64_t>(numel);
   ent->span_lo = view_off;
@@ -852,24 +866,27 @@ fresh:
   std::lock_guard lock(mu_);
   handle const h = next_handle_++;
   ent->self = h;
-  auto& c = *c_;
-  ++c.tensors_in;
-  c.bytes_in += bytes_in;
-  c.bytes_stored += ent->info.bytes_stored;
-  auto& pc = c.codecs[static_cast<std::size_t>(ent->info.codec) % k_codec_count];
-  ++pc.tensors;
-  pc.bytes_in += bytes_in;
-  pc.bytes_stored += ent->info.bytes_stored;
-  auto& pr = c.roles[static_cast<std::size_t>(p.what)];
-  ++pr.tensors;
-  pr.bytes += bytes_in;
-  if (ent->info.codec == codec::codec_id::quant) ++c.quant_bits[static_cast<std::size_t>(ent->info.bits)];
-  if (enc.nonfinite) ++c.nonfinite_fallbacks;
-  if (enc.refused) ++c.refusal_fallbacks;
-  if (gathered) ++c.gathers;
-  c.current_stored += ent->info.bytes_stored;
-  c.current_in += bytes_in;
-  c.peak_stored = std::max(c.peak_stored, c.current_stored);
+  for (counters* k : {c_.get(), owner_counters(p.owner)}) {
+    if (k == nullptr) continue;
+    auto& c = *k;
+    ++c.tensors_in;
+    c.bytes_in += bytes_in;
+    c.bytes_stored += ent->info.bytes_stored;
+    auto& pc = c.codecs[static_cast<std::size_t>(ent->info.codec) % k_codec_count];
+    ++pc.tensors;
+    pc.bytes_in += bytes_in;
+    pc.bytes_stored += ent->info.bytes_stored;
+    auto& pr = c.roles[static_cast<std::size_t>(p.what)];
+    ++pr.tensors;
+    pr.bytes += bytes_in;
+    if (ent->info.codec == codec::codec_id::quant) ++c.quant_bits[static_cast<std::size_t>(ent->info.bits)];
+    if (enc.nonfinite) ++c.nonfinite_fallbacks;
+    if (enc.refused) ++c.refusal_fallbacks;
+    if (gathered) ++c.gathers;
+    c.current_stored += ent->info.bytes_stored;
+    c.current_in += bytes_in;
+    c.peak_stored = std::max(c.peak_stored, c.current_stored);
+  }
   ent->has_identity = true;
   by_storage_[skey].push_back(h);
   trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
@@ -899,6 +916,7 @@ std::shared_ptr<activation_store::entry> activation_store::find(handle h) const 
   GACT_EXPECTS(it != entries_.end(),
                "activation_store: unknown handle " + std::to_string(h) + " (released already?)");
   ++c_->gets;
+  if (counters* k = owner_counters(it->second->owner)) ++k->gets;
   return it->second;
 }
 
@@ -949,8 +967,11 @@ std::shared_ptr<decoded_image const> activation_store::decode_image(std::shared_
   }
   {
     std::lock_guard lock(mu_);
-    ++c_->decodes;
-    c_->decode_bytes += e->info.bytes_in;
+    for (counters* k : {c_.get(), owner_counters(e->owner)}) {
+      if (k == nullptr) continue;
+      ++k->decodes;
+      k->decode_bytes += e->info.bytes_in;
+    }
   }
   std::erase_if(e->cache, [](entry::cache_slot const& s) { return s.image.expired(); });
   e->cache.push_back({gp.predicate, gp.true_value, gp.false_value, img});
@@ -988,8 +1009,10 @@ std::int64_t activation_store::release(handle h) noexcept {
       GACT_WARN_CAPPED(8, "activation_store::release: unknown handle {}", h);
       return -1;
     }
-    ++c_->releases;
     entry& e = *it->second;
+    counters* const oc = owner_counters(e.owner);
+    ++c_->releases;
+    if (oc != nullptr) ++oc->releases;
     if (--e.info.refcount > 0) return static_cast<std::int64_t>(e.info.refcount);
     if (e.has_identity) {
       auto d = by_storage_.find(e.skey);
@@ -998,8 +1021,11 @@ std::int64_t activation_store::release(handle h) noexcept {
         if (d->second.empty()) by_storage_.erase(d);
       }
     }
-    c_->current_stored -= std::min<std::uint64_t>(c_->current_stored, e.info.bytes_stored);
-    c_->current_in -= std::min<std::uint64_t>(c_->current_in, e.info.bytes_in);
+    for (counters* k : {c_.get(), oc}) {
+      if (k == nullptr) continue;
+      k->current_stored -= std::min<std::uint64_t>(k->current_stored, e.info.bytes_stored);
+      k->current_in -= std::min<std::uint64_t>(k->current_in, e.info.bytes_in);
+    }
     trace_store_event(alloc::event_trace::event_kind::store_release, e);
     dead = std::move(it->second);
     entries_.erase(it);
@@ -1034,30 +1060,82 @@ tensor_info activation_store::info(handle h) const {
   return e->info;
 }
 
+std::span<std::byte> activation_store::debug_blob(handle h) {
+  std::shared_ptr<entry> e;
+  {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(h);
+    GACT_EXPECTS(it != entries_.end(), "activation_store::debug_blob: unknown handle " + std::to_string(h));
+    e = it->second;
+  }
+  std::lock_guard elock(e->mu);
+  GACT_EXPECTS(e->info.device < 0 && e->mover == nullptr && e->blob != nullptr,
+               "activation_store::debug_blob: handle " + std::to_string(h) + " has no blob in host memory");
+  return {static_cast<std::byte*>(e->blob), e->info.bytes_stored};
+}
+
 // ---- accounting ------------------------------------------------------------------------
 
-void activation_store::note_skip(skip_reason r, std::size_t bytes) noexcept {
+void activation_store::note_skip(skip_reason r, std::size_t bytes, owner_id owner) noexcept {
   auto const i = static_cast<std::size_t>(r);
   if (i >= c_->skipped.size()) return;
   std::lock_guard lock(mu_);
-  ++c_->skipped[i].tensors;
-  c_->skipped[i].bytes += bytes;
+  for (counters* k : {c_.get(), owner_counters(owner)}) {
+    if (k == nullptr) continue;
+    ++k->skipped[i].tensors;
+    k->skipped[i].bytes += bytes;
+  }
 }
 
-void activation_store::note_unstored(unstored u, std::size_t bytes) noexcept {
+void activation_store::note_unstored(unstored u, std::size_t bytes, owner_id owner) noexcept {
   auto const i = static_cast<std::size_t>(u);
   if (i >= c_->unstored_.size()) return;
   std::lock_guard lock(mu_);
-  ++c_->unstored_[i].tensors;
-  c_->unstored_[i].bytes += bytes;
+  for (counters* k : {c_.get(), owner_counters(owner)}) {
+    if (k == nullptr) continue;
+    ++k->unstored_[i].tensors;
+    k->unstored_[i].bytes += bytes;
+  }
 }
 
-void activation_store::begin_step(std::uint64_t step) noexcept {
+owner_id activation_store::new_owner() {
+  std::lock_guard lock(mu_);
+  GACT_EXPECTS(next_owner_ != 0, "activation_store::new_owner: every owner id is taken");
+  owner_id const o = next_owner_++;
+  owners_.emplace(o, std::make_unique<counters>());
+  return o;
+}
+
+void activation_store::drop_owner(owner_id owner) noexcept {
+  std::lock_guard lock(mu_);
+  owners_.erase(owner);
+}
+
+activation_store::counters* activation_store::owner_counters(owner_id o) const {
+  if (o == 0) return nullptr;
+  auto it = owners_.find(o);
+  return it == owners_.end() ? nullptr : it->second.get();
+}
+
+void activation_store::begin_step(std::uint64_t step, owner_id owner) noexcept {
   {
     std::lock_guard lock(mu_);
     step_ = step;
-    for (auto& [h, e] : entries_) e->has_identity = false;
-    by_storage_.clear();
+    if (owner == 0) {
+      for (auto& [h, e] : entries_) e->has_identity = false;
+      by_storage_.clear();
+    } else {
+      // Only this owner's entries lose their identity: another owner's step is still open.
+      for (auto it = by_storage_.begin(); it != by_storage_.end();) {
+        std::erase_if(it->second, [&](handle h) {
+          auto e = entries_.find(h);
+          if (e == entries_.end() || e->second->owner != owner) return false;
+          e->second->has_identity = false;
+          return true;
+        });
+        it = it->second.empty() ? by_storage_.erase(it) : std::next(it);
+      }
+    }
   }
   if (alloc::event_trace::enabled()) {
     try {
@@ -1068,12 +1146,19 @@ void activation_store::begin_step(std::uint64_t step) noexcept {
   }
 }
 
-std::size_t activation_store::end_step() noexcept {
+std::size_t activation_store::end_step(owner_id owner) noexcept {
   std::lock_guard lock(mu_);
-  std::size_t const n = entries_.size();
-  c_->leaks += n;
-  c_->leaks_last_step = n;
-  ++c_->steps;
+  std::size_t n = entries_.size();
+  if (owner != 0) {
+    n = 0;
+    for (auto const& [h, e] : entries_) n += e->owner == owner ? 1 : 0;
+  }
+  for (counters* k : {c_.get(), owner_counters(owner)}) {
+    if (k == nullptr) continue;
+    k->leaks += n;
+    k->leaks_last_step = n;
+    ++k->steps;
+  }
   if (n > 0) GACT_WARN_CAPPED(4, "activation_store: {} handles still alive at the end of step {}", n, step_);
   return n;
 }
@@ -1088,10 +1173,19 @@ std::size_t activation_store::stored_bytes() const noexcept {
   return c_->current_stored;
 }
 
-nlohmann::json activation_store::stats_json() const {
+nlohmann::json activation_store::stats_json(owner_id owner) const {
   std::lock_guard lock(mu_);
-  auto const& c = *c_;
+  if (owner == 0) return counters_json(*c_, entries_.size(), 0);
+  counters const* k = owner_counters(owner);
+  GACT_EXPECTS(k != nullptr, "activation_store::stats_json: unknown owner " + std::to_string(owner));
+  std::size_t live = 0;
+  for (auto const& [h, e] : entries_) live += e->owner == owner ? 1 : 0;
+  return counters_json(*k, live, owner);
+}
+
+nlohmann::json activation_store::counters_json(counters const& c, std::size_t live, owner_id owner) const {
   nlohmann::json j;
+  if (owner != 0) j["owner"] = owner;
   j["tensors_in"] = c.tensors_in;
   j["bytes_in"] = c.bytes_in;
   j["bytes_stored"] = c.bytes_stored;
@@ -1136,7 +1230,7 @@ nlohmann::json activation_store::stats_json() const {
   j["decode_bytes"] = c.decode_bytes;
   j["releases"] = c.releases;
   j["bad_releases"] = c.bad_releases;
-  j["live_handles"] = entries_.size();
+  j["live_handles"] = live;
   j["bytes_in_current"] = c.current_in;
   j["bytes_stored_current"] = c.current_stored;
   j["bytes_stored_peak"] = c.peak_stored;
@@ -1172,6 +1266,13 @@ void activation_store::reset_stats() noexcept {
   fresh.current_in = c_->current_in;
   fresh.peak_stored = c_->current_stored;
   *c_ = fresh;
+  for (auto& [o, k] : owners_) {
+    counters f;
+    f.current_stored = k->current_stored;
+    f.current_in = k->current_in;
+    f.peak_stored = k->current_stored;
+    *k = f;
+  }
 }
 
 }  // namespace gact::store

@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -89,6 +90,9 @@ enum class role : std::uint8_t { values = 0, predicate = 1, indices = 2 };
 char const* role_name(role r) noexcept;
 
 /// How one tensor is to be encoded.
+/// A client of the store (a Compressor): its own counters and steps. 0 = the store as a whole.
+using owner_id = std::uint32_t;
+
 struct put_params {
   std::uint64_t key = 0;        ///< stable tensor key (saving module + order within the step)
   int bits = 4;                 ///< values: 1, 2, 4 or 8 for the quant codec; 16 or 32 = store raw
@@ -113,6 +117,9 @@ struct put_params {
   /// indices: the pooling geometry (codecs/format.hpp window_params); `inner` must describe the view's
   /// memory image.
   codec::window_params window{};
+  /// who stores it (new_owner(): one per Compressor); 0 = nobody in particular. Counted in that
+  /// owner's statistics beside the store's, and its end_step() counts its own handles only.
+  owner_id owner = 0;
 };
 
 /// What put() returns.
@@ -134,7 +141,8 @@ enum class skip_reason : std::uint8_t {
   device = 6,     ///< on a device this build cannot encode on
   stats = 7,      ///< a normalization layer's per-channel statistics (mean, 1/std): read exactly
   exact = 8,      ///< read by an op whose gradient is discontinuous in it (equality with a reduction, sign with zero)
-  k_count = 9,
+  memory = 9,     ///< the arena could not hold its blob (out of memory): kept as it is, training goes on
+  k_count = 10,
 };
 
 /// Stable name of a skip reason ("parameter", "small", ...).
@@ -230,7 +238,6 @@ class activation_store {
   ///         extents, strides of the wrong rank, bad bits or group size, bad role parameters, a CUDA
   ///         tensor in a build without kernels or without an arena for its device).
   /// @throws gact::out_of_memory when the arena cannot hold the blob.
-  /// @throws gact::thread_error when an encode thread cannot be created (nothing is stored).
   put_result put(tensor_view const& v, put_params const& p);
 
   /// The decoded image of handle `h` (values, or the predicate when gp.predicate), decoded now unless an
@@ -256,23 +263,36 @@ class activation_store {
   /// Facts about a live handle. @throws gact::invalid_argument for an unknown handle.
   tensor_info info(handle h) const;
 
-  /// Count a tensor kept out of the store.
-  void note_skip(skip_reason r, std::size_t bytes) noexcept;
-  /// Count a saved tensor that needed no blob.
-  void note_unstored(unstored u, std::size_t bytes) noexcept;
+  /// Fault injection for tests: the bytes of a live handle's blob in host memory, to corrupt them.
+  /// @throws gact::invalid_argument for an unknown handle, a CUDA blob or one handed to an offloader.
+  std::span<std::byte> debug_blob(handle h);
 
-  /// Start step `step` (clears the dedup identities of the previous step).
-  void begin_step(std::uint64_t step) noexcept;
-  /// End the current step: handles still alive are counted as leaks. @returns their number.
-  std::size_t end_step() noexcept;
+  /// Count a tensor kept out of the store (also in `owner`'s counters).
+  void note_skip(skip_reason r, std::size_t bytes, owner_id owner = 0) noexcept;
+  /// Count a saved tensor that needed no blob (also in `owner`'s counters).
+  void note_unstored(unstored u, std::size_t bytes, owner_id owner = 0) noexcept;
+
+  /// A new owner with counters of its own (stats_json(owner)); never 0.
+  /// @throws gact::invalid_argument after 2^32 - 1 owners.
+  owner_id new_owner();
+  /// Drop `owner`'s counters (its live entries stay, counted by the store only). Unknown owners are ignored.
+  void drop_owner(owner_id owner) noexcept;
+
+  /// Start step `step` of `owner` (0: everyone): clears the dedup identities of its entries.
+  void begin_step(std::uint64_t step, owner_id owner = 0) noexcept;
+  /// End the current step of `owner` (0: everyone): its handles still alive are counted as leaks,
+  /// in its counters and the store's. @returns their number.
+  std::size_t end_step(owner_id owner = 0) noexcept;
 
   /// Number of live handles.
   std::size_t live_handles() const noexcept;
   /// Blob bytes currently stored.
   std::size_t stored_bytes() const noexcept;
 
-  /// The "store" section of the stats document (see stats_json in the .cpp for the keys).
-  nlohmann::json stats_json() const;
+  /// The "store" section of the stats document (see stats_json in the .cpp for the keys); with an
+  /// owner, the same keys counting only that owner's tensors and steps.
+  /// @throws gact::invalid_argument for an unknown owner.
+  nlohmann::json stats_json(owner_id owner = 0) const;
   /// Zero the accumulated counters and set peaks to current values.
   void reset_stats() noexcept;
 
@@ -291,6 +311,8 @@ class activation_store {
   encoded encode(tensor_view const& v, put_params const& p, role what, void const* src, std::uint64_t numel,
                  std::uint64_t step, alloc::caching_allocator& arena) const;
   void offload(entry& e);
+  counters* owner_counters(owner_id o) const;  // requires mu_; nullptr for 0 or an unknown owner
+  nlohmann::json counters_json(counters const& c, std::size_t live, owner_id owner) const;
 
   alloc::caching_allocator& host_arena_;
   store_options opts_;
@@ -305,6 +327,8 @@ class activation_store {
   handle next_handle_ = 1;
   std::uint64_t step_ = 0;
   std::unique_ptr<counters> c_;
+  std::unordered_map<owner_id, std::unique_ptr<counters>> owners_;
+  owner_id next_owner_ = 1;
 };
 
 /// Bytes of one element of `t`.

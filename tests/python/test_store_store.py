@@ -232,7 +232,7 @@ def test_stats_keys():
         assert k in s, k
     assert set(s["codecs"]) == {"raw", "quant", "mask", "window"}
     assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device", "stats",
-                                 "exact"}
+                                 "exact", "memory"}
     assert set(s["unstored"]) == {"shape", "held"}
     assert set(s["roles"]) == {"values", "predicate", "indices"}
     doc = C.stats_document()

@@ -433,6 +433,37 @@ TEST_CASE("handles alive at end_step are leaks; they stay valid") {
   CHECK(f.store.stats_json()["leaks_last_step"] == 0);
 }
 
+TEST_CASE("owners: each counts its own puts, skips and leaks; the process totals count all") {
+  fixture f;
+  auto const a = f.store.new_owner(), b = f.store.new_owner();
+  REQUIRE(a != b);
+  REQUIRE(a != 0);
+  auto x = randn(4096, 7), y = randn(4096, 8);
+  f.store.begin_step(0, a);
+  f.store.begin_step(0, b);
+  put_params pa = bits(4, 1), pb = bits(4, 2);
+  pa.owner = a;
+  pb.owner = b;
+  auto const ha = f.store.put(view(x.data(), dtype::float32, {4096}), pa).h;
+  auto const hb = f.store.put(view(y.data(), dtype::float32, {4096}), pb).h;
+  f.store.note_skip(gact::store::skip_reason::memory, 100, b);
+  f.store.release(ha);
+  CHECK(f.store.end_step(a) == 0);  // b's live handle is not a's leak
+  CHECK(f.store.end_step(b) == 1);
+  auto const sa = f.store.stats_json(a), sb = f.store.stats_json(b), all = f.store.stats_json();
+  CHECK(sa["owner"] == a);
+  CHECK(sa["tensors_in"] == 1);
+  CHECK(sb["tensors_in"] == 1);
+  CHECK(all["tensors_in"] == 2);
+  CHECK(sa["leaks"] == 0);
+  CHECK(sb["leaks"] == 1);
+  CHECK(sb["skipped"]["memory"]["bytes"] == 100);
+  CHECK(sa["skipped"]["memory"]["bytes"] == 0);
+  f.store.release(hb);
+  f.store.drop_owner(a);
+  CHECK_THROWS_AS(f.store.stats_json(a), gact::invalid_argument);  // a dropped owner is unknown
+}
+
 TEST_CASE("out of memory propagates and leaves nothing behind") {
   gact::device::host_backend be(std::size_t{4} << 20);  // 4 MiB cap
   gact::alloc::caching_allocator arena(be);
