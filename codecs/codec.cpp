@@ -40,6 +40,7 @@ struct counters {
   std::atomic<std::uint64_t> nonfinite_groups_decoded{0};
   std::atomic<std::uint64_t> mask_rejections{0};
   std::atomic<std::uint64_t> corrupt_blobs{0};
+  std::atomic<std::uint64_t> thread_fallbacks{0};  // CPU runs whose worker threads could not all start
   std::atomic<std::uint64_t> gpu_decodes{0};  // decode_cuda launches (the codec is known on the device only)
   std::atomic<std::uint64_t> gpu_decode_bytes_out{0};
 };
@@ -365,6 +366,8 @@ void count_gpu_decode(std::uint64_t out_bytes) noexcept {
   k.gpu_decodes.fetch_add(1, std::memory_order_relaxed);
   k.gpu_decode_bytes_out.fetch_add(out_bytes, std::memory_order_relaxed);
 }
+
+void count_thread_fallback() noexcept { ctr().thread_fallbacks.fetch_add(1, std::memory_order_relaxed); }
 
 void count_encode(codec_id c, std::uint64_t in_bytes, std::uint64_t out_bytes) noexcept {
   auto& k = ctr();
@@ -719,6 +722,7 @@ nlohmann::json stats_json() {
   j["nonfinite_groups_decoded"] = rd(k.nonfinite_groups_decoded);
   j["mask_rejections"] = rd(k.mask_rejections);
   j["corrupt_blobs"] = rd(k.corrupt_blobs);
+  j["thread_fallbacks"] = rd(k.thread_fallbacks);
   j["gpu_decodes"] = rd(k.gpu_decodes);
   j["gpu_decode_bytes_out"] = rd(k.gpu_decode_bytes_out);
   j["cpu_executor_isa"] = detail::quant_cpu_isa();

@@ -129,7 +129,6 @@ struct encode_result {
 /// @throws gact::invalid_argument for bad parameters (see blob_size), capacity < blob_size, a null
 ///         pointer with numel > 0, or (mask) a uint8 tensor holding a value other than 0 and 1
 ///         (store such a tensor raw; the message says so).
-/// @throws gact::thread_error when a worker thread cannot be created (no bytes of the blob are valid)
 encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const> shape,
                          encode_params const& p, void* blob, std::size_t capacity, int threads = 0);
 
@@ -148,7 +147,6 @@ struct decode_params {
 ///         something impossible (a window index outside the input plane)
 /// @throws gact::invalid_argument if dst_bytes < numel * dtype_size, dst is null with numel > 0, or
 ///         `dp.predicate` is asked of a blob that holds no predicate
-/// @throws gact::thread_error when a worker thread cannot be created
 void decode_cpu(void const* blob, std::size_t len, void* dst, std::size_t dst_bytes, int threads = 0,
                 decode_params const& dp = {});
 
@@ -186,6 +184,7 @@ void count_encode(codec_id c, std::uint64_t in_bytes, std::uint64_t out_bytes) n
 void count_decode(codec_id c, std::uint64_t out_bytes, std::uint64_t nonfinite_groups) noexcept;
 void count_nonfinite_refusal() noexcept;
 void count_gpu_decode(std::uint64_t out_bytes) noexcept;
+void count_thread_fallback() noexcept;
 /// The header's parameter block for encode parameters `p` (hd::params_bytes(codec, variant) bytes
 /// at `out`, which holds 160): one definition for both executors.
 void fill_params(encode_params const& p, std::uint8_t variant, unsigned char* out);
@@ -201,7 +200,8 @@ void quant_decode_cpu(quant_job const& job, void* dst, int threads);
 mask_scan mask_encode_cpu(void const* src, dtype dt, predicate_params const& q, std::uint64_t numel,
                           std::uint8_t* out, int threads);
 /// Run fn(begin, end) over [0, n) split into `threads` contiguous ranges, the calling thread taking
-/// the first. @throws gact::thread_error (after joining the threads it started) when one cannot be created.
+/// the first. When a worker thread cannot be created, the calling thread also runs the ranges left
+/// (counted by count_thread_fallback, logged once): the same result, never an exception.
 void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx);
 /// Name of the build of the per-group loops in use ("avx2" or "generic").
 char const* quant_cpu_isa() noexcept;

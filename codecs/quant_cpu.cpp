@@ -7,12 +7,14 @@
 // the baseline build otherwise; both give identical bytes). The threads
 // parameter is resolved by the caller (codec.cpp).
 //
-// A thread that cannot be created (a container's pid limit, ulimit -v) becomes
-// gact::thread_error after the threads already started have been joined: never
+// A thread that cannot be created (a container's pid limit, ulimit -v) is not an
+// error: the calling thread runs the ranges no thread took (the same bytes, only
+// slower), says so once in the log and counts it (codecs.thread_fallbacks). Never
 // a std::thread destroyed while joinable (std::terminate), never a partial blob.
 #include "codecs/codec.hpp"
 
 #include "allocator/error.hpp"
+#include "allocator/log.hpp"
 #include "codecs/quant_math.hpp"
 
 #include <atomic>
@@ -107,14 +109,16 @@ void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t,
     }
     begin = end;
   }
-  if (!failure.empty()) {
-    for (auto& th : pool) th.join();
-    GACT_FAIL("codecs: could not start worker thread " + std::to_string(pool.size() + 1) + " of " +
-                  std::to_string(threads) + " (" + failure +
-                  "); lower GACT_THREADS or the torch thread count, or raise the process's thread limit",
-              ::gact::thread_error);
-  }
   fn(ctx, 0, first_end);
+  if (!failure.empty()) {
+    // [begin, n) is what the thread that could not start and the ones after it would have run.
+    count_thread_fallback();
+    GACT_WARN_CAPPED(1,
+                     "codecs: could not start worker thread {} of {} ({}); the calling thread does its work "
+                     "(slower). Lower GACT_THREADS or the torch thread count, or raise the process's thread limit",
+                     pool.size() + 1, threads, failure);
+    fn(ctx, begin, n);
+  }
   for (auto& th : pool) th.join();
 }
 
