@@ -30,6 +30,10 @@ std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 
 
 void* host_backend::do_reserve(std::size_t bytes) {
   GACT_EXPECTS(bytes > 0, "host_backend::reserve: size must be positive");
+  if (fault_count_.load(std::memory_order_relaxed) > 0 && fault_after_.fetch_sub(1, std::memory_order_relaxed) <= 0 &&
+      fault_count_.fetch_sub(1, std::memory_order_relaxed) > 0) {
+    throw_oom(bytes, reserved_.load(std::memory_order_relaxed), capacity_, "injected failure (fail_reserves)");
+  }
   // Claim the bytes against the capacity first, so that concurrent reserves never overshoot it.
   std::size_t const before = reserved_.fetch_add(bytes, std::memory_order_relaxed);
   if (capacity_ != 0 && (before + bytes > capacity_ || before + bytes < before)) {

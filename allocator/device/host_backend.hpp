@@ -42,6 +42,13 @@ class host_backend final : public backend {
   /// Bytes currently reserved and not yet released.
   std::size_t reserved_bytes() const noexcept { return reserved_.load(std::memory_order_relaxed); }
 
+  /// Fault injection for tests: after `after` more successful reserves, the next `count` throw
+  /// gact::out_of_memory ("injected"); count 0 turns it off.
+  void fail_reserves(int after, int count) noexcept {
+    fault_after_.store(after, std::memory_order_relaxed);
+    fault_count_.store(count, std::memory_order_relaxed);
+  }
+
  private:
   void* do_reserve(std::size_t bytes) override;
   void do_release(void* p, std::size_t bytes) noexcept override;
@@ -62,6 +69,8 @@ class host_backend final : public backend {
   std::size_t const capacity_;
   std::atomic<std::size_t> reserved_{0};      // sum of the sizes of live reservations
   std::atomic<std::uintptr_t> next_handle_{1};  // streams and events; 0 is the default stream
+  std::atomic<int> fault_after_{0};             // fail_reserves
+  std::atomic<int> fault_count_{0};
 };
 
 }  // namespace gact::device

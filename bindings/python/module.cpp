@@ -320,6 +320,7 @@ bool core_section(std::string const& name) {
 PYBIND11_MODULE(_gact, m) {
   m.doc() = "gact's C++ core (activation store, codecs, tags, stats, options); use the gact package";
   m.attr("__version__") = GACT_VERSION;
+  gact::codec::detail::ensure_stats_registered();  // the codecs section is in every document, used or not
 #if defined(GACT_HAVE_KERNELS)
   m.attr("have_kernels") = true;
 #else
@@ -350,7 +351,7 @@ PYBIND11_MODULE(_gact, m) {
       [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
          std::int64_t version, std::uintptr_t storage, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
          std::uintptr_t stream, std::string const& role, int threads, py::object norm, py::object pred, bool clamped,
-         py::object window) {
+         py::object window, gact::store::owner_id owner) {
         gact::store::tensor_view v;
         v.data = reinterpret_cast<void const*>(ptr);
         v.dtype = gact::store::parse_dtype(dtype);
@@ -400,6 +401,7 @@ PYBIND11_MODULE(_gact, m) {
           fill("pad", p.window.pad);
           fill("dilation", p.window.dilation);
         }
+        p.owner = owner;
         runtime& r = rt();
         if (device >= 0) r.ensure_device(device);
         gact::store::put_result res;
@@ -419,10 +421,12 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
       py::arg("stream") = 0, py::arg("role") = "values", py::arg("threads") = 0, py::arg("norm") = py::none(),
       py::arg("pred") = py::none(), py::arg("clamped") = false, py::arg("window") = py::none(),
+      py::arg("owner") = 0,
       "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index (-1 = CPU), "
       "version counter, storage address) for a reader with role 'values', 'predicate' or 'indices'; returns "
       "(handle, offset of the view in the decoded image, served by an earlier entry, the view's strides in the "
-      "decoded image, a predicate entry upgraded to values by this put).");
+      "decoded image, a predicate entry upgraded to values by this put). owner: store_new_owner()'s id, "
+      "whose counters count it too (0 = none).");
   m.def(
       "store_get",
       [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream, bool predicate,
@@ -491,10 +495,10 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("handle"));
   m.def(
       "store_note_unstored",
-      [](std::string const& kind, std::size_t bytes) {
-        rt().store.note_unstored(gact::store::parse_unstored(kind), bytes);
+      [](std::string const& kind, std::size_t bytes, gact::store::owner_id owner) {
+        rt().store.note_unstored(gact::store::parse_unstored(kind), bytes, owner);
       },
-      py::arg("kind"), py::arg("bytes"), "Count a saved tensor that needed no blob ('shape' or 'held').");
+      py::arg("kind"), py::arg("bytes"), py::arg("owner") = 0, "Count a saved tensor that needed no blob ('shape' or 'held').");
   m.def(
       "empty_dlpack",
       [](std::string const& dtype, py::sequence shape, py::sequence strides, int device, std::uintptr_t stream) {
@@ -523,10 +527,10 @@ PYBIND11_MODULE(_gact, m) {
       "An uninitialized tensor (DLPack capsule) of this layout from gact's pool.");
   m.def(
       "store_note_skip",
-      [](std::string const& reason, std::size_t bytes) {
-        rt().store.note_skip(gact::store::parse_skip_reason(reason), bytes);
+      [](std::string const& reason, std::size_t bytes, gact::store::owner_id owner) {
+        rt().store.note_skip(gact::store::parse_skip_reason(reason), bytes, owner);
       },
-      py::arg("reason"), py::arg("bytes"));
+      py::arg("reason"), py::arg("bytes"), py::arg("owner") = 0);
   // ---- swap ----------------------------------------------------------------------------
   m.def(
       "swap_enable",
@@ -543,12 +547,57 @@ PYBIND11_MODULE(_gact, m) {
     for (auto const& mv : r.swap_movers) out.append(json_loads(mv->stats_json().dump()));
     return out;
   }, "The stats section of every swap mover created so far.");
-  m.def("store_begin_step", [](std::uint64_t step) { rt().store.begin_step(step); }, py::arg("step"));
-  m.def("store_end_step", []() { return rt().store.end_step(); },
-        "End the step; returns the number of handles still alive (counted as leaks).");
+  m.def("store_new_owner", []() { return rt().store.new_owner(); },
+        "A new owner id (one per Compressor): its puts, skips, steps and leaks are also counted apart.");
+  m.def("store_drop_owner", [](gact::store::owner_id o) { rt().store.drop_owner(o); }, py::arg("owner"));
+  m.def(
+      "store_begin_step", [](std::uint64_t step, gact::store::owner_id o) { rt().store.begin_step(step, o); },
+      py::arg("step"), py::arg("owner") = 0);
+  m.def(
+      "store_end_step", [](gact::store::owner_id o) { return rt().store.end_step(o); }, py::arg("owner") = 0,
+      "End the step of an owner (0: everyone); returns the number of its handles still alive (counted as leaks).");
   m.def("store_live_handles", []() { return rt().store.live_handles(); });
+
+  // ---- fault injection (tests only: tests/python/test_faults.py) ------------------------
+  m.def(
+      "_testing_fail_reserves",
+      [](std::string const& which, int after, int count) {
+        runtime& r = rt();
+        if (which == "host") r.host_be.fail_reserves(after, count);
+        else if (which == "pinned") r.swap_host_pinned.fail_reserves(after, count);
+        else GACT_FAIL("_testing_fail_reserves: '" + which + "' is unknown; use host or pinned");
+      },
+      py::arg("which"), py::arg("after"), py::arg("count"),
+      "Test hook: after `after` more reserves of the host arena's (or the CPU swap pool's) memory, fail `count`.");
+  m.def(
+      "_testing_empty_caches",
+      []() {
+        runtime& r = rt();
+        r.host_arena.empty_cache();
+        std::lock_guard lock(r.swap_mu);
+        for (auto& pool : r.swap_pools) pool->allocator().empty_cache();
+      },
+      "Test hook: return the cached segments of the host arena and the swap pools, so the next puts "
+      "and offloads reserve afresh.");
+  m.def(
+      "_testing_fail_threads_after", [](int k) { gact::codec::detail::fail_thread_creation_after(k); }, py::arg("k"),
+      "Test hook: while set, every CPU encode or decode fails to create its worker thread k (1-based) and "
+      "later ones; 0 turns it off.");
+  m.def(
+      "_testing_corrupt_blob",
+      [](std::uint64_t h, std::size_t offset, std::uint8_t mask) {
+        auto bytes = rt().store.debug_blob(h);
+        GACT_EXPECTS(offset < bytes.size(), "_testing_corrupt_blob: offset " + std::to_string(offset) +
+                                                " is past the blob's " + std::to_string(bytes.size()) + " bytes");
+        bytes[offset] ^= std::byte{mask};
+        return bytes.size();
+      },
+      py::arg("handle"), py::arg("offset"), py::arg("mask"),
+      "Test hook: flip bits `mask` of byte `offset` of a live handle's host blob; returns the blob's size.");
   m.def("store_stored_bytes", []() { return rt().store.stored_bytes(); });
-  m.def("store_stats", []() { return json_loads(rt().store.stats_json().dump()); });
+  m.def(
+      "store_stats", [](gact::store::owner_id o) { return json_loads(rt().store.stats_json(o).dump()); },
+      py::arg("owner") = 0, "The store's stats section, or one owner's (the same keys, its tensors only).");
   m.def("store_reset_stats", []() { rt().store.reset_stats(); });
 
   // ---- codecs --------------------------------------------------------------------------

@@ -14,6 +14,9 @@ version number, so the rest of the package reads the same on every torch:
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.optim.optimizer as _optim_mod
 
@@ -153,3 +156,22 @@ def push_default_hooks(pack, unpack):
     ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
     ctx.__enter__()
     return lambda: ctx.__exit__(None, None, None)
+
+
+def weak_hook(obj: Any, func: Any, *bound: Any) -> Any:
+    """A hook calling ``func(obj, *bound, *args)`` while ``obj`` lives and doing nothing after: a
+    model's hooks then do not keep a Compressor (or its policy) alive."""
+    ref = weakref.ref(obj)
+
+    def hook(*args: Any) -> Any:
+        o = ref()
+        return None if o is None else func(o, *bound, *args)
+
+    return hook
+
+
+def remove_handles(handles: list) -> None:
+    """Remove hook handles (a finalizer: the owner of ``handles`` is gone or closed)."""
+    for h in handles:
+        h.remove()
+    handles.clear()

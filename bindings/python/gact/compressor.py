@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 import weakref
 from typing import Any, Iterable
 
@@ -97,15 +98,22 @@ def _release(handle: int, _store_release=_C.store_release) -> None:
         pass
 
 
+def _release_compressor(hooks: list, owner: int, _drop=_C.store_drop_owner) -> None:
+    """A Compressor was collected: remove its module hooks and its counters."""
+    _compat.remove_handles(hooks)
+    _drop(owner)
+
+
 class _Packed:
     """What autograd holds instead of a saved tensor: a store handle, how to decode it, and a weak
     reference to the saved tensor (used as it is at unpack if the program still holds it unchanged)."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "__weakref__")
+                 "alias", "pending", "owner", "__weakref__")
 
-    def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None) -> None:
+    def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0) -> None:
         self.handle = handle
+        self.owner = owner  # the Compressor's store owner id, for its own counters
         self.shape = t.shape
         self.stride = t.stride()
         self.offset = 0  # element offset of the tensor in its blob's decoded image
@@ -128,7 +136,7 @@ class _Packed:
                 # Still held by the program and unchanged: use it, and drop the blob. A detached alias
                 # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
                 self.alias = t.detach()
-                _C.store_note_unstored("held", t.numel() * t.element_size())
+                _C.store_note_unstored("held", t.numel() * t.element_size(), self.owner)
                 self.release()
                 return self.alias
         if self.handle == 0:
@@ -291,6 +299,10 @@ class Compressor:
         # GACT_PREFETCH: blobs brought back ahead of backward.
         self._swap_budget = int(opts["swap_budget"])
         self._prefetch = int(opts["prefetch"])
+        if estimator is not None and self.bits != "auto" and policy is None:
+            # An estimator sets nothing with fixed bits: a misspelt bits or estimator would go unnoticed.
+            raise ValueError(f"gact.Compressor: estimator={estimator!r} is used only with bits='auto' "
+                             f"(bits={self.bits!r})")
         self.estimator = estimator
         if adapt_interval is not None and (
             isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1
@@ -325,6 +337,10 @@ class Compressor:
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
+        self._owner = _C.store_new_owner()  # this Compressor's own counters in the store (stats())
+        self._warned_memory = False
+        # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.
+        weakref.finalize(self, _release_compressor, self._module_hooks, self._owner)
         if model is not None:
             self._install_module_hooks(model)
 
@@ -375,8 +391,8 @@ class Compressor:
     def _install_module_hooks(self, model: torch.nn.Module) -> None:
         for name, m in model.named_modules():
             self._names.setdefault(id(m), name or "<root>")
-            self._module_hooks.append(m.register_forward_pre_hook(self._enter_module))
-            self._module_hooks.append(m.register_forward_hook(self._leave_module))
+            self._module_hooks.append(m.register_forward_pre_hook(_compat.weak_hook(self, Compressor._enter_module)))
+            self._module_hooks.append(m.register_forward_hook(_compat.weak_hook(self, Compressor._leave_module)))
 
     def _stack(self) -> list[tuple[str, bool]]:
         s = getattr(self._local, "stack", None)
@@ -469,7 +485,7 @@ class Compressor:
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
-        _C.store_begin_step(self._step)
+        _C.store_begin_step(self._step, self._owner)
         self._step_open = True
 
     def step(self, closure: Any = None) -> int:
@@ -486,7 +502,7 @@ class Compressor:
             if self._policy is None or not hasattr(self._policy, "closure"):
                 raise ValueError("gact.Compressor.step: a closure is used only with bits='auto'")
             self._policy.closure = closure
-        leaks = _C.store_end_step()
+        leaks = _C.store_end_step(self._owner)
         self._step += 1
         self._step_open = False
         if self._policy is not None and hasattr(self._policy, "on_step"):
@@ -496,8 +512,13 @@ class Compressor:
     # ---- stats --------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """The whole stats document (the schema of the JSON dump), as a dict."""
-        return _C.stats_document()
+        """The stats document (the schema of the JSON dump) as a dict, with ``store`` counting this
+        Compressor's tensors and steps only (its ``owner`` id); the process's totals, every
+        Compressor's together, are under ``store_process`` (the dump's ``store``)."""
+        doc = _C.stats_document()
+        doc["store_process"] = doc.get("store")
+        doc["store"] = _C.store_stats(self._owner)
+        return doc
 
     # ---- hooks --------------------------------------------------------------------------
 
@@ -534,7 +555,7 @@ class Compressor:
         return None
 
     def _keep(self, t: torch.Tensor, reason: str) -> torch.Tensor:
-        _C.store_note_skip(reason, t.numel() * t.element_size())
+        _C.store_note_skip(reason, t.numel() * t.element_size(), self._owner)
         # A non-leaf may be the output of the very node saving it: handing autograd the tensor itself
         # would make tensor -> grad_fn -> saved tensor a cycle that Python's GC cannot see, and the
         # graph (with every blob in it) would never be freed if backward never runs. A detached alias
@@ -561,7 +582,7 @@ class Compressor:
         d = _saved.decide(t, frame)
         kind = d.kind
         if kind == _saved.SHAPE:
-            _C.store_note_unstored("shape", t.numel() * t.element_size())
+            _C.store_note_unstored("shape", t.numel() * t.element_size(), self._owner)
             return _Shape(t)
         if kind == _saved.STATS:
             if frame is not None and frame.pending is not None:
@@ -583,7 +604,7 @@ class Compressor:
                 kind = _saved.VALUES
             else:
                 # Wait for the layer's statistics (saved after its input, in the same call).
-                p = _Packed(0, t, key)
+                p = _Packed(0, t, key, owner=self._owner)
                 p.pending = t
                 if frame.pending is None:
                     frame.pending, frame.stats = [], []
@@ -591,7 +612,8 @@ class Compressor:
                 return p
         return self._store(t, key, d if kind != _saved.NORMALIZED else _saved._VALUES)
 
-    def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0) -> _Packed:
+    def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0) -> Any:
+        """Store `t` as `d` says; a _Packed, or `t` itself when the arena could not hold it."""
         kind = d.kind
         role, pred, window, decode = "values", None, None, None
         if kind == _saved.PREDICATE:
@@ -611,11 +633,15 @@ class Compressor:
         if t.device.type == "cuda" and not _compat.is_dense(t):
             src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
         stream = torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
-        h, offset, shared, strides, upgraded = _C.store_put(
-            src.data_ptr(), _compat.DTYPE_NAMES[src.dtype], tuple(src.shape), src.stride(),
-            _compat.device_index(src), src._version, _compat.storage_base(src), key64(key), bits, self.group_size,
-            self.seed, stream, role, torch.get_num_threads(), norm, pred, d.clamped, window)
-        p = _Packed(h, t, key, decode)
+        try:
+            h, offset, shared, strides, upgraded = _C.store_put(
+                src.data_ptr(), _compat.DTYPE_NAMES[src.dtype], tuple(src.shape), src.stride(),
+                _compat.device_index(src), src._version, _compat.storage_base(src), key64(key), bits,
+                self.group_size, self.seed, stream, role, torch.get_num_threads(), norm, pred, d.clamped, window,
+                self._owner)
+        except _C.OutOfMemoryError as e:
+            return self._out_of_memory(t, e)
+        p = _Packed(h, t, key, decode, self._owner)
         p.offset = offset
         p.stride = strides
         if dense:
@@ -638,6 +664,16 @@ class Compressor:
                 policy.on_stored(key, info)
         return p
 
+    def _out_of_memory(self, t: torch.Tensor, e: Exception) -> Any:
+        """The arena cannot hold the blob: keep the tensor as it is (it exists already, so this costs
+        nothing new) and go on; counted as the skip reason `memory`, said once per Compressor."""
+        if not self._warned_memory:
+            self._warned_memory = True
+            warnings.warn(f"{e}; tensors that do not fit are kept uncompressed (counted as skipped: "
+                          "memory). Raise gact.configure(memory_limit=...) or free memory.", RuntimeWarning,
+                          stacklevel=3)
+        return self._keep(t, "memory")
+
     def _flush(self, frame: Any) -> None:
         """A call with pending normalization inputs returned: store them with its statistics."""
         pending, frame.pending = frame.pending, None
@@ -655,6 +691,9 @@ class Compressor:
                     raise
                 q = self._store(t, p.key, _saved._VALUES)  # statistics the codec refuses: plain values
             del keep
+            if not isinstance(q, _Packed):
+                p.alias = q  # the arena could not hold it: kept as it is
+                continue
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None
 
@@ -701,7 +740,7 @@ class Compressor:
 
     def _discard_step(self) -> None:
         """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances."""
-        _C.store_end_step()
+        _C.store_end_step(self._owner)
         self._step_open = False
 
     def _unpack(self, obj: Any) -> Any:

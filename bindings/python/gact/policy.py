@@ -75,6 +75,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -183,9 +184,13 @@ class AutoPolicy:
         online_hooks = estimator == "online" or (estimator == "probe" and self._default_estimator)
         if online_hooks and compressor.model is not None:
             for name, m in compressor.model.named_modules():
-                self._hooks.append(m.register_forward_hook(self._make_forward_hook(name or "<root>", m)))
+                hook = _compat.weak_hook(self, AutoPolicy._forward_hook, name or "<root>", m)
+                self._hooks.append(m.register_forward_hook(hook))
         if estimator in ("probe", "reference") and compressor.model is not None:
-            self._hooks.append(compressor.model.register_forward_hook(self._capture_replay))
+            hook = _compat.weak_hook(self, AutoPolicy._capture_replay)
+            self._hooks.append(compressor.model.register_forward_hook(hook))
+        # The model holds the hooks, which hold the policy weakly: they go when it does.
+        weakref.finalize(self, _compat.remove_handles, self._hooks)
 
     # ---- the compressor's protocol -------------------------------------------------------
 
@@ -286,25 +291,22 @@ class AutoPolicy:
         self._alias.clear()
         self._grad_sq.clear()
 
-    def _make_forward_hook(self, name: str, m: torch.nn.Module) -> Callable:
-        def hook(_m: torch.nn.Module, _inputs: Any, output: Any) -> None:
-            if not self._sampling or self._override is not None or self._comp._depth == 0:
+    def _forward_hook(self, name: str, m: torch.nn.Module, _m: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        if not self._sampling or self._override is not None or self._comp._depth == 0:
+            return
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            fan_in = _fan_in(m)
+            if fan_in is None:
                 return
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                fan_in = _fan_in(m)
-                if fan_in is None:
-                    return
-                self._fan_in[name] = fan_in
-                slot = self._grad_sq.setdefault(name, [])
-                slot.append(0.0)
-                i = len(slot) - 1
+            self._fan_in[name] = fan_in
+            slot = self._grad_sq.setdefault(name, [])
+            slot.append(0.0)
+            i = len(slot) - 1
 
-                def grad_hook(g: torch.Tensor) -> None:
-                    slot[i] += float(g.detach().double().pow(2).sum())
+            def grad_hook(g: torch.Tensor) -> None:
+                slot[i] += float(g.detach().double().pow(2).sum())
 
-                output.register_hook(grad_hook)
-
-        return hook
+            output.register_hook(grad_hook)
 
     def _online_estimates(self) -> dict[str, float]:
         est: dict[str, float] = {}
