@@ -10,6 +10,7 @@
 #include "allocator/stats_registry.hpp"
 #endif
 
+#include <algorithm>
 #include <cmath>
 
 namespace gact::policy {
@@ -98,18 +99,29 @@ decision_summary controller::decide() {
   decision_summary d;
   d.step = step_;
   std::vector<solver_item> items;
+  int const narrowest = *std::min_element(opts_.code_bits.begin(), opts_.code_bits.end());
+  double budget = 0.0, fixed = 0.0, per_bit = 0.0, needed = 0.0;
   for (auto const& [key, r] : table_.all()) {
     if (!table_.is_active(r, step_)) continue;
     d.total_numel += r.numel;
+    budget += opts_.storage.uniform_bytes(r.numel, opts_.budget_avg_bits, r.full_bits);
+    double const one = opts_.storage.uniform_bytes(r.numel, 1.0, r.full_bits);
+    double const code = static_cast<double>(opts_.storage.code_bytes(r.numel, 1));
+    fixed += one - code;
+    per_bit += code;
     if (r.estimates > 0) {
       items.push_back({key, r.numel, r.sensitivity, r.full_bits});
+      needed += static_cast<double>(opts_.storage.compressed_bytes(r.numel, narrowest, r.full_bits));
     } else {
-      d.reserved_bytes += opts_.storage.stored_bytes(r.numel, r.bits, r.full_bits);
+      std::uint64_t const b = opts_.storage.stored_bytes(r.numel, r.bits, r.full_bits);
+      d.reserved_bytes += b;
+      needed += static_cast<double>(b);
       ++d.unestimated;
     }
   }
   d.solved = items.size();
-  d.budget_bytes = budget_bytes_for(opts_.budget_avg_bits, d.total_numel);
+  d.budget_bytes = static_cast<std::uint64_t>(std::floor(budget));
+  d.min_feasible_budget = per_bit > 0.0 ? std::max(0.0, (needed - fixed) / per_bit) : 0.0;
   std::uint64_t const left = d.budget_bytes >= d.reserved_bytes ? d.budget_bytes - d.reserved_bytes : 0;
   solver_options const so{opts_.storage, opts_.allow_full_precision, opts_.code_bits};
   solution const s = solve_greedy(items, left, so);
@@ -122,9 +134,10 @@ decision_summary controller::decide() {
   d.achieved_avg_bits =
       d.total_numel == 0 ? 0.0 : 8.0 * static_cast<double>(d.stored_bytes) / static_cast<double>(d.total_numel);
   if (d.status == solve_status::infeasible) {
-    GACT_WARN_CAPPED(8, "gact policy: budget of {} bits/element is infeasible at step {} (needs {} bytes, "
-                        "budget {}); using the smallest widths",
-                     opts_.budget_avg_bits, d.step, d.stored_bytes, d.budget_bytes);
+    GACT_WARN_CAPPED(1, "gact policy: a budget of {} bits/element is infeasible at step {}: its tensors need "
+                        "{} bytes at their narrowest widths, the budget is {} bytes; the smallest feasible "
+                        "budget is {:.3f}. Using the narrowest widths",
+                     opts_.budget_avg_bits, d.step, d.stored_bytes, d.budget_bytes, d.min_feasible_budget);
   } else {
     GACT_LOG_DEBUG("gact policy: step {}: {} tensors solved, {} reserved, {:.3f} bits/element, objective {:.4g}",
                    d.step, d.solved, d.unestimated, d.achieved_avg_bits, d.objective);
@@ -170,6 +183,7 @@ nlohmann::json controller::stats() const {
         {"solved", last_->solved},
         {"unestimated", last_->unestimated},
         {"achieved_avg_bits", last_->achieved_avg_bits},
+        {"min_feasible_budget", last_->min_feasible_budget},
         {"objective", last_->objective},
         {"lower_bound", last_->lower_bound},
     };

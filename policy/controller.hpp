@@ -9,8 +9,10 @@
 // Which tensors a solve covers: the active ones (seen within `stale_after`
 // steps). Those with a sensitivity estimate are allocated by the greedy
 // solver; active tensors without one keep their current (default) bits and
-// their bytes are reserved out of the budget first. The budget is
-// floor(budget_avg_bits · Σ_active numel / 8) bytes, metadata included.
+// their bytes are reserved out of the budget first. The budget is the bytes
+// uniform budget_avg_bits would store for the active tensors, header and
+// metadata included (storage_model::uniform_bytes): at budget 2 the policy
+// stores what uniform 2 bits stores, spent differently.
 // With torch.distributed the driver all-reduces the estimates before
 // add_estimate, so that every rank solves the same deterministic problem.
 #pragma once
@@ -31,7 +33,7 @@ namespace gact::policy {
 
 /// Settings of a controller. `storage` is used by both the records and the solver.
 struct controller_options {
-  double budget_avg_bits = 2.0;        ///< average stored bits per element, metadata included
+  double budget_avg_bits = 2.0;        ///< the uniform width (bits per element) whose bytes are the budget
   int default_bits = 4;                ///< bits before the first decision and for unknown keys
   double ema_weight = 0.5;             ///< see table_options
   std::int64_t stale_after = 2;        ///< see table_options
@@ -56,6 +58,7 @@ struct decision_summary {
   double objective = 0.0;            ///< Σ C·v(b) over the solved tensors
   double lower_bound = 0.0;          ///< certified lower bound on the optimum
   double achieved_avg_bits = 0.0;    ///< 8 · stored_bytes / total_numel
+  double min_feasible_budget = 0.0;  ///< the smallest budget (uniform width) every tensor's narrowest option fits
 };
 
 /// Thread-safe per-tensor bit policy.

@@ -97,6 +97,24 @@ struct storage_model {
     return align(std::uint64_t{header_bytes} + meta_section + payload);
   }
 
+  /// Bytes uniform `avg_bits` would store for this tensor: header, metadata and codes of
+  /// avg_bits bits per element (chunks as compressed_bytes), exact for a code width and linear
+  /// in between, so a fractional budget (3 bits) means codes of that average width. This is the
+  /// policy budget's meaning: at budget b the adaptive policy may store what uniform b stores.
+  /// @throws gact::invalid_argument if avg_bits is not finite and positive or full_bits not 16/32.
+  double uniform_bytes(std::uint64_t numel, double avg_bits, int full_bits = 32) const {
+    GACT_EXPECTS(avg_bits > 0.0 && avg_bits < 1e6, "uniform_bytes: average bits must be finite and > 0, got " +
+                                                        std::to_string(avg_bits));
+    std::uint64_t const fixed = compressed_bytes(numel, 1, full_bits) - code_bytes(numel, 1);
+    return static_cast<double>(fixed) + static_cast<double>(code_bytes(numel, 1)) * avg_bits;
+  }
+
+  /// Bytes of the packed codes of `numel` elements at `bits` (without header and metadata).
+  std::uint64_t code_bytes(std::uint64_t numel, int bits) const noexcept {
+    std::uint64_t const chunks = (numel + code_chunk - 1) / code_chunk;
+    return chunks * code_chunk / 8 * static_cast<std::uint64_t>(bits);
+  }
+
   /// Bytes of a tensor kept at full precision (`full_bits` 16 or 32).
   /// @throws gact::invalid_argument if `full_bits` is not 16 or 32.
   std::uint64_t full_bytes(std::uint64_t numel, int full_bits) const {

@@ -3,16 +3,19 @@
 auto policy with each estimator (online, probe, reference), and each estimator's overhead as a
 percentage of training time, amortized over adapt_interval steps.
 
-    gact-bench policy [--size 32] [--batch 32] [--seeds 8] [--ref-batch 8] [--interval N]
-                      [--probe-vectors 1] [--skip-reference] [--threads 1]
+    gact-bench policy [--model resnet18|mobilenet_v2] [--size 32] [--batch 32] [--seeds 8]
+                      [--ref-batch 8] [--interval N] [--probe-vectors 1] [--skip-reference]
+                      [--no-fit] [--threads 1]
 
-Method (resnet18, fresh weights, one random batch):
+Method (--model, default resnet18, fresh weights, one random batch):
   g*        the uncompressed gradient of the batch.
   variance  mean over --seeds steps (fresh rounding noise each) of ||g - g*||^2.
   bytes     the store's stored bytes while the step's activations are alive (ReLU masks too).
   uniform   gact at 2 bits.
-  auto arms bits="auto": estimates from step 0 (sampled), one decision, then re-solved at the
-            largest budget whose step stores no more than uniform's (policy.fit_bytes).
+  auto arms bits="auto", budget=2: estimates from step 0 (sampled), one decision, measured as a
+            user gets it (the plain API: budget 2 means uniform 2 bits' bytes); then, unless
+            --no-fit, re-solved at the largest budget whose step stores no more than uniform's
+            (policy.fit_bytes) and measured again ("@fit" rows).
   online    estimator="online" (no extra pass).
   probe     estimator="probe" (the default): one forward on the sampled step's first --ref-batch
             samples (replayed with the step's output gradient), a backward with create_graph
@@ -40,6 +43,8 @@ import torch
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="gact-bench policy")
+    ap.add_argument("--model", default="resnet18", choices=("resnet18", "mobilenet_v2"))
+    ap.add_argument("--no-fit", action="store_true", help="only the plain-API arms (no re-solve at equal bytes)")
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=8)
@@ -56,7 +61,7 @@ def main() -> int:
     import gact
 
     torch.manual_seed(0)
-    m = torchvision.models.resnet18(num_classes=10)
+    m = getattr(torchvision.models, a.model)(num_classes=10)
     x = torch.randn(a.batch, 3, a.size, a.size)
     y = torch.randint(0, 10, (a.batch,))
     params = list(m.parameters())
@@ -101,9 +106,11 @@ def main() -> int:
         comp.policy.probe_samples = a.ref_batch  # no closure: the sampled step's first samples are replayed
         _, _, t_sampled = step(comp)  # step 0: sampled, then estimate + decide inside comp.step()
         est_s = comp.policy.estimate_seconds
-        comp.policy.fit_bytes(lambda: m(x), bytes_eq)
+        var, se, nb, t_step = measure(comp)  # the plain API
+        if not a.no_fit:
+            comp.policy.fit_bytes(lambda: m(x), bytes_eq)
+            res[name + "@fit"] = measure(comp)
         d = comp.policy.stats()["last_decision"]
-        var, se, nb, t_step = measure(comp)
         comp.close()
         extra = max(t_sampled - est_s - t_step, 0.0) + est_s
         res[name] = (var, se, nb, t_step)
@@ -118,11 +125,11 @@ def main() -> int:
         auto_arm("reference", "reference")
 
     vu = res["uniform2"][0]
-    print(f"gact-bench policy: resnet18 {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "
+    print(f"gact-bench policy: {a.model} {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "
           f"{a.ref_batch} samples, adapt_interval {interval}")
     print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} "
           f"{'steps':>7} {'overhead %':>11} {'interval for 1 %':>17}")
-    for name in ("uniform2", "online", "probe", "reference"):
+    for name in ("uniform2", "online", "online@fit", "probe", "probe@fit", "reference", "reference@fit"):
         if name not in res:
             continue
         v, se, nb, _ = res[name]

@@ -514,10 +514,15 @@ class Compressor:
     def stats(self) -> dict:
         """The stats document (the schema of the JSON dump) as a dict, with ``store`` counting this
         Compressor's tensors and steps only (its ``owner`` id); the process's totals, every
-        Compressor's together, are under ``store_process`` (the dump's ``store``)."""
+        Compressor's together, are under ``store_process`` (the dump's ``store``). ``policy`` is this
+        Compressor's policy (absent without one; the dump holds the latest policy's)."""
         doc = _C.stats_document()
         doc["store_process"] = doc.get("store")
         doc["store"] = _C.store_stats(self._owner)
+        doc.pop("policy", None)
+        policy = self._policy
+        if policy is not None and hasattr(policy, "stats"):
+            doc["policy"] = policy.stats()
         return doc
 
     # ---- hooks --------------------------------------------------------------------------
