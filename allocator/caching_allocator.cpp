@@ -135,6 +135,7 @@ struct caching_allocator::impl {
   device::backend& be;
   allocator_options opts;  ///< fixed after construction, except memory_limit (set_memory_limit, under mu)
   mutable std::mutex mu;
+  int fault_after = 0, fault_count = 0;  ///< fail_allocations (tests), under mu
 
   detail::node_pool nodes;  // before the sets that use it
   detail::object_pool<block> records;
@@ -549,6 +550,14 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   bool const small = size <= m.opts.small_size;
 
   std::lock_guard<std::mutex> lock(m.mu);
+  if (m.fault_count > 0) [[unlikely]] {
+    if (m.fault_after > 0) {
+      --m.fault_after;
+    } else {
+      --m.fault_count;
+      m.throw_oom(bytes, m.segment_size(size), stream, tag);
+    }
+  }
   if (!m.pending.empty()) m.process_events();
   block* b = m.find_free(small, size, stream);
   if (b != nullptr) [[likely]] {
@@ -653,6 +662,12 @@ void caching_allocator::record_stream(void* p, device::stream_t stream) {
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
     b->stream_uses.push_back(stream);
   }
+}
+
+void caching_allocator::fail_allocations(int after, int count) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->fault_after = after > 0 ? after : 0;
+  impl_->fault_count = count > 0 ? count : 0;
 }
 
 void caching_allocator::empty_cache() {

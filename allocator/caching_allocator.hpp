@@ -79,6 +79,10 @@ class caching_allocator {
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
 
+  /// Tests: after `after` more non-empty allocate() calls, fail the next `count` with out_of_memory
+  /// (the usual message and counters), whatever the cache holds; (0, 0) turns it off.
+  void fail_allocations(int after, int count) noexcept;
+
   /// The rounded size of a live block (0 for an unknown pointer).
   std::size_t block_size(void const* p) const noexcept;
   /// True when `p` is the start of a live block of this allocator.

@@ -155,6 +155,25 @@ TEST_CASE("a transient backend OOM is retried once") {
   a.deallocate(p);
 }
 
+TEST_CASE("fail_allocations: injected failures even when the cache could serve, then normal service") {
+  gact::device::host_backend be;
+  caching_allocator a(be);
+  void* warm = a.allocate(4 * k_mib);
+  a.deallocate(warm);  // cached: the next 4 MiB request needs no reserve
+  a.fail_allocations(1, 2);
+  void* first = a.allocate(4 * k_mib);  // the one allowed before the failures
+  CHECK_THROWS_WITH_AS(a.allocate(4 * k_mib), doctest::Contains("out of memory"), gact::out_of_memory);
+  CHECK_THROWS_AS(a.allocate(512), gact::out_of_memory);
+  void* after = a.allocate(4 * k_mib);  // the two failures are spent
+  CHECK(after != nullptr);
+  a.deallocate(first);
+  a.deallocate(after);
+  a.fail_allocations(0, 5);
+  a.fail_allocations(0, 0);  // off again
+  a.deallocate(a.allocate(512));
+  CHECK(a.allocated_bytes() == 0);
+}
+
 TEST_CASE("a device error other than OOM propagates without retry and changes nothing") {
   gact::test::manual_backend be;
   caching_allocator a(be);
