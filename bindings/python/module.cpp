@@ -18,6 +18,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -164,6 +165,34 @@ runtime& rt() {
   static runtime* r = new runtime();  // never destroyed: see the file comment
   return *r;
 }
+
+// ---- the host arena as torch's CPU allocator (bindings/python/torch_cpu.cpp) ----------------
+// The layout is shared with torch_cpu.cpp, which gets it as the capsule of _host_allocator().
+struct host_allocator_fns {
+  std::uint32_t version;  // 1
+  void* (*alloc)(std::size_t bytes, char* why, std::size_t why_len) noexcept;
+  void (*free)(void* p) noexcept;
+};
+
+void* host_torch_alloc(std::size_t bytes, char* why, std::size_t why_len) noexcept {
+  try {
+    gact::alloc::tag_id tag = gact::alloc::current_tag();
+    if (tag == gact::alloc::tag_other) {
+      static gact::alloc::tag_id const torch_tag = gact::alloc::intern_tag("torch");
+      tag = torch_tag;
+    }
+    return rt().host_arena.allocate(bytes, 0, tag);
+  } catch (std::exception const& e) {
+    std::snprintf(why, why_len, "%s", e.what());
+  } catch (...) {
+    std::snprintf(why, why_len, "unknown error");
+  }
+  return nullptr;
+}
+
+void host_torch_free(void* p) noexcept { rt().host_arena.deallocate(p); }
+
+host_allocator_fns const g_host_allocator_fns{1, &host_torch_alloc, &host_torch_free};
 
 std::vector<std::int64_t> to_vec(py::sequence const& s) {
   std::vector<std::int64_t> v;
@@ -547,6 +576,10 @@ PYBIND11_MODULE(_gact, m) {
     for (auto const& mv : r.swap_movers) out.append(json_loads(mv->stats_json().dump()));
     return out;
   }, "The stats section of every swap mover created so far.");
+  m.def("_host_allocator", []() {
+        rt();
+        return py::capsule(static_cast<void const*>(&g_host_allocator_fns), "gact.host_allocator");
+      }, "The host arena's allocation entry points for torch's CPU allocator (_gact_torch.install).");
   m.def("store_new_owner", []() { return rt().store.new_owner(); },
         "A new owner id (one per Compressor): its puts, skips, steps and leaks are also counted apart.");
   m.def("store_drop_owner", [](gact::store::owner_id o) { rt().store.drop_owner(o); }, py::arg("owner"));
@@ -579,6 +612,10 @@ PYBIND11_MODULE(_gact, m) {
       },
       "Test hook: return the cached segments of the host arena and the swap pools, so the next puts "
       "and offloads reserve afresh.");
+  m.def(
+      "_testing_fail_allocations", [](int after, int count) { rt().host_arena.fail_allocations(after, count); },
+      py::arg("after"), py::arg("count"),
+      "Test hook: after `after` more allocations from the host arena, fail `count` (cached memory or not).");
   m.def(
       "_testing_fail_threads_after", [](int k) { gact::codec::detail::fail_thread_creation_after(k); }, py::arg("k"),
       "Test hook: while set, every CPU encode or decode fails to create its worker thread k (1-based) and "

@@ -2,11 +2,13 @@
 
 gact sits under a training job, so a fault inside it must either be absorbed without changing the
 result (a worker thread that cannot start: the calling thread does its work; the arena cannot hold a
-blob: the tensor is kept as it is, counted as skipped for `memory`; the swap pool has no room: the
-blob stays where it is) or surface as a clear error on the step it hit (a corrupt blob in backward),
-and in every case leave nothing behind: no handle alive once the graph is gone, and the next clean
-step exactly as good as before the fault. The faults are injected through test hooks of the
-extension (``_C._testing_*``); each test turns them off again even when it fails.
+blob while torch's tensors live elsewhere: the tensor is kept as it is, counted as skipped for
+`memory`; the swap pool has no room: the blob stays where it is) or surface as a clear error on the
+step it hit (a corrupt blob in backward; the shared host arena out of memory under gact's CPU
+allocator, the default: torch raises gact's out-of-memory text), and in every case leave nothing
+behind: no handle alive once the graph is gone, and the next clean step exactly as good as before
+the fault. The faults are injected through test hooks of the extension (``_C._testing_*``); each
+test turns them off again even when it fails.
 
 Bounds: at 8 bits the stochastic rounding of a group of range R adds noise of variance at most
 (R/255)^2/4 per element, about 1.2 % of the group's spread, so the relative gradient error stays near
@@ -38,6 +40,18 @@ def _faults_off():
     _C._testing_fail_reserves("host", 0, 0)
     _C._testing_fail_reserves("pinned", 0, 0)
     _C._testing_fail_threads_after(0)
+    _C._testing_fail_allocations(0, 0)
+
+
+@pytest.fixture
+def torch_own_allocator():
+    """torch's CPU tensors from torch's allocator for the test, so that an injected host-arena
+    failure hits gact's blobs only (with gact's CPU allocator, the default, it hits torch too)."""
+    gact.Compressor()  # the first Compressor decides the default; then override it
+    was = gact.cpu_allocator_installed()
+    gact.use_cpu_allocator(False)
+    yield
+    gact.use_cpu_allocator(was)
 
 
 def _net(wide=8192):
@@ -102,6 +116,8 @@ class _Recorder:
 
 def test_stress_faults_between_clean_steps_leave_training_intact():
     torch.set_num_threads(2)  # a multi-threaded encode and decode, so thread faults bite
+    allocator_was = gact.cpu_allocator_installed()
+    gact.use_cpu_allocator(True)  # the default under a Compressor; set here whatever earlier tests chose
     try:
         model = _net()
         x, y = _batch()
@@ -114,15 +130,19 @@ def test_stress_faults_between_clean_steps_leave_training_intact():
         seen = {f: 0 for f in faults}
         for step, fault in enumerate(faults):
             if fault == "memory":
-                _C._testing_empty_caches()  # the next puts must reserve, and every reserve fails
-                before = _skipped(comp, "memory")
-                _C._testing_fail_reserves("host", 0, 1 << 20)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    g = _grad(model, x, y, comp)
-                _C._testing_fail_reserves("host", 0, 0)
-                assert _skipped(comp, "memory") > before, f"step {step}: no tensor counted as skipped for memory"
-                assert cosine(g, ref) > COS_8BIT  # kept tensors are exact, the rest 8-bit
+                # torch's tensors and the blobs share the host arena (gact's CPU allocator): the first
+                # tensor of the forward cannot be allocated, and torch raises gact's out-of-memory text
+                assert gact.cpu_allocator_installed()
+                _C._testing_fail_allocations(0, 1 << 20)  # every allocation from the host arena fails
+                model.zero_grad(set_to_none=True)
+                try:
+                    with pytest.raises(RuntimeError, match="gact.*out of memory"):
+                        with comp:
+                            F.cross_entropy(model(x), y).backward()
+                finally:
+                    _C._testing_fail_allocations(0, 0)
+                model.zero_grad(set_to_none=True)
+                comp.step()
             elif fault == "threads":
                 before = _thread_fallbacks()
                 _C._testing_fail_threads_after(1)
@@ -154,10 +174,9 @@ def test_stress_faults_between_clean_steps_leave_training_intact():
             # the next clean step is as good as any
             assert cosine(_grad(model, x, y, comp), ref) > COS_8BIT, f"after {fault} at step {step}"
         assert all(n == 6 for n in seen.values())
-        s = comp.stats()["store"]
-        assert s["skipped"]["memory"]["tensors"] >= 6
     finally:
         torch.set_num_threads(1)
+        gact.use_cpu_allocator(allocator_was)
 
 
 def test_thread_fallback_changes_no_byte():
@@ -174,19 +193,18 @@ def test_thread_fallback_changes_no_byte():
         torch.set_num_threads(1)
 
 
-def test_arena_out_of_memory_keeps_the_tensor_warns_once_and_counts_it():
+def test_arena_out_of_memory_keeps_the_tensor_warns_once_and_counts_it(torch_own_allocator):
     model = _net(wide=1024)
     x, y = _batch()
     ref = _grad(model, x, y)
     comp = gact.Compressor(model, bits=4)
-    _C._testing_empty_caches()
-    _C._testing_fail_reserves("host", 0, 1 << 20)
+    _C._testing_fail_allocations(0, 1 << 20)  # torch's tensors come from torch's allocator here
     try:
         with pytest.warns(RuntimeWarning, match=r"out of memory.*skipped: memory") as w:
             g1 = _grad(model, x, y, comp)
             g2 = _grad(model, x, y, comp)
     finally:
-        _C._testing_fail_reserves("host", 0, 0)
+        _C._testing_fail_allocations(0, 0)
     assert len([m for m in w if "out of memory" in str(m.message)]) == 1, "warned more than once"
     s = comp.stats()["store"]
     assert s["skipped"]["memory"]["tensors"] >= 2 and s["tensors_in"] == 0

@@ -163,13 +163,22 @@ class Workload:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
 
     def arms(self) -> list[str]:
-        return ["baseline"] + [f"gact{b}" for b in BITS] + (["checkpoint"] if self.checkpoint_forward else [])
+        return ["baseline", "alloc"] + [f"gact{b}" for b in BITS] + (["checkpoint"] if self.checkpoint_forward else [])
+
+
+# Which arms run on gact's CPU allocator (torch's CPU tensors in gact's host arena): the gact arms, as a
+# Compressor sets it by default, and `alloc`, the uncompressed baseline on it (the allocator's own share).
+def uses_gact_allocator(arm: str) -> bool:
+    return arm == "alloc" or arm.startswith("gact")
 
 
 def make_step(w, comps):
     """step(arm) -> the bytes the store held at the end of forward (0 for other arms)."""
+    import gact
+
     def step(arm: str) -> int:
         held = 0
+        gact.use_cpu_allocator(uses_gact_allocator(arm))
         if arm.startswith("gact"):
             comp = comps[int(arm[4:])]
             with comp:
@@ -180,7 +189,7 @@ def make_step(w, comps):
         elif arm == "checkpoint":
             out = w.checkpoint_forward(w.x)
             loss = w.loss(out)
-        else:
+        else:  # baseline, alloc
             out = w.model(w.x)
             loss = w.loss(out)
         if not w.keep_output:
@@ -278,12 +287,16 @@ def measure_peaks(args, arms) -> dict:
         bar.update(1, note=arm)
     bar.finish()
     base = res["baseline"]
+    alloc = res.get("alloc")
     for arm, r in res.items():
         r["peak_drop"] = base["peak_rss"] - r["peak_rss"]
         if arm.startswith("gact"):
             # what the counters say this arm saved of the baseline's saved bytes, less what the program held
             r["promised"] = base["saved"] - (r["stored"] + r["kept"]) - r["held"]
             r["realized"] = r["peak_drop"] / r["promised"] if r["promised"] > 0 else 0.0
+            if alloc is not None:  # compression's own share: against the baseline on the same allocator
+                r["realized_same_allocator"] = ((alloc["peak_rss"] - r["peak_rss"]) / r["promised"]
+                                                if r["promised"] > 0 else 0.0)
     return res
 
 
@@ -360,7 +373,9 @@ def main(argv=None) -> int:
     comps = {b: gact.Compressor(w.model, bits=b) for b in BITS}
     step = make_step(w, comps)
     arms = w.arms()
+    gact.use_cpu_allocator(False)
     mem = {"baseline": saved_bytes(w, w.model)}
+    mem["alloc"] = mem["baseline"]
     if w.checkpoint_forward:
         mem["checkpoint"] = saved_bytes(w, w.checkpoint_forward)
     detail = {}
@@ -424,7 +439,7 @@ def main(argv=None) -> int:
         print(f"\n{args.model}, {shape}batch {args.batch}, {args.threads} threads, torch {torch.__version__}, "
               f"median of {args.steps * args.rounds} steps per arm")
         print(f"{'arm':11} {'step time':>10} {'vs baseline':>12} {'saved/step':>11} {'ratio':>8} {'store ratio':>12}"
-              + (f" {'peak RSS':>10} {'drop':>9} {'promised':>9} {'realized':>9}" if peaks else ""))
+              + (f" {'peak RSS':>10} {'drop':>9} {'promised':>9} {'realized':>9} {'same alloc':>10}" if peaks else ""))
         for a in arms:
             r = result["arms"][a]
             sr = f"{r['store_ratio']:.2f}x" if "store_ratio" in r else "-"
@@ -434,7 +449,8 @@ def main(argv=None) -> int:
                 p = r["peak"]
                 prom = f"{p['promised'] / 2**20:7.1f}Mi" if "promised" in p else "-"
                 real = f"{100 * p['realized']:7.0f} %" if "realized" in p else "-"
-                line += f" {p['peak_rss'] / 2**20:8.1f}Mi {p['peak_drop'] / 2**20:7.1f}Mi {prom:>9} {real:>9}"
+                same = f"{100 * p['realized_same_allocator']:8.0f} %" if "realized_same_allocator" in p else "-"
+                line += f" {p['peak_rss'] / 2**20:8.1f}Mi {p['peak_drop'] / 2**20:7.1f}Mi {prom:>9} {real:>9} {same:>10}"
             print(line)
         if prof is not None:
             print("\nper-step breakdown (cProfile, 3 steps; own time):")

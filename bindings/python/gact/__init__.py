@@ -15,7 +15,8 @@ allocator, and decoded when backward needs them::
     print(comp.stats())
 
 Also: :func:`stats` / :func:`dump_stats` (the whole statistics document),
-:func:`use_allocator` (gact as torch's CUDA allocator), :func:`options` /
+:func:`use_allocator` (gact as torch's CUDA allocator), :func:`use_cpu_allocator`
+(torch's CPU tensors from gact's host arena: on by default once a Compressor exists), :func:`options` /
 :func:`configure` (the settings table), :mod:`gact.codecs` (encode/decode blobs
 directly), and the ``gact-run`` command (compress an unmodified script).
 """
@@ -35,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 
 from . import codecs
 from . import policy
-from .allocator import use_allocator
+from .allocator import cpu_allocator_installed, use_allocator, use_cpu_allocator
 from .compressor import Compressor
 from .options import configure, options
 
@@ -52,6 +53,8 @@ __all__ = [
     "install_dump_triggers",
     "trace",
     "use_allocator",
+    "use_cpu_allocator",
+    "cpu_allocator_installed",
     "options",
     "configure",
     "codecs",

@@ -33,6 +33,7 @@ import os
 import warnings
 from typing import Dict, Optional
 
+import _gact as _C
 import torch
 
 from . import _compat
@@ -142,3 +143,75 @@ def use_allocator() -> str:
     installed = {"library": path, "hooks": wired,
                  "shared_with_store": os.path.realpath(path) == os.path.realpath(_gact.__file__)}
     return path
+
+
+# ---- torch's CPU tensors from gact's host arena ---------------------------------------------------
+
+#: None until decided; True/False after :func:`use_cpu_allocator` or the first Compressor
+_cpu_choice: Optional[bool] = None
+_cpu_missing_reason: Optional[str] = None
+
+
+def _gact_torch():
+    global _cpu_missing_reason
+    try:
+        import _gact_torch  # built beside _gact when torch's c10 headers were found (bindings/python/torch_cpu.cpp)
+    except ImportError as e:
+        _cpu_missing_reason = f"_gact_torch is not available ({e}); build gact with torch's c10 headers (libtorch-dev)"
+        return None
+    return _gact_torch
+
+
+def use_cpu_allocator(enable: bool = True) -> bool:
+    """Serve torch's CPU tensors from gact's host arena (``enable=True``), or give torch its own
+    allocator back (``False``). Returns whether gact's is installed now.
+
+    One pool for torch's tensors, gact's compressed activations and its decoded tensors: memory
+    that compressing frees in forward, and that the blobs free in backward, serves torch's next
+    tensors, and the arena's segments stay warm from step to step. Without it, glibc's heap
+    fragments under a compressed forward and keeps much of the saving from the process's peak.
+    A Compressor turns it on when the ``cpu_allocator`` option is on (the default) and this
+    function was not called. Tensors already allocated keep their own allocator's memory, so
+    switching at any time is safe. ``gact.configure(memory_limit=...)`` then caps torch's CPU
+    tensors too; a request over it raises a RuntimeError naming gact.
+
+    Raises:
+        gact.GactError: ``enable=True`` in a build without ``_gact_torch`` (no torch headers).
+    """
+    global _cpu_choice
+    mod = _gact_torch()
+    if mod is None:
+        if enable:
+            raise _C.GactError(f"gact.use_cpu_allocator: {_cpu_missing_reason}")
+        _cpu_choice = False
+        return False
+    if enable:
+        mod.install(_C._host_allocator())
+    else:
+        mod.uninstall()
+    _cpu_choice = bool(enable)
+    return bool(mod.installed())
+
+
+def cpu_allocator_installed() -> bool:
+    """Whether torch's CPU tensors come from gact's host arena now."""
+    mod = _gact_torch()
+    return bool(mod is not None and mod.installed())
+
+
+def _default_cpu_allocator() -> None:
+    """A Compressor was made: install gact's CPU allocator unless the user chose, or the option is off."""
+    global _cpu_choice
+    if _cpu_choice is not None:
+        return
+    if not _C.options_current().get("cpu_allocator", True):
+        _cpu_choice = False
+        return
+    mod = _gact_torch()
+    if mod is None:
+        _cpu_choice = False
+        warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {_cpu_missing_reason}", RuntimeWarning,
+                      stacklevel=3)
+        return
+    mod.install(_C._host_allocator())
+    _cpu_choice = True

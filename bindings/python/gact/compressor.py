@@ -63,6 +63,7 @@ import torch.utils.dlpack as _dlpack
 import _gact as _C
 
 from . import _compat
+from . import allocator as _allocator
 from . import saved as _saved
 from .options import options as _options
 
@@ -337,6 +338,7 @@ class Compressor:
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
+        _allocator._default_cpu_allocator()  # torch's CPU tensors and the blobs: one pool (option cpu_allocator)
         self._owner = _C.store_new_owner()  # this Compressor's own counters in the store (stats())
         self._warned_memory = False
         # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.

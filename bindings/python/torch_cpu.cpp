@@ -1,0 +1,110 @@
+// gact/bindings/python/torch_cpu.cpp
+//
+// `_gact_torch`: gact's host arena as torch's CPU allocator, so that torch's CPU tensors,
+// gact's blobs and its decoded images share one pool. On the CPU, torch allocates with
+// glibc malloc and gact's blobs live in gact's own arena: memory one side frees cannot
+// serve the other (blob bytes released in backward stay idle while the gradients grow),
+// and glibc's heap fragments under a compressed forward's pattern (a large activation
+// freed right after its blob is written, between small long-lived allocations): measured
+// on a 6-layer transformer encoder, 420 MiB free inside a 497 MiB heap at the end of
+// forward. One pool fixes both, and its segments stay warm (no fresh page per step).
+//
+// This module depends on torch's c10 (headers and libc10) and nothing of gact's: the
+// allocation functions come from `_gact` as a capsule (`_gact._host_allocator()`), so
+// `_gact` itself never links torch. gact/_torch_cpu.py installs and removes it.
+//
+// c10::Allocator changed in torch 2.3 (allocate() non-const, copy_data pure virtual);
+// both forms are handled below.
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstring>
+#include <string>
+
+namespace py = pybind11;
+
+#if defined(TORCH_VERSION_MAJOR) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
+#define GACT_C10_ALLOCATE_CONST
+#define GACT_C10_HAS_COPY_DATA 1
+#else
+#define GACT_C10_ALLOCATE_CONST const
+#define GACT_C10_HAS_COPY_DATA 0
+#endif
+
+namespace {
+
+/// The entry points `_gact._host_allocator()` hands out (capsule "gact.host_allocator"); the layout
+/// is shared with bindings/python/module.cpp.
+struct host_allocator_fns {
+  std::uint32_t version;  // 1
+  void* (*alloc)(std::size_t bytes, char* why, std::size_t why_len) noexcept;  // nullptr + why on failure
+  void (*free)(void* p) noexcept;
+};
+
+std::atomic<host_allocator_fns const*> g_fns{nullptr};
+
+void gact_delete(void* p) {
+  if (p != nullptr) g_fns.load(std::memory_order_acquire)->free(p);
+}
+
+class gact_cpu_allocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(std::size_t n) GACT_C10_ALLOCATE_CONST override {
+    c10::Device const dev(c10::DeviceType::CPU);
+    if (n == 0) return {nullptr, nullptr, &gact_delete, dev};
+    char why[512] = {0};
+    void* p = g_fns.load(std::memory_order_acquire)->alloc(n, why, sizeof why);
+    TORCH_CHECK(p != nullptr, "gact: CPU allocator (gact's host arena): cannot allocate ", n, " bytes: ", why,
+                " (gact.configure(memory_limit=...) caps it; gact.use_cpu_allocator(False) returns torch to "
+                "its own allocator)");
+    return {p, p, &gact_delete, dev};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &gact_delete; }
+#if GACT_C10_HAS_COPY_DATA
+  void copy_data(void* dest, void const* src, std::size_t count) const override {
+    if (count != 0) std::memcpy(dest, src, count);
+  }
+#endif
+};
+
+gact_cpu_allocator g_allocator;
+c10::Allocator* g_previous = nullptr;
+constexpr std::uint8_t k_priority = 100;  // above torch's default (0); restoring uses it too
+
+bool installed() { return c10::GetAllocator(c10::DeviceType::CPU) == &g_allocator; }
+
+void install(py::capsule fns) {
+  if (std::strcmp(fns.name(), "gact.host_allocator") != 0)
+    throw py::value_error("_gact_torch.install: expected the capsule of _gact._host_allocator()");
+  auto const* f = static_cast<host_allocator_fns const*>(fns.get_pointer());
+  if (f == nullptr || f->version != 1 || f->alloc == nullptr || f->free == nullptr)
+    throw py::value_error("_gact_torch.install: the capsule's entry points are of another version of _gact");
+  // Memory handed out keeps its deleter, which uses these functions: set once, never replaced.
+  host_allocator_fns const* expected = nullptr;
+  if (!g_fns.compare_exchange_strong(expected, f) && expected != f)
+    throw py::value_error("_gact_torch.install: already bound to another _gact");
+  if (installed()) return;
+  g_previous = c10::GetAllocator(c10::DeviceType::CPU);
+  c10::SetAllocator(c10::DeviceType::CPU, &g_allocator, k_priority);
+}
+
+void uninstall() {
+  if (!installed() || g_previous == nullptr) return;
+  c10::SetAllocator(c10::DeviceType::CPU, g_previous, k_priority);  // tensors already served keep their deleter
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_gact_torch, m) {
+  m.doc() = "gact's host arena as torch's CPU allocator (use gact.use_cpu_allocator)";
+  m.def("install", &install, py::arg("fns"), "Serve torch's CPU tensors from gact's host arena.");
+  m.def("uninstall", &uninstall, "Give torch its previous CPU allocator back (served tensors stay valid).");
+  m.def("installed", &installed, "Whether torch's CPU allocator is gact's now.");
+}

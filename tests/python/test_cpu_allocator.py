@@ -1,0 +1,132 @@
+"""gact's host arena as torch's CPU allocator (``gact.use_cpu_allocator``, on by default once a
+Compressor exists): torch's CPU tensors, the blobs and the decoded tensors in one pool.
+
+What must hold: torch's tensors really come from the arena (its `torch` tag counts them to the
+byte), switching either way at any time leaves every tensor valid (each keeps the deleter of
+the allocator that served it), a request over ``memory_limit`` is torch's RuntimeError naming
+gact and leaves the arena usable, gradients are bit-identical under either allocator, threads
+allocating at once get disjoint memory, and the default follows the ``cpu_allocator`` option.
+The peak this buys is in test_peak.py.
+"""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _gact as _C
+import gact
+
+
+@pytest.fixture
+def gact_allocator():
+    was = gact.cpu_allocator_installed()
+    assert gact.use_cpu_allocator(True)
+    yield
+    gact.use_cpu_allocator(was)
+
+
+def _torch_tag():
+    return _C.stats_document()["allocators"]["host"]["tags"].get("torch", {"current_bytes": 0, "total_allocs": 0})
+
+
+def test_torch_tensors_come_from_the_arena_to_the_byte(gact_allocator):
+    before = _torch_tag()
+    t = torch.empty(1 << 20)  # 4 MiB
+    after = _torch_tag()
+    assert after["current_bytes"] - before["current_bytes"] == 4 << 20
+    assert after["total_allocs"] - before["total_allocs"] == 1
+    del t
+    assert _torch_tag()["current_bytes"] == before["current_bytes"]
+
+
+def test_switching_either_way_keeps_every_tensor_valid(gact_allocator):
+    a = torch.arange(1 << 16, dtype=torch.float32)  # served by gact
+    base = _torch_tag()["current_bytes"]
+    gact.use_cpu_allocator(False)
+    assert not gact.cpu_allocator_installed()
+    b = torch.arange(1 << 16, dtype=torch.float32) * 2  # served by torch's allocator
+    assert _torch_tag()["current_bytes"] == base
+    gact.use_cpu_allocator(True)
+    c = a + b  # served by gact again
+    assert torch.equal(c, torch.arange(1 << 16, dtype=torch.float32) * 3)
+    del a, b  # each freed by the allocator that served it
+    assert _torch_tag()["current_bytes"] == base  # c replaced a
+    del c
+
+
+def test_over_the_memory_limit_is_torchs_error_naming_gact(gact_allocator):
+    gact.configure(memory_limit=32 << 20)
+    try:
+        with pytest.raises(RuntimeError, match=r"gact: CPU allocator.*cannot allocate 268435456 bytes"):
+            torch.empty(1 << 26)  # 256 MiB
+        small = torch.ones(1000)  # the arena still serves what fits
+        assert float(small.sum()) == 1000.0
+    finally:
+        gact.configure(memory_limit=0)
+    big = torch.ones(1 << 26, dtype=torch.uint8)
+    assert int(big[-1]) == 1
+
+
+def _train_grads(steps=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_training_is_bit_identical_under_either_allocator(gact_allocator):
+    with_gact = _train_grads()
+    gact.use_cpu_allocator(False)
+    with_torch = _train_grads()
+    assert torch.equal(with_gact, with_torch)
+
+
+def test_threads_allocating_at_once_get_disjoint_memory(gact_allocator):
+    errors = []
+
+    def work(k):
+        try:
+            for i in range(200):
+                t = torch.full((4096 + 37 * k,), float(k * 1000 + i))
+                u = t * 2
+                if not (bool((t == k * 1000 + i).all()) and bool((u == 2 * (k * 1000 + i)).all())):
+                    errors.append((k, i))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:5]
+
+
+def _fresh(code, **env):
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, **env), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
+
+
+def test_the_first_compressor_installs_it_unless_the_option_says_no():
+    code = ("import torch, gact; a = gact.cpu_allocator_installed(); gact.Compressor(torch.nn.Linear(2, 2)); "
+            "print(a, gact.cpu_allocator_installed())")
+    assert _fresh(code) == "False True"
+    assert _fresh(code, GACT_CPU_ALLOCATOR="0") == "False False"
+    # a choice the user made before the first Compressor stands
+    code = ("import torch, gact; gact.use_cpu_allocator(False); gact.Compressor(torch.nn.Linear(2, 2)); "
+            "print(gact.cpu_allocator_installed())")
+    assert _fresh(code) == "False"
