@@ -910,14 +910,19 @@ void activation_store::offload(entry& e) {
 
 // ---- get / release ---------------------------------------------------------------------
 
-std::shared_ptr<activation_store::entry> activation_store::find(handle h) const {
-  std::lock_guard lock(mu_);
+std::shared_ptr<activation_store::entry> activation_store::lookup(handle h, char const* who) const {
   auto it = entries_.find(h);
   GACT_EXPECTS(it != entries_.end(),
-               "activation_store: unknown handle " + std::to_string(h) + " (released already?)");
-  ++c_->gets;
-  if (counters* k = owner_counters(it->second->owner)) ++k->gets;
+               std::string(who) + ": unknown handle " + std::to_string(h) + " (released already?)");
   return it->second;
+}
+
+std::shared_ptr<activation_store::entry> activation_store::find(handle h) const {
+  std::lock_guard lock(mu_);
+  std::shared_ptr<entry> e = lookup(h, "activation_store");
+  ++c_->gets;
+  if (counters* k = owner_counters(e->owner)) ++k->gets;
+  return e;
 }
 
 std::shared_ptr<decoded_image const> activation_store::get_shared(handle h, get_params const& gp) const {
@@ -1051,9 +1056,7 @@ tensor_info activation_store::info(handle h) const {
   std::shared_ptr<entry> e;
   {
     std::lock_guard lock(mu_);
-    auto it = entries_.find(h);
-    GACT_EXPECTS(it != entries_.end(), "activation_store::info: unknown handle " + std::to_string(h));
-    e = it->second;
+    e = lookup(h, "activation_store::info");
   }
   std::lock_guard elock(e->mu);
   std::lock_guard lock(mu_);  // refcount is guarded by the table's lock
@@ -1064,9 +1067,7 @@ std::span<std::byte> activation_store::debug_blob(handle h) {
   std::shared_ptr<entry> e;
   {
     std::lock_guard lock(mu_);
-    auto it = entries_.find(h);
-    GACT_EXPECTS(it != entries_.end(), "activation_store::debug_blob: unknown handle " + std::to_string(h));
-    e = it->second;
+    e = lookup(h, "activation_store::debug_blob");
   }
   std::lock_guard elock(e->mu);
   GACT_EXPECTS(e->info.device < 0 && e->mover == nullptr && e->blob != nullptr,

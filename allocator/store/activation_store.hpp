@@ -306,7 +306,10 @@ class activation_store {
   struct encoded;
 
   alloc::caching_allocator& arena_for(int device) const;
+  /// The live entry of `h` (a get: counted); lookup needs mu_ held and counts nothing.
+  /// @throws gact::invalid_argument naming `who` for an unknown handle.
   std::shared_ptr<entry> find(handle h) const;
+  std::shared_ptr<entry> lookup(handle h, char const* who) const;
   std::shared_ptr<decoded_image const> decode_image(std::shared_ptr<entry> const& e, get_params const& gp) const;
   encoded encode(tensor_view const& v, put_params const& p, role what, void const* src, std::uint64_t numel,
                  std::uint64_t step, alloc::caching_allocator& arena) const;

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -106,6 +107,17 @@ def compute_grad(model: nn.Module, loss_of: Callable[[nn.Module], torch.Tensor],
     if comp is not None:
         comp.step()
     return g
+
+
+def run_threads(target: Callable[[int], None], n: int, timeout: float = 120.0) -> None:
+    """Run ``target(i)`` for i in range(n), each in its own thread, and wait for all of them;
+    fails if one is still running after ``timeout`` seconds (a hang, not a slow machine)."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,6 @@ The peak this buys is in test_peak.py.
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 import _gact as _C
 import gact
+from evalkit import run_threads
 
 
 @pytest.fixture
@@ -106,11 +106,7 @@ def test_threads_allocating_at_once_get_disjoint_memory(gact_allocator):
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads(work, 4)
     assert not errors, errors[:5]
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import _gact as _C
 import gact
-from evalkit import cosine, flat_grad
+from evalkit import compute_grad, cosine, flat_grad, run_threads
 
 COS_8BIT = 0.999
 
@@ -65,18 +65,7 @@ def _batch(seed=1):
 
 
 def _grad(model, x, y, comp=None):
-    model.zero_grad(set_to_none=True)
-    if comp is None:
-        loss = F.cross_entropy(model(x), y)
-    else:
-        with comp:
-            loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    g = flat_grad(model.parameters())
-    model.zero_grad(set_to_none=True)
-    if comp is not None:
-        comp.step()
-    return g
+    return compute_grad(model, lambda m: F.cross_entropy(m(x), y), comp)
 
 
 def _skipped(comp, reason):
@@ -278,11 +267,7 @@ def test_two_threads_in_one_compressor_each_compress_their_own_forward():
             first_left.set()
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads(run, 2)
     assert not errors, errors
     assert out["first_outside"] == 0, "a thread that left `with comp:` still compresses"
     assert out["second_rest"] >= 1, "a thread still inside `with comp:` stopped compressing"
