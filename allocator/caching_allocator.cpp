@@ -664,6 +664,12 @@ void caching_allocator::record_stream(void* p, device::stream_t stream) {
   }
 }
 
+void caching_allocator::fork_prepare() noexcept { impl_->mu.lock(); }
+void caching_allocator::fork_parent() noexcept { impl_->mu.unlock(); }
+// The child is single-threaded and its copy of the mutex is the one the parent locked in
+// fork_prepare: unlocking it is what glibc does with malloc's own locks.
+void caching_allocator::fork_child() noexcept { impl_->mu.unlock(); }
+
 void caching_allocator::fail_allocations(int after, int count) noexcept {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->fault_after = after > 0 ? after : 0;

@@ -79,6 +79,13 @@ class caching_allocator {
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
 
+  /// fork() safety (pthread_atfork): lock the allocator before a fork and unlock it after, in the
+  /// parent and in the child, so that a fork while another thread is inside the allocator cannot
+  /// leave the child's copy locked forever. Call the three in that order around one fork.
+  void fork_prepare() noexcept;
+  void fork_parent() noexcept;
+  void fork_child() noexcept;
+
   /// Tests: after `after` more non-empty allocate() calls, fail the next `count` with out_of_memory
   /// (the usual message and counters), whatever the cache holds; (0, 0) turns it off.
   void fail_allocations(int after, int count) noexcept;

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <pthread.h>
 #include <span>
 #include <string>
 #include <utility>
@@ -161,8 +162,19 @@ struct runtime {
   }
 };
 
+runtime* make_runtime() {
+  auto* r = new runtime();
+  // torch's CPU tensors may come from the host arena (gact.use_cpu_allocator): a fork (DataLoader
+  // workers) while another thread is inside it must not leave the child's arena locked.
+  static runtime* forked = r;
+  if (::pthread_atfork([] { forked->host_arena.fork_prepare(); }, [] { forked->host_arena.fork_parent(); },
+                       [] { forked->host_arena.fork_child(); }) != 0)
+    GACT_LOG_WARN("gact: pthread_atfork failed: a fork while another thread allocates may hang the child");
+  return r;
+}
+
 runtime& rt() {
-  static runtime* r = new runtime();  // never destroyed: see the file comment
+  static runtime* r = make_runtime();  // never destroyed: see the file comment
   return *r;
 }
 
