@@ -4,7 +4,7 @@ uncompressed baseline, gact at 8/4/2 bits and torch.utils.checkpoint, same model
 
     gact-bench train [--model resnet50|resnet18|mobilenet_v2|vit|transformer|word_lm]
                      [--size 96] [--batch 8] [--steps 6] [--rounds 3] [--threads 1]
-                     [--peak | --no-peak] [--profile] [--accuracy] [--json-only]
+                     [--peak | --no-peak] [--profile] [--accuracy] [--zoo] [--json-only]
 
 Peak memory (the headline): each arm runs --peak-steps training steps in a fresh process with glibc's
 default malloc settings, and reports its peak RSS (VmHWM), beside what the store's counters say it
@@ -26,6 +26,9 @@ gact the store's blobs of one step plus the bytes it kept as they are; "ratio" i
 --profile breaks one gact step per bit width down by cProfile: encode (store_put: the codec pass and
 its blob), decode (store_get_dlpack and from_dlpack), the Python hooks and tracker (pack, unpack and the
 TorchFunctionMode, without the C++ calls), and the rest (torch's own work).
+
+--zoo runs only the fidelity zoo of tests/python/test_fidelity.py (batch 4, two seeds): each model's gradient
+cosine to fp32 and whole-step saved-bytes ratio at 8/4/2 bits.
 
 --accuracy also runs the end-to-end comparison of tests/python/test_training.py with all three seeds
 for every model (digits CNN, GCN, char LM): minutes, not seconds.
@@ -348,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-child", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="print the per-step breakdown of the gact arms")
     ap.add_argument("--accuracy", action="store_true", help="also run the 3-seed end-to-end accuracy comparison")
+    ap.add_argument("--zoo", action="store_true",
+                    help="only the fidelity zoo: gradient cosine and whole-step ratio at 8/4/2 bits per model")
     ap.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
     if min(args.size, args.batch, args.steps, args.rounds, args.threads, args.peak_steps) < 1:
@@ -359,6 +364,9 @@ def main(argv=None) -> int:
                  "inside `meson devenv -C <builddir>`")
     if args.peak_child:
         return peak_child(args)
+    if args.zoo:
+        print(json.dumps({"bench": "train --zoo", "zoo": run_zoo(args)}))
+        return 0
     peaks = None
     if args.peak:
         import torch  # noqa: F401  (fail here, not in a child, when torch is missing)
@@ -464,6 +472,44 @@ def main(argv=None) -> int:
         result["accuracy"] = run_accuracy(args)
     print(json.dumps(result))
     return 0
+
+
+def run_zoo(args) -> dict:
+    """The fidelity zoo of tests/python/test_fidelity.py at 8/4/2 bits: gradient cosine to fp32 (mean of two
+    seeds) and the whole-step ratio (what autograd saves over what gact stores or keeps)."""
+    import torch
+    import gact
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "tests", "python"))
+    import test_fidelity as fid
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    if not args.json_only:
+        print("model                       8 bits              4 bits              2 bits")
+    for name in fid.ZOO:
+        torch.manual_seed(0)
+        m, x = fid._zoo()[name]()
+        loss_fn = (lambda o: o.float().square().mean()) if name != "lstm_lm" else (lambda o: -o.mean())
+        g0 = fid._grad_of(m, x, loss_fn=loss_fn)
+        row = {}
+        for bits in BITS:
+            cos = []
+            s0 = gact.stats()["store"]
+            for seed in (0, 1):
+                comp = gact.Compressor(m, bits=bits, seed=seed)
+                cos.append(fid._cos(fid._grad_of(m, x, comp, loss_fn), g0))
+                comp.close()
+            s1 = gact.stats()["store"]
+            kept = sum(s1["skipped"][r]["bytes"] - s0["skipped"][r]["bytes"]
+                       for r in s1["skipped"] if r not in ("parameter", "input"))
+            stored = s1["bytes_stored"] - s0["bytes_stored"] + kept
+            row[f"{bits}bit"] = {"cosine": sum(cos) / 2, "ratio": (s1["bytes_in"] - s0["bytes_in"] + kept) / max(1, stored)}
+        out[name] = row
+        if not args.json_only:
+            print(f"{name:24} " + " ".join(f"{row[f'{b}bit']['cosine']:9.5f} ({row[f'{b}bit']['ratio']:5.1f}x)"
+                                           for b in BITS), flush=True)
+    return out
 
 
 def run_accuracy(args) -> dict:
