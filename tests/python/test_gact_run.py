@@ -116,6 +116,11 @@ def test_script_without_optimizer_steps_at_each_backward(tmp_path):
     per_step = store["tensors_in"] // 3
     assert per_step > 0 and store["tensors_in"] == 3 * per_step
     assert len(policy["tensors"]) == per_step, "the keys of one step were not reused by the next"
+    # no model to estimate from: said on stderr and in the stats, with the width every tensor gets
+    assert "--bits auto without a model: every tensor gets 2 bits" in r.stderr, r.stderr[-2000:]
+    run = next(iter(doc["processes"].values()))["run"]
+    assert run["policy"].startswith("--bits auto without a model"), run
+    assert set(policy["tensors"][k]["bits"] for k in policy["tensors"]) == {2}
 
 
 def test_sigterm_still_dumps_and_gact_run_dies_of_it(tmp_path):

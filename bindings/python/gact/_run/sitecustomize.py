@@ -50,11 +50,13 @@ def _chain_shadowed_sitecustomize():
         print(f"gact-run: the shadowed sitecustomize ({spec.origin}) failed: {e}", file=sys.stderr)
 
 
-def _run_info(compressed, reason=None):
+def _run_info(compressed, reason=None, policy=None):
     info = {"launcher": "gact-run", "pid": os.getpid(), "rank": os.environ.get("RANK"),
             "argv": list(sys.argv), "compressed": compressed}
     if reason is not None:
         info["reason"] = reason
+    if policy is not None:
+        info["policy"] = policy
     return info
 
 
@@ -194,7 +196,16 @@ def _install():
             steps.end()
 
     atexit.register(close_last_step)
-    _gact.stats_set_section("run", json.dumps(_run_info(True)))
+    policy_note = None
+    if comp.policy is not None:
+        # Without the script's model the policy has no sensitivities to estimate: say so once, here,
+        # rather than running fixed widths under the name of an adaptive policy.
+        bits = comp.policy.default_bits
+        policy_note = (f"--bits auto without a model: every tensor gets {bits} bits (the widest width within "
+                       f"budget {comp.policy.controller.stats()['budget_avg_bits']:g}); to adapt, make "
+                       "gact.Compressor(model, bits='auto') in the script")
+        print(f"gact-run: {policy_note}", file=sys.stderr)
+    _gact.stats_set_section("run", json.dumps(_run_info(True, policy=policy_note)))
 
 
 def _run_uncompressed(reason):
