@@ -36,6 +36,7 @@
 #include "allocator/stats_registry.hpp"
 #include "allocator/store/activation_store.hpp"
 #include "allocator/tags.hpp"
+#include "bindings/python/host_allocator_fns.h"
 #include "codecs/codec.hpp"
 #include "policy/controller.hpp"
 #include "swap/mover.hpp"
@@ -179,12 +180,8 @@ runtime& rt() {
 }
 
 // ---- the host arena as torch's CPU allocator (bindings/python/torch_cpu.cpp) ----------------
-// The layout is shared with torch_cpu.cpp, which gets it as the capsule of _host_allocator().
-struct host_allocator_fns {
-  std::uint32_t version;  // 1
-  void* (*alloc)(std::size_t bytes, char* why, std::size_t why_len) noexcept;
-  void (*free)(void* p) noexcept;
-};
+// Handed to torch_cpu.cpp as the capsule of _host_allocator() (host_allocator_fns.h).
+using gact::bindings::host_allocator_fns;
 
 void* host_torch_alloc(std::size_t bytes, char* why, std::size_t why_len) noexcept {
   try {

@@ -11,7 +11,7 @@
 //
 // This module depends on torch's c10 (headers and libc10) and nothing of gact's: the
 // allocation functions come from `_gact` as a capsule (`_gact._host_allocator()`), so
-// `_gact` itself never links torch. gact/_torch_cpu.py installs and removes it.
+// `_gact` itself never links torch. gact/allocator.py (use_cpu_allocator) installs and removes it.
 //
 // c10::Allocator changed in torch 2.3 (allocate() non-const, copy_data pure virtual);
 // both forms are handled below.
@@ -22,6 +22,8 @@
 #include <torch/version.h>
 #endif
 #include <pybind11/pybind11.h>
+
+#include "host_allocator_fns.h"
 
 #include <atomic>
 #include <cstddef>
@@ -40,13 +42,7 @@ namespace py = pybind11;
 
 namespace {
 
-/// The entry points `_gact._host_allocator()` hands out (capsule "gact.host_allocator"); the layout
-/// is shared with bindings/python/module.cpp.
-struct host_allocator_fns {
-  std::uint32_t version;  // 1
-  void* (*alloc)(std::size_t bytes, char* why, std::size_t why_len) noexcept;  // nullptr + why on failure
-  void (*free)(void* p) noexcept;
-};
+using gact::bindings::host_allocator_fns;  // what _gact._host_allocator()'s capsule holds
 
 std::atomic<host_allocator_fns const*> g_fns{nullptr};
 

@@ -207,11 +207,8 @@ def _default_cpu_allocator() -> None:
     if not _C.options_current().get("cpu_allocator", True):
         _cpu_choice = False
         return
-    mod = _gact_torch()
-    if mod is None:
+    try:
+        use_cpu_allocator(True)
+    except _C.GactError as e:  # no _gact_torch in this build
         _cpu_choice = False
-        warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {_cpu_missing_reason}", RuntimeWarning,
-                      stacklevel=3)
-        return
-    mod.install(_C._host_allocator())
-    _cpu_choice = True
+        warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {e}", RuntimeWarning, stacklevel=3)
