@@ -196,66 +196,87 @@ inline void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
   lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
 }
 
-/// Noise for 8 consecutive chunks c0 .. c0+7: Philox4x32-10 on 8 counters at once, then the
-/// 16-bit halves turned into uniforms and transposed to element order u[8k + 2w + h].
-inline void noise8(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
-                   float* __restrict u) {
-  alignas(32) std::uint32_t lo[8], hi[8];
-  for (int k = 0; k < 8; ++k) {
-    lo[k] = std::uint32_t(c0 + std::uint64_t(k));
-    hi[k] = std::uint32_t((c0 + std::uint64_t(k)) >> 32);
+/// Noise for 8*W consecutive chunks c0 .. c0+8W-1: Philox4x32-10 on 8*W counters, W independent
+/// 8-lane vectors interleaved round by round (one vector's rounds are a chain of dependent
+/// multiplies; W of them keep the multipliers busy), then the 16-bit halves turned into uniforms and
+/// transposed to element order u[8k + 2w + h].
+template <int W>
+inline void noise8w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
+                    float* __restrict u) {
+  __m256i a[W], b[W], d[W], e[W];
+  for (int v = 0; v < W; ++v) {
+    alignas(32) std::uint32_t lo[8], hi[8];
+    for (int k = 0; k < 8; ++k) {
+      std::uint64_t const c = c0 + std::uint64_t(8 * v + k);
+      lo[k] = std::uint32_t(c);
+      hi[k] = std::uint32_t(c >> 32);
+    }
+    a[v] = _mm256_load_si256(reinterpret_cast<__m256i const*>(lo));
+    b[v] = _mm256_load_si256(reinterpret_cast<__m256i const*>(hi));
+    d[v] = _mm256_set1_epi32(int(t0));
+    e[v] = _mm256_set1_epi32(int(t1));
   }
-  __m256i a = _mm256_load_si256(reinterpret_cast<__m256i const*>(lo));
-  __m256i b = _mm256_load_si256(reinterpret_cast<__m256i const*>(hi));
-  __m256i d = _mm256_set1_epi32(int(t0)), e = _mm256_set1_epi32(int(t1));
   __m256i const m0 = _mm256_set1_epi32(int(hd::k_philox_m0)), m1 = _mm256_set1_epi32(int(hd::k_philox_m1));
   for (int r = 0; r < 10; ++r) {
     __m256i const kk0 = _mm256_set1_epi32(int(k0 + std::uint32_t(r) * hd::k_philox_w0));
     __m256i const kk1 = _mm256_set1_epi32(int(k1 + std::uint32_t(r) * hd::k_philox_w1));
-    __m256i h0, l0, h1, l1;
-    mulhilo8(a, m0, h0, l0);
-    mulhilo8(d, m1, h1, l1);
-    __m256i const na = _mm256_xor_si256(_mm256_xor_si256(h1, b), kk0);
-    __m256i const nd = _mm256_xor_si256(_mm256_xor_si256(h0, e), kk1);
-    b = l1;
-    e = l0;
-    a = na;
-    d = nd;
+    for (int v = 0; v < W; ++v) {
+      __m256i h0, l0, h1, l1;
+      mulhilo8(a[v], m0, h0, l0);
+      mulhilo8(d[v], m1, h1, l1);
+      __m256i const na = _mm256_xor_si256(_mm256_xor_si256(h1, b[v]), kk0);
+      __m256i const nd = _mm256_xor_si256(_mm256_xor_si256(h0, e[v]), kk1);
+      b[v] = l1;
+      e[v] = l0;
+      a[v] = na;
+      d[v] = nd;
+    }
   }
   // rows: (word w, half h) -> uniforms of the 8 chunks
   __m256i const mask16 = _mm256_set1_epi32(0xFFFF);
   __m256 const scale = _mm256_set1_ps(1.52587890625e-05f), half = _mm256_set1_ps(7.62939453125e-06f);
-  auto uni = [&](__m256i v) { return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), half); };
-  __m256i const words[4] = {a, b, d, e};
-  __m256 rows[8];
-  for (int w = 0; w < 4; ++w) {
-    rows[2 * w] = uni(_mm256_and_si256(words[w], mask16));
-    rows[2 * w + 1] = uni(_mm256_srli_epi32(words[w], 16));
+  auto uni = [&](__m256i x) { return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(x), scale), half); };
+  for (int v = 0; v < W; ++v) {
+    float* const uv = u + 64 * v;
+    __m256i const words[4] = {a[v], b[v], d[v], e[v]};
+    __m256 rows[8];
+    for (int w = 0; w < 4; ++w) {
+      rows[2 * w] = uni(_mm256_and_si256(words[w], mask16));
+      rows[2 * w + 1] = uni(_mm256_srli_epi32(words[w], 16));
+    }
+    // 8x8 transpose: column k (chunk k) becomes uv[8k .. 8k+7].
+    __m256 const t0a = _mm256_unpacklo_ps(rows[0], rows[1]), t1a = _mm256_unpackhi_ps(rows[0], rows[1]);
+    __m256 const t2a = _mm256_unpacklo_ps(rows[2], rows[3]), t3a = _mm256_unpackhi_ps(rows[2], rows[3]);
+    __m256 const t4a = _mm256_unpacklo_ps(rows[4], rows[5]), t5a = _mm256_unpackhi_ps(rows[4], rows[5]);
+    __m256 const t6a = _mm256_unpacklo_ps(rows[6], rows[7]), t7a = _mm256_unpackhi_ps(rows[6], rows[7]);
+    __m256 const s0 = _mm256_shuffle_ps(t0a, t2a, 0x44), s1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
+    __m256 const s2 = _mm256_shuffle_ps(t1a, t3a, 0x44), s3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
+    __m256 const s4 = _mm256_shuffle_ps(t4a, t6a, 0x44), s5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
+    __m256 const s6 = _mm256_shuffle_ps(t5a, t7a, 0x44), s7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
+    _mm256_storeu_ps(uv + 0, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(uv + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(uv + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(uv + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(uv + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(uv + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(uv + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(uv + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
   }
-  // 8x8 transpose: column k (chunk k) becomes u[8k .. 8k+7].
-  __m256 const t0a = _mm256_unpacklo_ps(rows[0], rows[1]), t1a = _mm256_unpackhi_ps(rows[0], rows[1]);
-  __m256 const t2a = _mm256_unpacklo_ps(rows[2], rows[3]), t3a = _mm256_unpackhi_ps(rows[2], rows[3]);
-  __m256 const t4a = _mm256_unpacklo_ps(rows[4], rows[5]), t5a = _mm256_unpackhi_ps(rows[4], rows[5]);
-  __m256 const t6a = _mm256_unpacklo_ps(rows[6], rows[7]), t7a = _mm256_unpackhi_ps(rows[6], rows[7]);
-  __m256 const s0 = _mm256_shuffle_ps(t0a, t2a, 0x44), s1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
-  __m256 const s2 = _mm256_shuffle_ps(t1a, t3a, 0x44), s3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
-  __m256 const s4 = _mm256_shuffle_ps(t4a, t6a, 0x44), s5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
-  __m256 const s6 = _mm256_shuffle_ps(t5a, t7a, 0x44), s7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
-  _mm256_storeu_ps(u + 0, _mm256_permute2f128_ps(s0, s4, 0x20));
-  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
-  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
-  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
-  _mm256_storeu_ps(u + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
-  _mm256_storeu_ps(u + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
-  _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
-  _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 
 GACT_LOOP void group_noise(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
   std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
   std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
   int k = 0;
-  for (; k + 8 <= nchunks; k += 8) noise8(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+  for (; k + 32 <= nchunks; k += 32) noise8w<4>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+  if (k + 16 <= nchunks) {
+    noise8w<2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+    k += 16;
+  }
+  if (k + 8 <= nchunks) {
+    noise8w<1>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+    k += 8;
+  }
   if (k < nchunks) group_noise_portable(seed, key, c0 + std::uint64_t(k), nchunks - k, u + 8 * k);
 }
 #else
