@@ -406,34 +406,38 @@ TEST_CASE("boundary quant: refusals and bad parameters") {
 // ---- predicate masks -----------------------------------------------------------------------
 
 TEST_CASE("predicate masks: every predicate x dtype is exact, decodes to the caller's two values") {
-  auto x = normal_values(1003, 31, 0.f, 3.f);
-  x[0] = 0.f;
-  x[1] = 1.f;
-  x[2] = -1.f;
-  x[3] = 6.f;
-  x[4] = std::nanf("");
-  struct row {
-    predicate pr;
-    float a, b;
-  } const rows[] = {{predicate::gt, 0.f, 0.f},    {predicate::ge, 1.f, 0.f},    {predicate::lt, -1.f, 0.f},
-                    {predicate::le, 0.f, 0.f},    {predicate::open, 0.f, 6.f},  {predicate::closed, -1.f, 1.f}};
-  for (dtype dt : k_float_dtypes) {
-    auto const t = make_tensor(dt, x);
-    auto const xin = values(dt, t.data(), x.size());
-    for (auto const& r : rows) {
-      encode_params p;
-      p.codec = codec_id::mask;
-      p.variant = std::uint8_t(mask_mode::predicate);
-      p.pred = {std::uint32_t(r.pr), r.a, r.b, 0.f};
-      auto const b = encode_ok(t, dt, {1003}, p, 2);
-      CHECK(b.size() == 64 + 8 + 16 + 8 + (1003 + 7) / 8);  // header + shape + params (+ pad) + 1 bit each
-      decode_params dp;
-      dp.true_value = 2.5f;
-      dp.false_value = -7.f;
-      auto const y = decode_all(b, dp);
-      for (std::size_t i = 0; i < x.size(); ++i) {
-        bool const want = hd::eval_predicate(std::uint32_t(r.pr), r.a, r.b, float(xin[i]));
-        CHECK(y[i] == (want ? 2.5 : -7.0));
+  // 1003: a tail of 3 elements; 8197: two whole 4096-element decode chunks and a tail in the third.
+  for (std::size_t const n : {std::size_t(1003), std::size_t(8197)}) {
+    CAPTURE(n);
+    auto x = normal_values(n, 31, 0.f, 3.f);
+    x[0] = 0.f;
+    x[1] = 1.f;
+    x[2] = -1.f;
+    x[3] = 6.f;
+    x[4] = std::nanf("");
+    struct row {
+      predicate pr;
+      float a, b;
+    } const rows[] = {{predicate::gt, 0.f, 0.f},    {predicate::ge, 1.f, 0.f},    {predicate::lt, -1.f, 0.f},
+                      {predicate::le, 0.f, 0.f},    {predicate::open, 0.f, 6.f},  {predicate::closed, -1.f, 1.f}};
+    for (dtype dt : k_float_dtypes) {
+      auto const t = make_tensor(dt, x);
+      auto const xin = values(dt, t.data(), x.size());
+      for (auto const& r : rows) {
+        encode_params p;
+        p.codec = codec_id::mask;
+        p.variant = std::uint8_t(mask_mode::predicate);
+        p.pred = {std::uint32_t(r.pr), r.a, r.b, 0.f};
+        auto const b = encode_ok(t, dt, {std::int64_t(n)}, p, 2);
+        CHECK(b.size() == 64 + 8 + 16 + 8 + (n + 7) / 8);  // header + shape + params (+ pad) + 1 bit each
+        decode_params dp;
+        dp.true_value = 2.5f;
+        dp.false_value = -7.f;
+        auto const y = decode_all(b, dp);
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          bool const want = hd::eval_predicate(std::uint32_t(r.pr), r.a, r.b, float(xin[i]));
+          CHECK(y[i] == (want ? 2.5 : -7.0));
+        }
       }
     }
   }
