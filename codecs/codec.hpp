@@ -203,11 +203,13 @@ mask_scan mask_encode_cpu(void const* src, dtype dt, predicate_params const& q, 
 /// the first. When a worker thread cannot be created, the calling thread also runs the ranges left
 /// (counted by count_thread_fallback, logged once): the same result, never an exception.
 void parallel_for(std::uint64_t n, int threads, void (*fn)(void*, std::uint64_t, std::uint64_t), void* ctx);
-/// Name of the build of the per-group loops in use ("avx2" or "generic").
+/// Name of the build of the per-group loops in use ("avx512", "avx2" or "generic").
 char const* quant_cpu_isa() noexcept;
-/// Tests and benchmarks: use the baseline build of the loops (true) or the best one (false).
-/// Returns whether a faster build than the baseline exists on this CPU.
-bool force_generic_quant_cpu(bool generic) noexcept;
+/// The builds of the loops this CPU can run, "generic" first and the fastest (the default) last.
+std::vector<char const*> quant_cpu_isas();
+/// Tests and benchmarks: use the build named (one of quant_cpu_isas()), or the fastest for nullptr.
+/// Returns false, changing nothing, for a name this CPU cannot run.
+bool use_quant_cpu_isa(char const* name) noexcept;
 /// Tests: make the creation of worker thread k (1-based, k >= 1) and later ones fail; 0 = never.
 void fail_thread_creation_after(int k) noexcept;
 }  // namespace detail

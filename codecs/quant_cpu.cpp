@@ -2,9 +2,10 @@
 //
 // The CPU executor's threads and the quant codec's entry into its loops: splits
 // the groups of a tensor into one contiguous range per thread and runs the
-// per-group loops of quant_groups.cpp on each, choosing at run time the build of
-// those loops that the CPU can run (avx2 + f16c on x86-64 CPUs that have them,
-// the baseline build otherwise; both give identical bytes). The threads
+// per-group loops of quant_groups.cpp on each, choosing at run time the fastest
+// build of those loops that the CPU can run (avx512 (F/BW/VL/DQ) or avx2, each
+// with f16c, on x86-64 CPUs that have them; the baseline build otherwise; all give
+// identical bytes). The threads
 // parameter is resolved by the caller (codec.cpp).
 //
 // A thread that cannot be created (a container's pid limit, ulimit -v) is not an
@@ -19,6 +20,7 @@
 
 #include <atomic>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -44,6 +46,14 @@ void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint6
                 std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
 }  // namespace avx2
 #endif
+#if defined(GACT_CODEC_HAVE_AVX512)
+namespace avx512 {
+bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
+void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
+void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
+                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
+}  // namespace avx512
+#endif
 
 namespace {
 
@@ -56,15 +66,31 @@ struct isa_table {
 
 isa_table const k_generic{&generic::encode_range, &generic::decode_range, &generic::mask_range, "generic"};
 
-isa_table const* best_isa() {
+/// The builds this CPU can run, the baseline first and the fastest last.
+std::vector<isa_table const*> const& available_isas() {
+  static std::vector<isa_table const*> const list = [] {
+    std::vector<isa_table const*> v{&k_generic};
 #if defined(GACT_CODEC_HAVE_AVX2)
-  static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, &avx2::mask_range, "avx2"};
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-  if (__builtin_cpu_supports("avx2") && f16c) return &avx2_table;
+    static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, &avx2::mask_range, "avx2"};
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    if (__builtin_cpu_supports("avx2") && f16c) {
+      v.push_back(&avx2_table);
+#if defined(GACT_CODEC_HAVE_AVX512)
+      static isa_table const avx512_table{&avx512::encode_range, &avx512::decode_range, &avx512::mask_range,
+                                          "avx512"};
+      if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        v.push_back(&avx512_table);
 #endif
-  return &k_generic;
+    }
+#endif
+    return v;
+  }();
+  return list;
 }
+
+isa_table const* best_isa() { return available_isas().back(); }
 
 std::atomic<isa_table const*> g_isa{nullptr};
 
@@ -162,9 +188,24 @@ mask_scan mask_encode_cpu(void const* src, dtype dt, predicate_params const& q, 
   return r;
 }
 
-bool force_generic_quant_cpu(bool generic) noexcept {
-  g_isa.store(generic ? &k_generic : best_isa(), std::memory_order_release);
-  return best_isa() != &k_generic;
+std::vector<char const*> quant_cpu_isas() {
+  std::vector<char const*> names;
+  for (auto const* t : available_isas()) names.push_back(t->name);
+  return names;
+}
+
+bool use_quant_cpu_isa(char const* name) noexcept {
+  if (name == nullptr) {
+    g_isa.store(best_isa(), std::memory_order_release);
+    return true;
+  }
+  for (auto const* t : available_isas()) {
+    if (std::string_view(t->name) == name) {
+      g_isa.store(t, std::memory_order_release);
+      return true;
+    }
+  }
+  return false;
 }
 
 namespace {

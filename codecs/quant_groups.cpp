@@ -196,10 +196,40 @@ inline void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
   lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
 }
 
+/// The uniforms of 8 chunks from their Philox output words (lane k of a, b, d, e = words 0..3 of
+/// chunk k): the 16-bit halves turned into uniforms, then an 8x8 transpose to element order
+/// u[8k + 2w + h].
+inline void emit8(__m256i a, __m256i b, __m256i d, __m256i e, float* __restrict u) {
+  __m256i const mask16 = _mm256_set1_epi32(0xFFFF);
+  __m256 const scale = _mm256_set1_ps(1.52587890625e-05f), half = _mm256_set1_ps(7.62939453125e-06f);
+  auto uni = [&](__m256i x) { return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(x), scale), half); };
+  __m256i const words[4] = {a, b, d, e};
+  __m256 rows[8];
+  for (int w = 0; w < 4; ++w) {
+    rows[2 * w] = uni(_mm256_and_si256(words[w], mask16));
+    rows[2 * w + 1] = uni(_mm256_srli_epi32(words[w], 16));
+  }
+  __m256 const t0a = _mm256_unpacklo_ps(rows[0], rows[1]), t1a = _mm256_unpackhi_ps(rows[0], rows[1]);
+  __m256 const t2a = _mm256_unpacklo_ps(rows[2], rows[3]), t3a = _mm256_unpackhi_ps(rows[2], rows[3]);
+  __m256 const t4a = _mm256_unpacklo_ps(rows[4], rows[5]), t5a = _mm256_unpackhi_ps(rows[4], rows[5]);
+  __m256 const t6a = _mm256_unpacklo_ps(rows[6], rows[7]), t7a = _mm256_unpackhi_ps(rows[6], rows[7]);
+  __m256 const s0 = _mm256_shuffle_ps(t0a, t2a, 0x44), s1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
+  __m256 const s2 = _mm256_shuffle_ps(t1a, t3a, 0x44), s3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
+  __m256 const s4 = _mm256_shuffle_ps(t4a, t6a, 0x44), s5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
+  __m256 const s6 = _mm256_shuffle_ps(t5a, t7a, 0x44), s7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
+  _mm256_storeu_ps(u + 0, _mm256_permute2f128_ps(s0, s4, 0x20));
+  _mm256_storeu_ps(u + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
+  _mm256_storeu_ps(u + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
+  _mm256_storeu_ps(u + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
+  _mm256_storeu_ps(u + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
+  _mm256_storeu_ps(u + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
+  _mm256_storeu_ps(u + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
+  _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+
 /// Noise for 8*W consecutive chunks c0 .. c0+8W-1: Philox4x32-10 on 8*W counters, W independent
 /// 8-lane vectors interleaved round by round (one vector's rounds are a chain of dependent
-/// multiplies; W of them keep the multipliers busy), then the 16-bit halves turned into uniforms and
-/// transposed to element order u[8k + 2w + h].
+/// multiplies; W of them keep the multipliers busy), then emit8 for each.
 template <int W>
 inline void noise8w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
                     float* __restrict u) {
@@ -232,42 +262,68 @@ inline void noise8w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::u
       d[v] = nd;
     }
   }
-  // rows: (word w, half h) -> uniforms of the 8 chunks
-  __m256i const mask16 = _mm256_set1_epi32(0xFFFF);
-  __m256 const scale = _mm256_set1_ps(1.52587890625e-05f), half = _mm256_set1_ps(7.62939453125e-06f);
-  auto uni = [&](__m256i x) { return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(x), scale), half); };
+  for (int v = 0; v < W; ++v) emit8(a[v], b[v], d[v], e[v], u + 64 * v);
+}
+
+#if defined(__AVX512F__)
+/// hi and lo 32-bit halves of the products a * m for 16 lanes.
+inline void mulhilo16(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
+  __m512i const pe = _mm512_mul_epu32(a, m);                         // even lanes
+  __m512i const po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);  // odd lanes
+  hi = _mm512_mask_blend_epi32(__mmask16(0xAAAA), _mm512_srli_epi64(pe, 32), po);
+  lo = _mm512_mask_blend_epi32(__mmask16(0xAAAA), pe, _mm512_slli_epi64(po, 32));
+}
+
+/// noise8w on 16-lane vectors: 16*W chunks c0 .. c0+16W-1, W vectors interleaved, each emitted as
+/// two halves of 8 chunks.
+template <int W>
+inline void noise16w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
+                     float* __restrict u) {
+  __m512i a[W], b[W], d[W], e[W];
   for (int v = 0; v < W; ++v) {
-    float* const uv = u + 64 * v;
-    __m256i const words[4] = {a[v], b[v], d[v], e[v]};
-    __m256 rows[8];
-    for (int w = 0; w < 4; ++w) {
-      rows[2 * w] = uni(_mm256_and_si256(words[w], mask16));
-      rows[2 * w + 1] = uni(_mm256_srli_epi32(words[w], 16));
+    alignas(64) std::uint32_t lo[16], hi[16];
+    for (int k = 0; k < 16; ++k) {
+      std::uint64_t const c = c0 + std::uint64_t(16 * v + k);
+      lo[k] = std::uint32_t(c);
+      hi[k] = std::uint32_t(c >> 32);
     }
-    // 8x8 transpose: column k (chunk k) becomes uv[8k .. 8k+7].
-    __m256 const t0a = _mm256_unpacklo_ps(rows[0], rows[1]), t1a = _mm256_unpackhi_ps(rows[0], rows[1]);
-    __m256 const t2a = _mm256_unpacklo_ps(rows[2], rows[3]), t3a = _mm256_unpackhi_ps(rows[2], rows[3]);
-    __m256 const t4a = _mm256_unpacklo_ps(rows[4], rows[5]), t5a = _mm256_unpackhi_ps(rows[4], rows[5]);
-    __m256 const t6a = _mm256_unpacklo_ps(rows[6], rows[7]), t7a = _mm256_unpackhi_ps(rows[6], rows[7]);
-    __m256 const s0 = _mm256_shuffle_ps(t0a, t2a, 0x44), s1 = _mm256_shuffle_ps(t0a, t2a, 0xEE);
-    __m256 const s2 = _mm256_shuffle_ps(t1a, t3a, 0x44), s3 = _mm256_shuffle_ps(t1a, t3a, 0xEE);
-    __m256 const s4 = _mm256_shuffle_ps(t4a, t6a, 0x44), s5 = _mm256_shuffle_ps(t4a, t6a, 0xEE);
-    __m256 const s6 = _mm256_shuffle_ps(t5a, t7a, 0x44), s7 = _mm256_shuffle_ps(t5a, t7a, 0xEE);
-    _mm256_storeu_ps(uv + 0, _mm256_permute2f128_ps(s0, s4, 0x20));
-    _mm256_storeu_ps(uv + 8, _mm256_permute2f128_ps(s1, s5, 0x20));
-    _mm256_storeu_ps(uv + 16, _mm256_permute2f128_ps(s2, s6, 0x20));
-    _mm256_storeu_ps(uv + 24, _mm256_permute2f128_ps(s3, s7, 0x20));
-    _mm256_storeu_ps(uv + 32, _mm256_permute2f128_ps(s0, s4, 0x31));
-    _mm256_storeu_ps(uv + 40, _mm256_permute2f128_ps(s1, s5, 0x31));
-    _mm256_storeu_ps(uv + 48, _mm256_permute2f128_ps(s2, s6, 0x31));
-    _mm256_storeu_ps(uv + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
+    a[v] = _mm512_load_si512(lo);
+    b[v] = _mm512_load_si512(hi);
+    d[v] = _mm512_set1_epi32(int(t0));
+    e[v] = _mm512_set1_epi32(int(t1));
+  }
+  __m512i const m0 = _mm512_set1_epi32(int(hd::k_philox_m0)), m1 = _mm512_set1_epi32(int(hd::k_philox_m1));
+  for (int r = 0; r < 10; ++r) {
+    __m512i const kk0 = _mm512_set1_epi32(int(k0 + std::uint32_t(r) * hd::k_philox_w0));
+    __m512i const kk1 = _mm512_set1_epi32(int(k1 + std::uint32_t(r) * hd::k_philox_w1));
+    for (int v = 0; v < W; ++v) {
+      __m512i h0, l0, h1, l1;
+      mulhilo16(a[v], m0, h0, l0);
+      mulhilo16(d[v], m1, h1, l1);
+      __m512i const na = _mm512_xor_si512(_mm512_xor_si512(h1, b[v]), kk0);
+      __m512i const nd = _mm512_xor_si512(_mm512_xor_si512(h0, e[v]), kk1);
+      b[v] = l1;
+      e[v] = l0;
+      a[v] = na;
+      d[v] = nd;
+    }
+  }
+  for (int v = 0; v < W; ++v) {
+    emit8(_mm512_castsi512_si256(a[v]), _mm512_castsi512_si256(b[v]), _mm512_castsi512_si256(d[v]),
+          _mm512_castsi512_si256(e[v]), u + 128 * v);
+    emit8(_mm512_extracti64x4_epi64(a[v], 1), _mm512_extracti64x4_epi64(b[v], 1),
+          _mm512_extracti64x4_epi64(d[v], 1), _mm512_extracti64x4_epi64(e[v], 1), u + 128 * v + 64);
   }
 }
+#endif
 
 GACT_LOOP void group_noise(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
   std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
   std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
   int k = 0;
+#if defined(__AVX512F__)
+  for (; k + 32 <= nchunks; k += 32) noise16w<2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+#endif
   for (; k + 32 <= nchunks; k += 32) noise8w<4>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
   if (k + 16 <= nchunks) {
     noise8w<2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);

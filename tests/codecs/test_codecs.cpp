@@ -362,10 +362,13 @@ TEST_CASE("quant: thread count does not change the bytes" * doctest::test_suite(
   }
 }
 
-TEST_CASE("quant: the baseline and the vectorized (avx2) builds of the CPU loops give the same bytes") {
-  bool const has_faster = detail::force_generic_quant_cpu(false);
-  MESSAGE("CPU executor build in use: " << std::string(detail::quant_cpu_isa()));
-  if (!has_faster) return;  // only the baseline build exists on this CPU
+TEST_CASE("quant: the baseline and the vectorized (avx2, avx512) builds of the CPU loops give the same bytes") {
+  auto const isas = detail::quant_cpu_isas();
+  REQUIRE(std::string(isas.front()) == "generic");
+  MESSAGE("CPU executor build in use: " << std::string(detail::quant_cpu_isa()) << " (of " << isas.size() << ")");
+  CHECK(std::string(detail::quant_cpu_isa()) == std::string(isas.back()));  // the fastest is the default
+  CHECK_FALSE(detail::use_quant_cpu_isa("no-such-isa"));
+  if (isas.size() == 1) return;  // only the baseline build exists on this CPU
   for (dtype dt : k_float_dtypes) {
     for (int bits : k_bits) {
       for (int G : k_groups) {
@@ -381,14 +384,18 @@ TEST_CASE("quant: the baseline and the vectorized (avx2) builds of the CPU loops
         p.group_size = G;
         p.seed = 0xFEEDFACECAFEBEEFull;
         p.key = 0x123456789ull << 20;
-        detail::force_generic_quant_cpu(true);
+        REQUIRE(detail::use_quant_cpu_isa("generic"));
         CHECK(std::string(detail::quant_cpu_isa()) == "generic");
         auto const a = encode(t, dt, {std::int64_t(n)}, p);
         auto const ya = decode_values(a);
-        detail::force_generic_quant_cpu(false);
-        auto const b = encode(t, dt, {std::int64_t(n)}, p);
-        CHECK(a == b);
-        CHECK(decode_values(b) == ya);
+        for (std::size_t k = 1; k < isas.size(); ++k) {
+          CAPTURE(std::string(isas[k]));
+          REQUIRE(detail::use_quant_cpu_isa(isas[k]));
+          auto const b = encode(t, dt, {std::int64_t(n)}, p);
+          CHECK(a == b);
+          CHECK(decode_values(b) == ya);
+        }
+        detail::use_quant_cpu_isa(nullptr);
       }
     }
   }
@@ -399,10 +406,12 @@ TEST_CASE("quant: the baseline and the vectorized (avx2) builds of the CPU loops
   encode_params p;
   std::vector<std::int64_t> const shape{5000};
   bytes b(blob_size(dtype::float32, shape, p));
-  for (bool generic : {true, false}) {
-    detail::force_generic_quant_cpu(generic);
+  for (char const* isa : isas) {
+    CAPTURE(std::string(isa));
+    REQUIRE(detail::use_quant_cpu_isa(isa));
     CHECK(encode_cpu(t.data(), dtype::float32, shape, p, b.data(), b.size(), 1).nonfinite);
   }
+  detail::use_quant_cpu_isa(nullptr);
 }
 
 TEST_CASE("quant: edge cases") {
