@@ -148,7 +148,7 @@ TEST_CASE("from_env: defaults, overrides, empty variables, and the first bad val
   CHECK(d.swap_budget == 0);
   CHECK(d.prefetch == 2);
   CHECK(d.trace == 0);
-  CHECK(d.adapt_interval == 250);
+  CHECK(d.adapt_interval == 1000);
 
   std::map<std::string, std::string> env{{"GACT_MEMORY_LIMIT", "8G"}, {"GACT_BITS", "auto"}, {"GACT_SWAP", "1"},
                                          {"GACT_GROUP_SIZE", "128"}, {"GACT_STATS_PATH", "/tmp/s.json"},

@@ -23,7 +23,7 @@ Method (--model, default resnet18, fresh weights, one random batch):
   reference estimator="reference": 3 forward+backward passes on the same samples per tensor.
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
             included) / (interval x ordinary step time), interval = --interval or the
-            adapt_interval option (GACT_ADAPT_INTERVAL, default 250); "steps" is that extra
+            adapt_interval option (GACT_ADAPT_INTERVAL, default 1000); "steps" is that extra
             time in ordinary steps, and interval for 1 % = 100 x steps.
 Each variance is printed beside uniform's as a ratio (uniform / arm: > 1 is better).
 Target (issue 5): uniform / auto >= 2 at <= 1 % overhead.
