@@ -115,12 +115,37 @@ def test_script_without_optimizer_steps_at_each_backward(tmp_path):
     policy = next(iter(doc["processes"].values()))["policy"]
     per_step = store["tensors_in"] // 3
     assert per_step > 0 and store["tensors_in"] == 3 * per_step
-    assert len(policy["tensors"]) == per_step, "the keys of one step were not reused by the next"
-    # no model to estimate from: said on stderr and in the stats, with the width every tensor gets
-    assert "--bits auto without a model: every tensor gets 2 bits" in r.stderr, r.stderr[-2000:]
+    # keys reused from step to step (they once grew by a step's worth each step); a sampled step saves
+    # a few tensors more under keys of its own
+    assert per_step <= len(policy["tensors"]) < 2 * per_step, "the keys of one step were not reused by the next"
+    # the first module trained (the cell) is the model the policy estimates on, said on stderr and in the stats
+    assert "--bits auto adapts to LSTMCell" in r.stderr, r.stderr[-2000:]
     run = next(iter(doc["processes"].values()))["run"]
-    assert run["policy"].startswith("--bits auto without a model"), run
-    assert set(policy["tensors"][k]["bits"] for k in policy["tensors"]) == {2}
+    assert "adapts to LSTMCell" in run["policy"], run
+    assert any(t["estimates"] > 0 for t in policy["tensors"].values()), policy["tensors"]
+
+
+def test_bits_auto_adapts_to_the_first_module_trained(tmp_path):
+    # --bits auto once ran every tensor at the budget's widest width for the whole run (no model, no
+    # estimate). Now the first module trained becomes the Compressor's model: the policy estimates on it
+    # (the probe) and decides, within the budget, and says so.
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "auto", "--budget", "3", "--stats", str(stats)],
+                 [sys.executable, SCRIPT, "thread", "--steps", "4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(steps_printed(r.stdout)) == 4
+    assert "--bits auto adapts to Sequential" in r.stderr, r.stderr[-2000:]
+    doc = load(stats)
+    proc = next(iter(doc["processes"].values()))
+    assert "adapts to Sequential" in proc["run"]["policy"], proc["run"]
+    policy = proc["policy"]
+    last = policy["last_decision"]
+    assert last is not None and policy["budget_avg_bits"] == 3.0, policy  # it decided, at the user's budget
+    assert last["stored_bytes"] <= last["budget_bytes"], last
+    # sensitivities measured on the model's tensors, keyed by its modules (the loss, outside it: <none>)
+    estimated = {k for k, t in policy["tensors"].items() if t["estimates"] > 0}
+    assert estimated and all(k.split(":")[0] in {"0", "1", "2", "3", "4"} for k in estimated), policy["tensors"]
+    assert doc["store"]["leaks"] == 0, doc["store"]
 
 
 def test_sigterm_still_dumps_and_gact_run_dies_of_it(tmp_path):

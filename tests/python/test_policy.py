@@ -480,3 +480,46 @@ def test_an_infeasible_budget_names_the_smallest_feasible_one():
 def test_a_budget_below_one_bit_is_refused_by_name():
     with pytest.raises(ValueError, match="budget"):
         gact.Compressor(torch.nn.Linear(4, 4), bits="auto", budget=0.5)
+
+
+def test_set_model_gives_a_model_less_compressor_an_estimating_policy():
+    # gact-run makes its Compressor without a model and gives it the first module trained:
+    # from the next step the policy estimates on it (the probe), the keys carry the module
+    # names, and the step in which the model arrived is not sampled (its tensors were saved
+    # before the policy existed).
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                            torch.nn.Linear(256, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(32, 64), torch.randint(0, 4, (32,))
+    comp = gact.Compressor(None, bits="auto", budget=3, min_bytes=0)
+    assert comp.policy.estimator == "online"  # nothing to replay without a model
+
+    def step():
+        opt.zero_grad()
+        with comp:
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        comp.step()
+
+    step()
+    with comp:
+        out = m(x)  # the model arrives in the middle of a step
+    comp.set_model(m)
+    torch.nn.functional.cross_entropy(out, y).backward()
+    comp.step()
+    pol = comp.policy
+    assert pol.estimator == "probe" and pol.decisions == 0
+    step()
+    assert pol.decisions == 1
+    st = comp.stats()["policy"]
+    assert st["last_decision"] is not None and st["budget_avg_bits"] == 3.0
+    assert st["last_decision"]["stored_bytes"] <= st["last_decision"]["budget_bytes"]
+    estimated = {k for k, t in st["tensors"].items() if t["estimates"] > 0}
+    assert estimated and all(k.split(":")[0] in {"0", "1", "2", "3", "4", "<root>"} for k in estimated), st
+    with pytest.raises(ValueError, match="has a model already"):
+        comp.set_model(m)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        gact.Compressor(None, bits=4).set_model("model")
+    comp.close()

@@ -325,7 +325,8 @@ class Compressor:
 
         self._policy = policy
         self._probe: Any = None  # a policy's probe recorder: saved tensors kept exact (gact.policy)
-        if self.bits == "auto" and self._policy is None:
+        self._own_policy = self.bits == "auto" and self._policy is None  # built here (set_model rebuilds it)
+        if self._own_policy:
             self._policy = self._make_auto_policy()
 
         self._step = 0
@@ -387,6 +388,26 @@ class Compressor:
     def _depth(self) -> int:
         """How deep the calling thread is inside ``with comp:`` (plus a global installation)."""
         return getattr(self._local, "depth", 0) + self._global_depth
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """Give a Compressor made without a model its model (gact-run does this with the first module
+        a script trains): module names in the keys from now on, and with ``bits="auto"`` a policy that
+        estimates on that model, sampling the next step (the current one was saved before it).
+
+        Raises TypeError for a non-module and ValueError when the Compressor has a model already."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"gact.Compressor.set_model: model must be a torch.nn.Module, not {type(model).__name__}")
+        if self.model is not None:
+            raise ValueError(f"gact.Compressor.set_model: this Compressor has a model already "
+                             f"({type(self.model).__name__}); make another Compressor for another model")
+        self.model = model
+        self._install_module_hooks(model)
+        if self._own_policy:
+            old, self._policy = self._policy, self._make_auto_policy()
+            self._policy.defer_first_sample()
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
 
     # ---- module tracking ----------------------------------------------------------------
 

@@ -180,6 +180,8 @@ class AutoPolicy:
         self._grad_sq: dict[str, list[float]] = {}  # module name -> ‖dL/dy‖² per call
         self._fan_in: dict[str, float] = {}
         self._hooks: list[Any] = []
+        self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
+        self._skip_step = False  # record nothing until the step ends (defer_first_sample)
         self._set_sampling(True)  # the Compressor is built at step 0: sample it
         online_hooks = estimator == "online" or (estimator == "probe" and self._default_estimator)
         if online_hooks and compressor.model is not None:
@@ -200,7 +202,7 @@ class AutoPolicy:
         return int(self.controller.bits_for(key))  # an unknown key: default_bits
 
     def on_stored(self, key: str, info: dict) -> None:
-        if self._override is not None or info["dtype"] not in _FLOAT_DTYPES:
+        if self._skip_step or self._override is not None or info["dtype"] not in _FLOAT_DTYPES:
             return  # masks are stored at 1 bit whatever the policy says
         blob = (tuple(info["shape"]), info["bytes_stored"], info["sum_sq_ranges"], info["groups"])
         if info.get("refcount", 1) > 1:
@@ -237,7 +239,17 @@ class AutoPolicy:
         else:
             self.controller.set_step(step)
         self._by_blob.clear()
-        self._set_sampling(step % self.adapt_interval == 0)
+        self._set_sampling(step % self.adapt_interval == 0 or self._sample_next)
+        self._sample_next = False
+        self._skip_step = False
+
+    def defer_first_sample(self) -> None:
+        """Built in the middle of a step (a model given to a running Compressor): the rest of that step
+        is neither recorded (its keys, numbered from the step's start, never recur: they would count
+        against the budget) nor sampled; the next step is sampled instead."""
+        self._set_sampling(False)
+        self._sample_next = True
+        self._skip_step = True
 
     def stats(self) -> dict:
         return self.controller.stats()

@@ -15,8 +15,11 @@ GACT_RUN=1. Then it:
    that never calls one (weights updated by hand), at the end of every backward
    (``torch.autograd.backward``). Once an optimizer step has been seen, backward no
    longer ends steps;
-4. records what it did in the stats document's ``run`` section (pid, rank, argv,
-   ``compressed``); the stats themselves are dumped by gact's core to GACT_STATS_PATH
+4. with ``--bits auto``, gives the Compressor the first module the script trains (the
+   outermost forward with grad enabled and trainable parameters, unwrapped from
+   DistributedDataParallel/DataParallel), so that its policy estimates on it;
+5. records what it did in the stats document's ``run`` section (pid, rank, argv,
+   ``compressed``, ``policy``); the stats themselves are dumped by gact's core to GACT_STATS_PATH
    (``stats.{proc}.json``: one file per process) at exit, on SIGUSR1 and on SIGTERM.
 
 When the hooks cannot be installed (torch or gact missing, a bad GACT_* value) the
@@ -198,14 +201,55 @@ def _install():
     atexit.register(close_last_step)
     policy_note = None
     if comp.policy is not None:
-        # Without the script's model the policy has no sensitivities to estimate: say so once, here,
-        # rather than running fixed widths under the name of an adaptive policy.
         bits = comp.policy.default_bits
-        policy_note = (f"--bits auto without a model: every tensor gets {bits} bits (the widest width within "
-                       f"budget {comp.policy.controller.stats()['budget_avg_bits']:g}); to adapt, make "
-                       "gact.Compressor(model, bits='auto') in the script")
+        budget = comp.policy.controller.stats()["budget_avg_bits"]
+        if _compat.HAS_GLOBAL_MODULE_HOOKS:
+            policy_note = (f"--bits auto: adapts to the first module the script trains; until its first forward "
+                           f"ends every tensor gets {bits} bits (the widest width within budget {budget:g})")
+            _adopt_first_trained_module(torch, comp, policy_note)
+        else:
+            # Without the script's model the policy has no sensitivities to estimate: say so once, here,
+            # rather than running fixed widths under the name of an adaptive policy.
+            policy_note = (f"--bits auto without a model: every tensor gets {bits} bits (the widest width within "
+                           f"budget {budget:g}); to adapt, make gact.Compressor(model, bits='auto') in the script")
         print(f"gact-run: {policy_note}", file=sys.stderr)
     _gact.stats_set_section("run", json.dumps(_run_info(True, policy=policy_note)))
+
+
+def _adopt_first_trained_module(torch, comp, note):
+    """--bits auto: give the Compressor the first module whose outermost forward runs with grad enabled
+    and trainable parameters (the model inside a DistributedDataParallel or DataParallel wrapper), so
+    that its policy can estimate; said on stderr and in the stats' ``run.policy``."""
+    import json
+    import threading
+
+    import _gact
+
+    local = threading.local()
+    handles = []
+
+    def pre(_m, _inputs):
+        local.depth = getattr(local, "depth", 0) + 1
+
+    def post(m, _inputs, _output):
+        local.depth = getattr(local, "depth", 1) - 1
+        if local.depth != 0 or comp.model is not None or not torch.is_grad_enabled():
+            return
+        wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+        model = m.module if isinstance(m, wrappers) else m
+        if not any(p.requires_grad for p in model.parameters()):
+            return
+        for h in handles:
+            h.remove()
+        comp.set_model(model)
+        n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        adopted = (f"--bits auto adapts to {type(model).__name__} ({n} trainable parameters), the first module "
+                   f"trained; its policy estimates from the next step")
+        print(f"gact-run: {adopted}", file=sys.stderr)
+        _gact.stats_set_section("run", json.dumps(_run_info(True, policy=f"{note}. {adopted}")))
+
+    handles.append(torch.nn.modules.module.register_module_forward_pre_hook(pre))
+    handles.append(torch.nn.modules.module.register_module_forward_hook(post))
 
 
 def _run_uncompressed(reason):
