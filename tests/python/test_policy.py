@@ -523,3 +523,17 @@ def test_set_model_gives_a_model_less_compressor_an_estimating_policy():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         gact.Compressor(None, bits=4).set_model("model")
     comp.close()
+
+
+def test_sampled_steps_double_early_then_follow_the_interval():
+    # Sensitivities measured at initialization alone went stale on a character-level transformer
+    # (attention probabilities at 1 bit while they sharpened): the policy re-estimates at steps
+    # 10, 20, 40, ... before its first interval, then every adapt_interval steps.
+    m = torch.nn.Linear(8, 8)
+    pol = gact.Compressor(m, bits="auto").policy
+    assert pol.adapt_interval == 1000  # the default
+    assert [s for s in range(3001) if pol.samples_at(s)] == [0, 10, 20, 40, 80, 160, 320, 640, 1000, 2000, 3000]
+    pol30 = gact.Compressor(m, bits="auto", adapt_interval=30).policy
+    assert [s for s in range(100) if pol30.samples_at(s)] == [0, 10, 20, 30, 60, 90]
+    pol1 = gact.Compressor(m, bits="auto", adapt_interval=1).policy
+    assert all(pol1.samples_at(s) for s in range(50))

@@ -522,16 +522,18 @@ def run_accuracy(args) -> dict:
     jobs = [("digits_acc", lambda b, s: k.train_digits(b, s, epochs=6)),
             ("gcn_acc", lambda b, s: k.train_gcn(b, s)),
             ("charlm_loss", lambda b, s: k.train_charlm(b, s))]
-    bar = progress(total=len(jobs) * 4 * 3, label="gact-bench train --accuracy")
+    arms = (None, 8, 4, 2, "auto")  # auto: the plain API, bits="auto" at the default budget (2)
+    bar = progress(total=len(jobs) * len(arms) * 3, label="gact-bench train --accuracy")
     bar.enabled = bar.enabled and not args.json_only
     for name, fn in jobs:
         res = {}
-        for bits in (None, 8, 4, 2):
+        for bits in arms:
+            arm = "fp32" if bits is None else "auto" if bits == "auto" else f"{bits}bit"
             vals = []
             for s in (0, 1, 2):
                 vals.append(fn(bits, s))
-                bar.update(1, note=f"{name} {'fp32' if bits is None else f'{bits}-bit'} seed {s}")
-            res["fp32" if bits is None else f"{bits}bit"] = vals
+                bar.update(1, note=f"{name} {arm} seed {s}")
+            res[arm] = vals
         base = res["fp32"]
         out[name] = {}
         for arm, vals in res.items():
