@@ -431,3 +431,37 @@ def test_batch_norm_input_kept_at_full_precision_is_exact():
     comp.step()
     comp.close()
     assert all(torch.equal(p.grad, q) for p, q in zip(m.parameters(), g))
+
+
+def test_thread_hooks_are_taken_out_when_the_thread_ends():
+    # gact-run's hooks in a thread stayed in torch's thread-local state until the OS thread exited,
+    # whose destructors then needed the GIL while the interpreter could be finalizing: the process
+    # aborted at exit a few runs in a hundred ("terminate called without an active exception").
+    # They leave with the thread's Python state now, before join() returns.
+    import threading
+    import weakref
+
+    comp = gact.Compressor(None, bits=4, min_bytes=0)
+    comp.install_global()
+    try:
+        refs, stored = [], []
+
+        def body():
+            comp.install_thread()
+            refs.append(weakref.ref(comp._local.thread_hooks))
+            before = comp.stats()["store"]["tensors_in"]
+            x = torch.randn(64, 64, requires_grad=True)
+            (x.tanh() * 2).sum().backward()
+            stored.append(comp.stats()["store"]["tensors_in"] - before)
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        assert stored and stored[0] >= 1, stored  # the thread's saved tensors went to the store
+        assert refs and refs[0]() is None  # its hooks left with it
+        x = torch.randn(64, 64, requires_grad=True)
+        before = comp.stats()["store"]["tensors_in"]
+        (x.tanh() * 2).sum().backward()  # the main thread keeps its own
+        assert comp.stats()["store"]["tensors_in"] > before
+    finally:
+        comp.uninstall_global()

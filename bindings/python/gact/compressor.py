@@ -163,6 +163,26 @@ class _Packed:
         return f"_Packed(handle={self.handle}, key={self.key!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
+class _ThreadHooks:
+    """The hooks install_thread put in a thread's torch state, taken out when that thread's Python
+    state is cleared (its thread-local dict goes, with the GIL held, before join() returns). Left in
+    place, torch's thread-local destructors would drop them after the OS thread has let go of Python,
+    needing the GIL while the interpreter may be finalizing: the process then aborted at exit
+    ("terminate called without an active exception", a few runs in a hundred)."""
+
+    __slots__ = ("pop", "tracker", "__weakref__")
+
+    def __init__(self, pop: Any, tracker: Any) -> None:
+        self.pop = pop
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        try:
+            self.tracker.__exit__(None, None, None)
+        finally:
+            self.pop()
+
+
 class _Shape:
     """A saved tensor whose reader uses only its shape (and layout): nothing is stored."""
 
@@ -823,10 +843,12 @@ class Compressor:
         keeps saved-tensor hooks per thread, so a thread started after ``install_global`` saves
         uncompressed without this. ``gact-run`` calls it first thing in every new thread. A
         no-op unless installed globally; the hooks and the thread's op tracker (which tells a
-        ReLU's output, stored exactly as a mask, from values) go with the thread."""
+        ReLU's output, stored exactly as a mask, from values) are taken out again when the
+        thread's Python state ends (see _ThreadHooks)."""
         if getattr(self, "_global_pop", None) is None or getattr(self._local, "tracker", None) is not None:
             return
-        _compat.push_default_hooks(self._pack, self._unpack)
+        pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush)
         tracker.__enter__()
         self._local.tracker = tracker
+        self._local.thread_hooks = _ThreadHooks(pop, tracker)
