@@ -537,3 +537,28 @@ def test_sampled_steps_double_early_then_follow_the_interval():
     assert [s for s in range(100) if pol30.samples_at(s)] == [0, 10, 20, 30, 60, 90]
     pol1 = gact.Compressor(m, bits="auto", adapt_interval=1).policy
     assert all(pol1.samples_at(s) for s in range(50))
+
+
+def test_reference_estimator_measures_the_width_it_asks_for():
+    # The reference estimator replays 8 samples: a batch norm over 2x2 images has 32 values per
+    # channel there (a small block, raised to 8 bits by the storage rule) but 128 in the whole batch
+    # (1 bit is 1 bit). Measured at 8 bits while asking 1, its inputs looked insensitive (C ~ 0),
+    # went to 1 bit, and resnet18's gradient variance came out 9x worse than uniform 2 bits.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                            torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                            torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(32, 3, 2, 2), torch.randint(0, 10, (32,))
+    comp = gact.Compressor(m, bits="auto", budget=2, estimator="reference", adapt_interval=10**6, min_bytes=0)
+    with comp:
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    comp.step()
+    tensors = comp.stats()["policy"]["tensors"]
+    c = {k: t["C"] for k, t in tensors.items() if t["C"] is not None}
+    top = max(c.values())
+    bn_inputs = [k for k in c if k.split(":")[0] in ("1", "4")]
+    assert len(bn_inputs) == 2, c
+    for k in bn_inputs:
+        assert c[k] > 0.01 * top, c  # measured at the width asked (was ~1e-5 of the top)
+    comp.close()
