@@ -31,29 +31,22 @@
 
 namespace gact::codec::detail {
 
-namespace generic {
-bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
-void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
-void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
-                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
-}  // namespace generic
-
+// The loops of quant_groups.cpp, one namespace per build of it.
+#define GACT_QUANT_LOOPS(ISA)                                                                              \
+  namespace ISA {                                                                                        \
+  bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed); \
+  void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);                 \
+  void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,  \
+                  std::uint64_t numel, std::uint8_t* out, mask_scan* scan);                              \
+  }
+GACT_QUANT_LOOPS(generic)
 #if defined(GACT_CODEC_HAVE_AVX2)
-namespace avx2 {
-bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
-void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
-void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
-                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
-}  // namespace avx2
+GACT_QUANT_LOOPS(avx2)
 #endif
 #if defined(GACT_CODEC_HAVE_AVX512)
-namespace avx512 {
-bool encode_range(void const* src, quant_job const& job, std::uint64_t g0, std::uint64_t g1, int* failed);
-void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);
-void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,
-                std::uint64_t numel, std::uint8_t* out, mask_scan* scan);
-}  // namespace avx512
+GACT_QUANT_LOOPS(avx512)
 #endif
+#undef GACT_QUANT_LOOPS
 
 namespace {
 

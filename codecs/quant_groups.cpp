@@ -188,14 +188,6 @@ bool group_minmax(float const* x, int n, float& lo, float& hi) {
   return ok;
 }
 
-/// hi and lo 32-bit halves of the products a * m for 8 lanes.
-inline void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
-  __m256i const pe = _mm256_mul_epu32(a, m);                         // lanes 0,2,4,6
-  __m256i const po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // lanes 1,3,5,7
-  hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-  lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
-}
-
 /// The uniforms of 8 chunks from their Philox output words (lane k of a, b, d, e = words 0..3 of
 /// chunk k): the 16-bit halves turned into uniforms, then an 8x8 transpose to element order
 /// u[8k + 2w + h].
@@ -227,110 +219,98 @@ inline void emit8(__m256i a, __m256i b, __m256i d, __m256i e, float* __restrict 
   _mm256_storeu_ps(u + 56, _mm256_permute2f128_ps(s3, s7, 0x31));
 }
 
-/// Noise for 8*W consecutive chunks c0 .. c0+8W-1: Philox4x32-10 on 8*W counters, W independent
-/// 8-lane vectors interleaved round by round (one vector's rounds are a chain of dependent
-/// multiplies; W of them keep the multipliers busy), then emit8 for each.
-template <int W>
-inline void noise8w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
-                    float* __restrict u) {
-  __m256i a[W], b[W], d[W], e[W];
-  for (int v = 0; v < W; ++v) {
-    alignas(32) std::uint32_t lo[8], hi[8];
-    for (int k = 0; k < 8; ++k) {
-      std::uint64_t const c = c0 + std::uint64_t(8 * v + k);
-      lo[k] = std::uint32_t(c);
-      hi[k] = std::uint32_t(c >> 32);
-    }
-    a[v] = _mm256_load_si256(reinterpret_cast<__m256i const*>(lo));
-    b[v] = _mm256_load_si256(reinterpret_cast<__m256i const*>(hi));
-    d[v] = _mm256_set1_epi32(int(t0));
-    e[v] = _mm256_set1_epi32(int(t1));
+/// The 32-bit lane operations Philox needs, on 8 lanes (AVX2) or 16 (AVX-512).
+struct lanes8 {
+  using v = __m256i;
+  static constexpr int n = 8;
+  static v load(std::uint32_t const* p) { return _mm256_load_si256(reinterpret_cast<__m256i const*>(p)); }
+  static v set1(std::uint32_t x) { return _mm256_set1_epi32(int(x)); }
+  static v xor3(v a, v b, v c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
+  /// hi and lo 32-bit halves of the products a * m.
+  static void mulhilo(v a, v m, v& hi, v& lo) {
+    v const pe = _mm256_mul_epu32(a, m);                         // even lanes
+    v const po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // odd lanes
+    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
   }
-  __m256i const m0 = _mm256_set1_epi32(int(hd::k_philox_m0)), m1 = _mm256_set1_epi32(int(hd::k_philox_m1));
-  for (int r = 0; r < 10; ++r) {
-    __m256i const kk0 = _mm256_set1_epi32(int(k0 + std::uint32_t(r) * hd::k_philox_w0));
-    __m256i const kk1 = _mm256_set1_epi32(int(k1 + std::uint32_t(r) * hd::k_philox_w1));
-    for (int v = 0; v < W; ++v) {
-      __m256i h0, l0, h1, l1;
-      mulhilo8(a[v], m0, h0, l0);
-      mulhilo8(d[v], m1, h1, l1);
-      __m256i const na = _mm256_xor_si256(_mm256_xor_si256(h1, b[v]), kk0);
-      __m256i const nd = _mm256_xor_si256(_mm256_xor_si256(h0, e[v]), kk1);
-      b[v] = l1;
-      e[v] = l0;
-      a[v] = na;
-      d[v] = nd;
-    }
-  }
-  for (int v = 0; v < W; ++v) emit8(a[v], b[v], d[v], e[v], u + 64 * v);
-}
+  /// Uniforms of the 8 chunks whose words are lanes of a, b, d, e.
+  static void emit(v a, v b, v d, v e, float* __restrict u) { emit8(a, b, d, e, u); }
+};
 
 #if defined(__AVX512F__)
-/// hi and lo 32-bit halves of the products a * m for 16 lanes.
-inline void mulhilo16(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
-  __m512i const pe = _mm512_mul_epu32(a, m);                         // even lanes
-  __m512i const po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);  // odd lanes
-  hi = _mm512_mask_blend_epi32(__mmask16(0xAAAA), _mm512_srli_epi64(pe, 32), po);
-  lo = _mm512_mask_blend_epi32(__mmask16(0xAAAA), pe, _mm512_slli_epi64(po, 32));
-}
+struct lanes16 {
+  using v = __m512i;
+  static constexpr int n = 16;
+  static v load(std::uint32_t const* p) { return _mm512_load_si512(p); }
+  static v set1(std::uint32_t x) { return _mm512_set1_epi32(int(x)); }
+  static v xor3(v a, v b, v c) { return _mm512_xor_si512(_mm512_xor_si512(a, b), c); }
+  static void mulhilo(v a, v m, v& hi, v& lo) {
+    v const pe = _mm512_mul_epu32(a, m);
+    v const po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    hi = _mm512_mask_blend_epi32(__mmask16(0xAAAA), _mm512_srli_epi64(pe, 32), po);
+    lo = _mm512_mask_blend_epi32(__mmask16(0xAAAA), pe, _mm512_slli_epi64(po, 32));
+  }
+  /// Two halves of 8 chunks, each through the AVX2 transpose.
+  static void emit(v a, v b, v d, v e, float* __restrict u) {
+    emit8(_mm512_castsi512_si256(a), _mm512_castsi512_si256(b), _mm512_castsi512_si256(d),
+          _mm512_castsi512_si256(e), u);
+    emit8(_mm512_extracti64x4_epi64(a, 1), _mm512_extracti64x4_epi64(b, 1), _mm512_extracti64x4_epi64(d, 1),
+          _mm512_extracti64x4_epi64(e, 1), u + 64);
+  }
+};
+#endif
 
-/// noise8w on 16-lane vectors: 16*W chunks c0 .. c0+16W-1, W vectors interleaved, each emitted as
-/// two halves of 8 chunks.
-template <int W>
-inline void noise16w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
-                     float* __restrict u) {
-  __m512i a[W], b[W], d[W], e[W];
+/// Noise for L::n*W consecutive chunks from c0: Philox4x32-10 on W independent vectors of L::n
+/// counters, interleaved round by round (one vector's rounds are a chain of dependent multiplies;
+/// W of them keep the multipliers busy), then L::emit for each.
+template <typename L, int W>
+inline void noise_w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
+                    float* __restrict u) {
+  typename L::v a[W], b[W], d[W], e[W];
   for (int v = 0; v < W; ++v) {
-    alignas(64) std::uint32_t lo[16], hi[16];
-    for (int k = 0; k < 16; ++k) {
-      std::uint64_t const c = c0 + std::uint64_t(16 * v + k);
+    alignas(64) std::uint32_t lo[L::n], hi[L::n];
+    for (int k = 0; k < L::n; ++k) {
+      std::uint64_t const c = c0 + std::uint64_t(L::n * v + k);
       lo[k] = std::uint32_t(c);
       hi[k] = std::uint32_t(c >> 32);
     }
-    a[v] = _mm512_load_si512(lo);
-    b[v] = _mm512_load_si512(hi);
-    d[v] = _mm512_set1_epi32(int(t0));
-    e[v] = _mm512_set1_epi32(int(t1));
+    a[v] = L::load(lo);
+    b[v] = L::load(hi);
+    d[v] = L::set1(t0);
+    e[v] = L::set1(t1);
   }
-  __m512i const m0 = _mm512_set1_epi32(int(hd::k_philox_m0)), m1 = _mm512_set1_epi32(int(hd::k_philox_m1));
+  typename L::v const m0 = L::set1(hd::k_philox_m0), m1 = L::set1(hd::k_philox_m1);
   for (int r = 0; r < 10; ++r) {
-    __m512i const kk0 = _mm512_set1_epi32(int(k0 + std::uint32_t(r) * hd::k_philox_w0));
-    __m512i const kk1 = _mm512_set1_epi32(int(k1 + std::uint32_t(r) * hd::k_philox_w1));
+    typename L::v const kk0 = L::set1(k0 + std::uint32_t(r) * hd::k_philox_w0);
+    typename L::v const kk1 = L::set1(k1 + std::uint32_t(r) * hd::k_philox_w1);
     for (int v = 0; v < W; ++v) {
-      __m512i h0, l0, h1, l1;
-      mulhilo16(a[v], m0, h0, l0);
-      mulhilo16(d[v], m1, h1, l1);
-      __m512i const na = _mm512_xor_si512(_mm512_xor_si512(h1, b[v]), kk0);
-      __m512i const nd = _mm512_xor_si512(_mm512_xor_si512(h0, e[v]), kk1);
+      typename L::v h0, l0, h1, l1;
+      L::mulhilo(a[v], m0, h0, l0);
+      L::mulhilo(d[v], m1, h1, l1);
+      typename L::v const na = L::xor3(h1, b[v], kk0), nd = L::xor3(h0, e[v], kk1);
       b[v] = l1;
       e[v] = l0;
       a[v] = na;
       d[v] = nd;
     }
   }
-  for (int v = 0; v < W; ++v) {
-    emit8(_mm512_castsi512_si256(a[v]), _mm512_castsi512_si256(b[v]), _mm512_castsi512_si256(d[v]),
-          _mm512_castsi512_si256(e[v]), u + 128 * v);
-    emit8(_mm512_extracti64x4_epi64(a[v], 1), _mm512_extracti64x4_epi64(b[v], 1),
-          _mm512_extracti64x4_epi64(d[v], 1), _mm512_extracti64x4_epi64(e[v], 1), u + 128 * v + 64);
-  }
+  for (int v = 0; v < W; ++v) L::emit(a[v], b[v], d[v], e[v], u + 8 * L::n * v);
 }
-#endif
 
 GACT_LOOP void group_noise(std::uint64_t seed, std::uint64_t key, std::uint64_t c0, int nchunks, float* __restrict u) {
   std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
   std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
   int k = 0;
 #if defined(__AVX512F__)
-  for (; k + 32 <= nchunks; k += 32) noise16w<2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+  for (; k + 32 <= nchunks; k += 32) noise_w<lanes16, 2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
 #endif
-  for (; k + 32 <= nchunks; k += 32) noise8w<4>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+  for (; k + 32 <= nchunks; k += 32) noise_w<lanes8, 4>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
   if (k + 16 <= nchunks) {
-    noise8w<2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+    noise_w<lanes8, 2>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
     k += 16;
   }
   if (k + 8 <= nchunks) {
-    noise8w<1>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
+    noise_w<lanes8, 1>(k0, k1, t0, t1, c0 + std::uint64_t(k), u + 8 * k);
     k += 8;
   }
   if (k < nchunks) group_noise_portable(seed, key, c0 + std::uint64_t(k), nchunks - k, u + 8 * k);
