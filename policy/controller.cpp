@@ -60,9 +60,9 @@ std::int64_t controller::step() const {
   return step_;
 }
 
-int controller::on_save(std::string_view key, std::uint64_t numel, int full_bits) {
+int controller::on_save(std::string_view key, std::uint64_t numel, int full_bits, int min_bits) {
   std::lock_guard lk(mu_);
-  return table_.observe(key, numel, step_, full_bits).bits;
+  return table_.observe(key, numel, step_, full_bits, min_bits).bits;
 }
 
 int controller::bits_for(std::string_view key) const noexcept {
@@ -73,6 +73,16 @@ int controller::bits_for(std::string_view key) const noexcept {
 void controller::add_estimate(std::string_view key, double c) {
   std::lock_guard lk(mu_);
   table_.add_estimate(key, c);
+}
+
+void controller::add_estimate_widths(std::string_view key, std::array<double, 4> const& v) {
+  std::lock_guard lk(mu_);
+  table_.add_estimate_widths(key, v);
+}
+
+void controller::raise_variance(std::string_view key, int bits, double v) {
+  std::lock_guard lk(mu_);
+  table_.raise_variance(key, bits, v);
 }
 
 void controller::add_online_sample(std::string_view key, online_sample const& s) {
@@ -99,29 +109,49 @@ decision_summary controller::decide() {
   decision_summary d;
   d.step = step_;
   std::vector<solver_item> items;
+  std::vector<record const*> active;
   int const narrowest = *std::min_element(opts_.code_bits.begin(), opts_.code_bits.end());
-  double budget = 0.0, fixed = 0.0, per_bit = 0.0, needed = 0.0;
+  double needed = 0.0;
   for (auto const& [key, r] : table_.all()) {
     if (!table_.is_active(r, step_)) continue;
+    active.push_back(&r);
     d.total_numel += r.numel;
-    budget += opts_.storage.uniform_bytes(r.numel, opts_.budget_avg_bits, r.full_bits);
-    double const one = opts_.storage.uniform_bytes(r.numel, 1.0, r.full_bits);
-    double const code = static_cast<double>(opts_.storage.code_bytes(r.numel, 1));
-    fixed += one - code;
-    per_bit += code;
     if (r.estimates > 0) {
-      items.push_back({key, r.numel, r.sensitivity, r.full_bits});
-      needed += static_cast<double>(opts_.storage.compressed_bytes(r.numel, narrowest, r.full_bits));
+      solver_item it{key, r.numel, r.sensitivity, r.full_bits, r.min_bits, std::nullopt};
+      if (r.per_width) it.variance = r.variance;
+      items.push_back(std::move(it));
+      needed += static_cast<double>(opts_.storage.compressed_bytes(r.numel, std::max(narrowest, r.min_bits), r.full_bits));
     } else {
-      std::uint64_t const b = opts_.storage.stored_bytes(r.numel, r.bits, r.full_bits);
-      d.reserved_bytes += b;
-      needed += static_cast<double>(b);
+      int const b = is_code_bits(r.bits) ? std::max(r.bits, r.min_bits) : r.bits;
+      std::uint64_t const bytes = opts_.storage.stored_bytes(r.numel, b, r.full_bits);
+      d.reserved_bytes += bytes;
+      needed += static_cast<double>(bytes);
       ++d.unestimated;
     }
   }
+  // Uniform `avg` bits stores a tensor at no fewer than its min_bits (the store raises it): the
+  // budget is what uniform stores, and the smallest feasible budget the least average whose
+  // uniform bytes cover what the tensors need at their narrowest (by bisection: monotone in avg).
+  auto const uniform_at = [&](double avg) {
+    double total = 0.0;
+    for (record const* r : active) {
+      double const b = r->min_bits > 1 ? std::max(avg, static_cast<double>(r->min_bits)) : avg;
+      total += opts_.storage.uniform_bytes(r->numel, b, r->full_bits);
+    }
+    return total;
+  };
+  double const budget = uniform_at(opts_.budget_avg_bits);
+  if (!active.empty()) {
+    double lo = 0.0, hi = 8.0;
+    while (uniform_at(hi) < needed && hi < 1e5) hi *= 2.0;
+    for (int i = 0; i < 64; ++i) {
+      double const mid = 0.5 * (lo + hi);
+      (uniform_at(mid) >= needed ? hi : lo) = mid;
+    }
+    d.min_feasible_budget = hi < 1e-9 ? 0.0 : hi;  // the metadata alone already fits
+  }
   d.solved = items.size();
   d.budget_bytes = static_cast<std::uint64_t>(std::floor(budget));
-  d.min_feasible_budget = per_bit > 0.0 ? std::max(0.0, (needed - fixed) / per_bit) : 0.0;
   std::uint64_t const left = d.budget_bytes >= d.reserved_bytes ? d.budget_bytes - d.reserved_bytes : 0;
   solver_options const so{opts_.storage, opts_.allow_full_precision, opts_.code_bits};
   solution const s = solve_greedy(items, left, so);
@@ -196,6 +226,8 @@ nlohmann::json controller::stats() const {
         {"numel", r.numel},
         {"groups", r.groups},
         {"C", r.estimates > 0 ? nlohmann::json(r.sensitivity) : nlohmann::json(nullptr)},
+        {"variance", r.estimates > 0 && r.per_width ? nlohmann::json(r.variance) : nlohmann::json(nullptr)},
+        {"min_bits", r.min_bits},
         {"estimates", r.estimates},
         {"bits", r.bits},
         {"decided", r.decided},

@@ -74,9 +74,12 @@ class controller {
   void set_step(std::int64_t step);
   std::int64_t step() const;
 
-  /// Record that `key` is saved now and return the bits to encode it with.
-  /// @throws gact::invalid_argument on an empty key, numel 0, or full_bits not 16/32.
-  int on_save(std::string_view key, std::uint64_t numel, int full_bits = 32);
+  /// Record that `key` is saved now and return the bits to encode it with. `min_bits`: the
+  /// narrowest width the store uses for it (solver_item::min_bits); the budget counts the tensor
+  /// at no fewer bits, as uniform storage stores it.
+  /// @throws gact::invalid_argument on an empty key, numel 0, full_bits not 16/32 or min_bits
+  ///         not a code width.
+  int on_save(std::string_view key, std::uint64_t numel, int full_bits = 32, int min_bits = 1);
 
   /// The bits for `key` without recording anything (default bits if unknown). Never throws.
   int bits_for(std::string_view key) const noexcept;
@@ -84,6 +87,13 @@ class controller {
   /// Fold a sensitivity estimate into the key's EMA.
   /// @throws gact::invalid_argument if the key was never saved or c is negative/not finite.
   void add_estimate(std::string_view key, double c);
+
+  /// Fold an estimate made width by width (variance at 1, 2, 4, 8 bits) into the key's EMA.
+  /// @throws gact::invalid_argument if the key was never saved or a value is negative/not finite.
+  void add_estimate_widths(std::string_view key, std::array<double, 4> const& v);
+
+  /// Raise the key's variance at `bits` to at least `v` (record_table::raise_variance).
+  void raise_variance(std::string_view key, int bits, double v);
 
   /// Add one step's online statistics for `key`. @throws as online_sensitivity.
   void add_online_sample(std::string_view key, online_sample const& s);

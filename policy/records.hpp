@@ -21,6 +21,7 @@
 
 #include "policy/storage_model.hpp"
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -49,6 +50,10 @@ struct record {
   std::uint64_t groups = 0;         ///< quantization groups at the last observation
   int full_bits = 32;               ///< the tensor's own precision (16 or 32)
   double sensitivity = 0.0;         ///< smoothed C_l (gradient variance at 1 bit)
+  /// smoothed gradient variance at 1, 2, 4, 8 bits when estimated width by width (per_width)
+  std::array<double, 4> variance{};
+  bool per_width = false;           ///< the latest estimate came width by width
+  int min_bits = 1;                 ///< the narrowest width the store uses for the tensor (latest observation)
   std::uint64_t estimates = 0;      ///< number of estimates folded into `sensitivity`
   int bits = 0;                     ///< the current decision (default_bits until decided)
   bool decided = false;             ///< bits set by a solve
@@ -66,7 +71,9 @@ class record_table {
   /// Creates the record on first sight. A changed numel updates numel and groups and keeps
   /// the sensitivity (shapes change with the last, smaller batch; C is re-estimated anyway).
   /// @throws gact::invalid_argument if key is empty, numel is 0 or full_bits is not 16/32.
-  record const& observe(std::string_view key, std::uint64_t numel, std::int64_t step, int full_bits = 32);
+  /// `min_bits`: the narrowest code width the store uses for it (1, 2, 4 or 8; see solver_item).
+  record const& observe(std::string_view key, std::uint64_t numel, std::int64_t step, int full_bits = 32,
+                        int min_bits = 1);
 
   /// The bits to encode `key` with: the decided bits, or default_bits for an unknown or
   /// undecided key. Never throws.
@@ -75,6 +82,16 @@ class record_table {
   /// Fold a sensitivity estimate into the key's EMA.
   /// @throws gact::invalid_argument if the key was never observed or c is negative or not finite.
   void add_estimate(std::string_view key, double c);
+
+  /// Fold an estimate made width by width (the variance at 1, 2, 4, 8 bits) into the key's EMA.
+  /// A key whose previous estimates were scalar starts its width-by-width EMA from C·v(b).
+  /// @throws gact::invalid_argument if the key was never observed or a value is negative or not finite.
+  void add_estimate_widths(std::string_view key, std::array<double, 4> const& v);
+
+  /// Raise the key's variance at `bits` to at least `v` (a direct measurement found the estimate
+  /// too low); the record keeps its other widths. @throws gact::invalid_argument for an unknown or
+  /// unestimated key, a width that is not 1, 2, 4 or 8, or v negative or not finite.
+  void raise_variance(std::string_view key, int bits, double v);
 
   /// Set the decided bits of a key. @throws gact::invalid_argument on an unknown key or bad width.
   void set_bits(std::string_view key, int bits);

@@ -43,6 +43,15 @@ void validate_options(solver_options const& opts) {
 std::vector<std::size_t> validate_items(std::vector<solver_item> const& items) {
   for (auto const& it : items) {
     GACT_EXPECTS(it.numel > 0, "solver item '" + it.key + "': numel must be > 0");
+    GACT_EXPECTS(is_code_bits(it.min_bits), "solver item '" + it.key + "': min_bits must be 1, 2, 4 or 8, got " +
+                                                std::to_string(it.min_bits));
+    if (it.variance) {
+      for (double v : *it.variance) {
+        GACT_EXPECTS(std::isfinite(v) && v >= 0.0, "solver item '" + it.key +
+                                                       "': variance at each width must be finite and >= 0, got " +
+                                                       std::to_string(v));
+      }
+    }
     GACT_EXPECTS(std::isfinite(it.sensitivity) && it.sensitivity >= 0.0,
                  "solver item '" + it.key + "': sensitivity must be finite and >= 0, got " +
                      std::to_string(it.sensitivity));
@@ -67,7 +76,14 @@ std::vector<std::size_t> validate_items(std::vector<solver_item> const& items) {
 std::vector<option> pareto_options(solver_item const& it, solver_options const& opts) {
   std::vector<option> all;
   for (int b : opts.code_bits) {
-    all.push_back({b, opts.storage.compressed_bytes(it.numel, b, it.full_bits), it.sensitivity * variance_factor(b)});
+    if (b < it.min_bits) continue;
+    all.push_back({b, opts.storage.compressed_bytes(it.numel, b, it.full_bits), item_variance(it, b)});
+  }
+  if (all.empty() && !opts.allow_full_precision) {
+    // every allowed width is below the tensor's narrowest: the widest allowed one is what the store
+    // is asked for (and raises); it is the item's only option
+    int const b = *std::max_element(opts.code_bits.begin(), opts.code_bits.end());
+    all.push_back({b, opts.storage.compressed_bytes(it.numel, it.min_bits, it.full_bits), item_variance(it, it.min_bits)});
   }
   if (opts.allow_full_precision) {
     all.push_back({it.full_bits, opts.storage.full_bytes(it.numel, it.full_bits), 0.0});
@@ -340,6 +356,17 @@ void local_search(greedy_problem const& P, greedy_state& st, bool exchanges) {
 
 }  // namespace
 
+double item_variance(solver_item const& it, int bits) {
+  if (is_full_bits(bits)) return 0.0;
+  if (is_code_bits(bits)) bits = std::max(bits, it.min_bits);  // the store raises a narrower width
+  if (it.variance) {
+    GACT_EXPECTS(is_code_bits(bits), "item_variance: bits must be 1, 2, 4, 8, 16 or 32, got " + std::to_string(bits));
+    int const i = bits == 1 ? 0 : bits == 2 ? 1 : bits == 4 ? 2 : 3;
+    return (*it.variance)[static_cast<std::size_t>(i)];
+  }
+  return it.sensitivity * variance_factor(bits);
+}
+
 double variance_factor(int bits) {
   if (is_full_bits(bits)) return 0.0;
   GACT_EXPECTS(is_code_bits(bits), "variance_factor: bits must be 1, 2, 4, 8, 16 or 32, got " +
@@ -426,21 +453,23 @@ solution solve_greedy(std::vector<solver_item> const& items, std::uint64_t budge
     std::vector<std::size_t> idx(n);
     std::iota(idx.begin(), idx.end(), std::size_t{0});
     auto const by_class_then_c = [&](std::size_t a, std::size_t b) {
-      return std::tie(items[a].numel, items[a].full_bits, items[a].sensitivity, rank[a]) <
-             std::tie(items[b].numel, items[b].full_bits, items[b].sensitivity, rank[b]);
+      return std::tie(items[a].numel, items[a].full_bits, items[a].min_bits, items[a].sensitivity, rank[a]) <
+             std::tie(items[b].numel, items[b].full_bits, items[b].min_bits, items[b].sensitivity, rank[b]);
     };
     std::sort(idx.begin(), idx.end(), by_class_then_c);
     for (std::size_t lo = 0; lo < n;) {
       std::size_t hi = lo + 1;
       while (hi < n && items[idx[hi]].numel == items[idx[lo]].numel &&
-             items[idx[hi]].full_bits == items[idx[lo]].full_bits) {
+             items[idx[hi]].full_bits == items[idx[lo]].full_bits &&
+             items[idx[hi]].min_bits == items[idx[lo]].min_bits) {
         ++hi;
       }
-      // Options are identical across the class only when every member has C > 0 or every
-      // member has C == 0 (a zero-C front collapses to one point); restrict to C > 0 members.
+      // Options are identical across the class up to the factor C only when every member has C > 0
+      // or every member has C == 0 (a zero-C front collapses to one point), and none has variances
+      // of its own width by width (their fronts differ in shape); restrict to the others.
       std::vector<std::size_t> members;
       for (std::size_t j = lo; j < hi; ++j) {
-        if (items[idx[j]].sensitivity > 0.0) members.push_back(idx[j]);
+        if (items[idx[j]].sensitivity > 0.0 && !items[idx[j]].variance) members.push_back(idx[j]);
       }
       std::vector<std::uint64_t> chosen;  // bytes of the chosen options, ascending
       for (std::size_t m : members) chosen.push_back(fronts[m][cur[m]].bytes);
@@ -531,7 +560,7 @@ double objective_of(std::vector<solver_item> const& items, std::vector<int> cons
   for (std::size_t i = 0; i < items.size(); ++i) {
     GACT_EXPECTS(is_code_bits(bits[i]) || bits[i] == items[i].full_bits,
                  "objective_of: item '" + items[i].key + "' has invalid bits " + std::to_string(bits[i]));
-    obj += items[i].sensitivity * variance_factor(bits[i]);
+    obj += item_variance(items[i], bits[i]);
   }
   return obj;
 }
@@ -541,7 +570,9 @@ std::uint64_t stored_bytes_of(std::vector<solver_item> const& items, std::vector
   GACT_EXPECTS(items.size() == bits.size(), "stored_bytes_of: items and bits differ in length");
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < items.size(); ++i) {
-    total = checked_add(total, storage.stored_bytes(items[i].numel, bits[i], items[i].full_bits));
+    // a code width below the item's narrowest is stored at the narrowest
+    int const b = is_code_bits(bits[i]) ? std::max(bits[i], items[i].min_bits) : bits[i];
+    total = checked_add(total, storage.stored_bytes(items[i].numel, b, items[i].full_bits));
   }
   return total;
 }

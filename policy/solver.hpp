@@ -7,6 +7,9 @@
 //     minimize   Σ_l C_l · v(b_l),     v(b) = 1/(2^b − 1)²,   v(full) = 0
 //     subject to Σ_l stored_bytes_l(b_l) ≤ budget_bytes
 //
+// (or Σ_l V_l(b_l) for tensors whose variance was estimated width by width, and
+// b_l ≥ the tensor's min_bits: the widths the store really uses for it)
+//
 // where stored_bytes counts the blob header and per-group metadata
 // (storage_model). This is a multiple-choice knapsack.
 //
@@ -28,7 +31,9 @@
 
 #include "policy/storage_model.hpp"
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,7 +45,19 @@ struct solver_item {
   std::uint64_t numel = 0;   ///< elements (> 0)
   double sensitivity = 0.0;  ///< C_l ≥ 0, finite: gradient variance at 1 bit
   int full_bits = 32;        ///< the tensor's own precision (32 fp32, 16 fp16/bf16)
+  /// The narrowest code width the store uses for this tensor whatever it is asked: 2 for a
+  /// boundary blob (a ReLU output also read as values), 8 for a normalization input with small
+  /// statistics blocks. Narrower widths are not options (their bytes would not be what the store
+  /// pays). One of 1, 2, 4, 8.
+  int min_bits = 1;
+  /// The gradient variance at 1, 2, 4 and 8 bits, when estimated width by width (the stored
+  /// form's exact rounding variance); absent: sensitivity · v(b).
+  std::optional<std::array<double, 4>> variance{};
 };
+
+/// The variance an item adds at `bits` (a code width, raised to the item's min_bits as the store
+/// raises it, or full precision: 0). @throws gact::invalid_argument for another width.
+double item_variance(solver_item const& it, int bits);
 
 /// Which widths the solver may choose and how blobs are sized.
 struct solver_options {

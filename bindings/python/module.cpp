@@ -736,11 +736,11 @@ PYBIND11_MODULE(_gact, m) {
       .def("step", &gact::policy::controller::step)
       .def(
           "on_save",
-          [](gact::policy::controller& c, std::string const& key, std::uint64_t numel, int full_bits) {
-            return c.on_save(key, numel, full_bits);
-          },
-          py::arg("key"), py::arg("numel"), py::arg("full_bits") = 32,
-          "Record that key is saved now; returns the bits to encode it with (16/32 = keep raw).")
+          [](gact::policy::controller& c, std::string const& key, std::uint64_t numel, int full_bits,
+             int min_bits) { return c.on_save(key, numel, full_bits, min_bits); },
+          py::arg("key"), py::arg("numel"), py::arg("full_bits") = 32, py::arg("min_bits") = 1,
+          "Record that key is saved now; returns the bits to encode it with (16/32 = keep raw). min_bits: the "
+          "narrowest width the store uses for it (2: a boundary blob, 8: a small normalization block).")
       .def(
           "bits_for", [](gact::policy::controller const& c, std::string const& key) { return c.bits_for(key); },
           py::arg("key"))
@@ -750,6 +750,20 @@ PYBIND11_MODULE(_gact, m) {
             c.add_estimate(key, sensitivity);
           },
           py::arg("key"), py::arg("sensitivity"))
+      .def(
+          "add_estimate_widths",
+          [](gact::policy::controller& c, std::string const& key, std::array<double, 4> const& variance) {
+            c.add_estimate_widths(key, variance);
+          },
+          py::arg("key"), py::arg("variance"),
+          "Fold an estimate of the gradient variance at 1, 2, 4 and 8 bits into key's record.")
+      .def(
+          "raise_variance",
+          [](gact::policy::controller& c, std::string const& key, int bits, double variance) {
+            c.raise_variance(key, bits, variance);
+          },
+          py::arg("key"), py::arg("bits"), py::arg("variance"),
+          "Raise key's variance at bits to at least variance (a direct measurement found the estimate low).")
       .def(
           "add_online_sample",
           [](gact::policy::controller& c, std::string const& key, double sum_sq_ranges, std::uint64_t numel,

@@ -8,6 +8,7 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 
 using namespace gact::policy;
@@ -60,6 +61,67 @@ TEST_CASE("sensitivity EMA: first estimate as is, then weighted") {
   bad.ema_weight = 0.5;
   bad.default_bits = 3;
   CHECK_THROWS_AS(record_table{bad}, gact::invalid_argument);
+}
+
+TEST_CASE("estimates width by width: EMA per width, continuing from a scalar estimate") {
+  table_options o;
+  o.ema_weight = 0.5;
+  record_table t(o);
+  t.observe("a", 1000, 0);
+  t.add_estimate_widths("a", {8.0, 2.0, 0.5, 0.0});
+  CHECK(t.find("a")->per_width);
+  CHECK(t.find("a")->sensitivity == 8.0);
+  t.add_estimate_widths("a", {4.0, 4.0, 0.5, 1.0});
+  CHECK(t.find("a")->variance == std::array<double, 4>{6.0, 3.0, 0.5, 0.5});
+  CHECK(t.find("a")->sensitivity == 6.0);
+  t.observe("b", 1000, 0);
+  t.add_estimate("b", 9.0);  // a scalar C: the widths follow C·v(b)
+  CHECK_FALSE(t.find("b")->per_width);
+  CHECK(t.find("b")->variance[1] == doctest::Approx(1.0));
+  t.add_estimate_widths("b", {9.0, 3.0, 0.0, 0.0});
+  CHECK(t.find("b")->variance[1] == doctest::Approx(2.0));
+  CHECK(t.find("b")->estimates == 2);
+  CHECK_THROWS_AS(t.add_estimate_widths("unknown", {1.0, 1.0, 1.0, 1.0}), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate_widths("a", {1.0, -1.0, 1.0, 1.0}), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate_widths("a", {1.0, 1.0, INFINITY, 1.0}), gact::invalid_argument);
+  CHECK_THROWS_AS(t.observe("c", 10, 0, 32, 3), gact::invalid_argument);
+  t.raise_variance("a", 1, 100.0);
+  CHECK(t.find("a")->variance[0] == 100.0);
+  CHECK(t.find("a")->sensitivity == 100.0);
+  t.raise_variance("a", 2, 1.0);  // below the estimate: kept
+  CHECK(t.find("a")->variance[1] == 3.0);
+  t.observe("d", 10, 0);
+  CHECK_THROWS_AS(t.raise_variance("d", 1, 1.0), gact::invalid_argument);  // no estimate yet
+  CHECK_THROWS_AS(t.raise_variance("a", 3, 1.0), gact::invalid_argument);
+  CHECK_THROWS_AS(t.raise_variance("a", 1, NAN), gact::invalid_argument);
+}
+
+TEST_CASE("narrowest widths: the budget counts them as uniform stores them, the solver never goes below") {
+  controller_options o;
+  o.budget_avg_bits = 2.0;
+  controller c(o);
+  storage_model const m;
+  std::uint64_t const n = 256 * 64;
+  c.on_save("small_block#0", n, 32, 8);     // stored at >= 8 bits whatever it is asked
+  c.on_save("boundary#0", n, 32, 2);        // a boundary blob: >= 2 bits
+  c.on_save("plain#0", n, 32);
+  c.on_save("other#0", n, 32);
+  for (char const* k : {"small_block#0", "boundary#0", "plain#0", "other#0"}) c.add_estimate(k, 1.0);
+  auto const d = c.decide();
+  // uniform 2 bits stores the small block at 8: the budget is what uniform stores
+  CHECK(d.budget_bytes == std::uint64_t(m.uniform_bytes(n, 8.0) + 3 * m.uniform_bytes(n, 2.0)));
+  CHECK(d.status == solve_status::ok);
+  CHECK(c.bits_for("small_block#0") >= 8);
+  CHECK(c.bits_for("boundary#0") >= 2);
+  CHECK(d.stored_bytes <= d.budget_bytes);
+  // every tensor at its narrowest: 8 + 2 + 1 + 1 bits of codes; uniform b stores 8 + max(b, 2) + b + b,
+  // which reaches 12 at b = 1 (and not below: the boundary blob's 2 bits)
+  CHECK(d.min_feasible_budget == doctest::Approx(1.0).epsilon(1e-3));
+  auto const st = c.stats();
+  CHECK(st["tensors"]["boundary#0"]["min_bits"] == 2);
+  CHECK(st["tensors"]["plain#0"]["min_bits"] == 1);
+  c.add_estimate_widths("plain#0", {4.0, 1.0, 0.1, 0.0});
+  CHECK(c.stats()["tensors"]["plain#0"]["variance"][1] == doctest::Approx(0.5 * (1.0 / 9.0) + 0.5 * 1.0));
 }
 
 TEST_CASE("numel changes update the record and keep the estimate") {

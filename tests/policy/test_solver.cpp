@@ -20,7 +20,10 @@ using namespace gact::policy;
 
 namespace {
 
-std::vector<solver_item> random_instance(std::mt19937_64& rng, std::size_t n) {
+/// `rich`: items also get a narrowest width (min_bits 1, 2 or 8) and, half of them, variances of
+/// their own width by width (decreasing with some noise, as a probe measures them, sometimes not
+/// monotone at all).
+std::vector<solver_item> random_instance(std::mt19937_64& rng, std::size_t n, bool rich = false) {
   std::uniform_int_distribution<int> kind(0, 3);
   std::uniform_real_distribution<double> logc(-3.0, 3.0);
   std::vector<solver_item> items;
@@ -35,6 +38,17 @@ std::vector<solver_item> random_instance(std::mt19937_64& rng, std::size_t n) {
     double const c = std::pow(10.0, logc(rng));
     int const full = std::uniform_int_distribution<int>(0, 4)(rng) == 0 ? 16 : 32;
     items.push_back({"t" + std::to_string(i), numel, c, full});
+    if (rich) {
+      int const mb[] = {1, 1, 2, 8};
+      items.back().min_bits = mb[std::uniform_int_distribution<int>(0, 3)(rng)];
+      if (std::uniform_int_distribution<int>(0, 1)(rng) == 1) {
+        std::array<double, 4> v{};
+        std::uniform_real_distribution<double> wobble(0.3, 3.0);
+        int const widths[] = {1, 2, 4, 8};
+        for (std::size_t k = 0; k < 4; ++k) v[k] = c * variance_factor(widths[k]) * wobble(rng);
+        items.back().variance = v;
+      }
+    }
   }
   return items;
 }
@@ -391,8 +405,77 @@ TEST_CASE("deterministic: same answer for any input order and on repetition") {
   }
 }
 
+TEST_CASE("narrowest widths and variances width by width: exact = brute force, greedy within its certificate") {
+  std::mt19937_64 rng(20261203);
+  int ok = 0, optimal = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    std::size_t const n = std::uniform_int_distribution<std::size_t>(1, trial < 300 ? 5 : 9)(rng);
+    auto const items = random_instance(rng, n, true);
+    solver_options o;
+    o.allow_full_precision = (trial % 4) != 0;
+    double const avg = std::uniform_real_distribution<double>(0.8, 12.0)(rng);
+    std::uint64_t const budget = budget_bytes_for(avg, total_numel(items));
+    solution const e = solve_exact(items, budget, o);
+    solution const g = solve_greedy(items, budget, o);
+    CAPTURE(trial);
+    if (trial < 300) {
+      bool feasible = false;
+      double const bf = brute_force(items, budget, o, feasible);
+      REQUIRE((e.status == solve_status::ok) == feasible);
+      if (feasible) CHECK(e.objective == doctest::Approx(bf).epsilon(1e-12));
+    }
+    REQUIRE(g.status == e.status);
+    for (std::size_t i = 0; i < n; ++i) {
+      // never a width below the item's narrowest: its bytes would not be what the store pays
+      if (is_code_bits(g.bits[i])) CHECK(g.bits[i] >= items[i].min_bits);
+      if (is_code_bits(e.bits[i])) CHECK(e.bits[i] >= items[i].min_bits);
+    }
+    CHECK(g.stored_bytes == stored_bytes_of(items, g.bits, o.storage));
+    CHECK(g.objective == doctest::Approx(objective_of(items, g.bits)).epsilon(1e-12));
+    if (g.status != solve_status::ok) continue;
+    ++ok;
+    CHECK(g.stored_bytes <= budget);
+    double const tol = 1e-9 * (1.0 + e.objective);
+    CHECK(g.objective >= e.objective - tol);
+    CHECK(g.lower_bound <= e.objective + tol);
+    if (g.objective - e.objective <= tol) ++optimal;
+  }
+  MESSAGE("with narrowest widths and width-by-width variances: " << optimal << " of " << ok
+                                                                 << " feasible instances solved optimally by the greedy");
+  CHECK(ok > 900);
+  CHECK(optimal >= ok * 9 / 10);
+}
+
+TEST_CASE("a width below the narrowest is charged and valued at the narrowest") {
+  solver_options o;
+  o.allow_full_precision = false;
+  storage_model const m;
+  std::uint64_t const n = 256 * 40;
+  solver_item a{"boundary", n, 9.0, 32, 2, std::nullopt};
+  solver_item b{"plain", n, 1.0, 32};
+  // uniform 2 bits for both: the boundary blob cannot go to 1 bit to free bytes, so nothing can rise
+  solution const s = solve_greedy({a, b}, 2 * m.compressed_bytes(n, 2), o);
+  REQUIRE(s.status == solve_status::ok);
+  CHECK(s.bits == std::vector<int>{2, 2});
+  CHECK(stored_bytes_of({a}, {1}, m) == m.compressed_bytes(n, 2));
+  CHECK(objective_of({a}, {1}) == doctest::Approx(objective_of({a}, {2})));
+  // with variances width by width the solver reads them, not C·v(b)
+  solver_item c{"measured", n, 1.0, 32, 1, std::array<double, 4>{5.0, 4.0, 0.1, 0.0}};
+  CHECK(item_variance(c, 2) == 4.0);
+  CHECK(item_variance(c, 32) == 0.0);
+  // 2 -> 1 costs c almost nothing (5 - 4) while 2 -> 4 saves 3.9: c goes to 4 bits, paid by plain at 1
+  solution const t = solve_greedy({b, c}, 2 * m.compressed_bytes(n, 2) + m.compressed_bytes(n, 1), o);
+  CHECK(t.bits == std::vector<int>{1, 4});
+}
+
 TEST_CASE("bad input is rejected with a clear error") {
   solver_options o;
+  solver_item bad_min{"a", 10, 1.0, 32, 3, std::nullopt};
+  CHECK_THROWS_AS(solve_greedy({bad_min}, 100, o), gact::invalid_argument);
+  solver_item bad_var{"a", 10, 1.0, 32, 1, std::array<double, 4>{1.0, -1.0, 0.0, 0.0}};
+  CHECK_THROWS_AS(solve_greedy({bad_var}, 100, o), gact::invalid_argument);
+  bad_var.variance = std::array<double, 4>{1.0, NAN, 0.0, 0.0};
+  CHECK_THROWS_AS(solve_exact({bad_var}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 0, 1.0, 32}}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 10, -1.0, 32}}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 10, NAN, 32}}, 100, o), gact::invalid_argument);
