@@ -646,7 +646,7 @@ class Compressor:
             return self._keep(t, "input")
         key = self._next_key()
         if self._probe is not None:
-            return self._probe_pack(t, key, kind, frame)
+            return self._probe_pack(t, key, d, frame)
         if kind == _saved.NORMALIZED:
             if frame is None:
                 kind = _saved.VALUES
@@ -660,8 +660,10 @@ class Compressor:
                 return p
         return self._store(t, key, d if kind != _saved.NORMALIZED else _saved._VALUES)
 
-    def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0) -> Any:
-        """Store `t` as `d` says; a _Packed, or `t` itself when the arena could not hold it."""
+    def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
+               normalized: bool = False) -> Any:
+        """Store `t` as `d` says; a _Packed, or `t` itself when the arena could not hold it. `min_bits`: the
+        fewest bits it is stored with; `normalized`: a normalization layer's input (told to the policy)."""
         kind = d.kind
         role, pred, window, decode = "values", None, None, None
         if kind == _saved.PREDICATE:
@@ -703,14 +705,18 @@ class Compressor:
         else:
             _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy
-        if policy is not None and role == "values" and kind != _saved.LOG and not min_bits and \
-                hasattr(policy, "on_stored"):
+        if policy is not None and role == "values" and kind != _saved.LOG and hasattr(policy, "on_stored"):
             info = _C.store_info(h)
             if info["values"] and info["dtype"] in ("float32", "float16", "bfloat16", "float64"):
                 if upgraded:
                     # a ReLU's mask turned into values: the blob's bytes are this key's; the ReLU gates
-                    # the input gradient with the same codes (the online model does not cover that)
-                    info = dict(info, refcount=1, gated=True)
+                    # the input gradient with the same codes (the online model does not cover that); a
+                    # boundary blob has at least 2 bits
+                    info = dict(info, refcount=1, gated=True, min_bits=2)
+                elif min_bits:
+                    info = dict(info, min_bits=min_bits)  # a small normalization block: stored at >= min_bits
+                if normalized:
+                    info = dict(info, normalized=True)
                 # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
                 policy.on_stored(key, info)
         return p
@@ -736,11 +742,11 @@ class Compressor:
             if len(stats) >= 2 and stats[-1].numel() and t.numel() // stats[-1].numel() < NORM_SMALL_BLOCK:
                 mb = NORM_SMALL_MIN_BITS
             try:
-                q = self._store(t, p.key, _saved._VALUES, norm, mb)
+                q = self._store(t, p.key, _saved._VALUES, norm, mb, True)
             except ValueError:
                 if norm is None:
                     raise
-                q = self._store(t, p.key, _saved._VALUES)  # statistics the codec refuses: plain values
+                q = self._store(t, p.key, _saved._VALUES, None, 0, True)  # statistics the codec refuses: plain values
             del keep
             if not isinstance(q, _Packed):
                 p.alias = q  # the arena could not hold it: kept as it is
@@ -772,22 +778,56 @@ class Compressor:
         r = rstd.detach().reshape(-1).float().contiguous()
         return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
 
-    def _probe_pack(self, t: torch.Tensor, key: str, kind: str, frame: Any) -> Any:
+    def _probe_pack(self, t: torch.Tensor, key: str, d: Any, frame: Any) -> Any:
         """A policy's probe keeps the tensors it would quantize as they are (with their rounding variance)."""
+        kind = d.kind
+        if kind == _saved.PREDICATE and d.clamped and t.is_floating_point():
+            # a clamp's output: if a later op reads its values too, the store keeps one boundary blob
+            self._probe.note_clamp(t, d.pred[1])
         if kind in (_saved.VALUES, _saved.LOG) and t.is_floating_point():
             return self._probe.pack(t, key)
         if kind == _saved.NORMALIZED and t.is_floating_point():
-            if frame is not None and frame.name in ("batch_norm", "instance_norm") and t.dim() >= 2:
-                dims = [d for d in range(t.dim()) if d != 1]
-                x = t.detach().float()
-                mean = x.mean(dim=dims)
-                std = x.var(dim=dims, unbiased=False).sqrt_()
-                std = torch.where(std > 0, std, torch.ones_like(std))
-                view = (1, -1) + (1,) * (t.dim() - 2)
-                z = ((x - mean.view(view)) / std.view(view)).to(t.dtype).contiguous()
-                return self._probe.pack(t, key, z=z, std=std)
-            return self._probe.pack(t, key)
+            zs = self._probe_normalized(t, frame)
+            return self._probe.pack(t, key) if zs is None else self._probe.pack(t, key, z=zs[0], std=zs[1])
         return t if t.grad_fn is None else t.detach()  # exact: nothing to probe
+
+    @staticmethod
+    def _probe_normalized(t: torch.Tensor, frame: Any) -> tuple | None:
+        """(z, std) of a normalization input as the store normalizes it (see _norm_params): batch norm per
+        channel, layer and group norm per block of consecutive elements; ``std`` broadcasts to z. None
+        where the store keeps plain values (another layout, instance norm over several samples)."""
+        if frame is None:
+            return None
+        x = t.detach().float()
+        if frame.name == "batch_norm" and t.dim() >= 2:
+            dims = [i for i in range(t.dim()) if i != 1]
+            mean = x.mean(dim=dims)
+            std = x.var(dim=dims, unbiased=False).sqrt_()
+            view = (1, -1) + (1,) * (t.dim() - 2)
+            mean, std = mean.view(view), std.view(view)
+        elif frame.name in ("layer_norm", "group_norm") and t.is_contiguous() and t.numel():
+            if frame.name == "layer_norm":
+                shape = _saved._arg(frame.args, frame.kwargs, 1, "normalized_shape")
+                inner = 1
+                for n in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)):
+                    inner *= int(n)
+            else:
+                groups = int(_saved._arg(frame.args, frame.kwargs, 1, "num_groups"))
+                inner = t.numel() // (t.shape[0] * groups) if t.dim() >= 2 and groups > 0 else 0
+            if inner <= 0 or t.numel() % inner:
+                return None
+            rows = x.reshape(-1, inner)
+            mean = rows.mean(dim=1, keepdim=True)
+            std = rows.var(dim=1, unbiased=False, keepdim=True).sqrt_()
+            x = rows
+        else:
+            return None
+        std = torch.where(std > 0, std, torch.ones_like(std))
+        z = ((x - mean) / std).to(t.dtype)  # in x's layout: grouped as the store groups
+        if z.shape != t.shape:  # layer/group norm rows: back to the tensor's shape, std per element
+            z = z.reshape(t.shape)
+            std = std.expand(x.shape).reshape(t.shape)
+        return z, std
 
     def _discard_step(self) -> None:
         """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances."""

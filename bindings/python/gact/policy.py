@@ -160,6 +160,7 @@ class AutoPolicy:
         self.probe_vectors = probe_vectors
         self.probe_samples = probe_samples
         self._probe_disabled = False
+        self._probe_closure: Callable[[], Any] | None = None  # the closure the last probe ran (verification)
         self._replay: dict | None = None  # the sampled step's first samples and output gradient
         if adapt_interval is None:
             adapt_interval = int(_C.options_current()["adapt_interval"])
@@ -181,6 +182,11 @@ class AutoPolicy:
         self._grad_sq: dict[str, list[float]] = {}  # module name -> ‖dL/dy‖² per call
         self._fan_in: dict[str, float] = {}
         self._hooks: list[Any] = []
+        self._normalized: set[str] = set()  # keys of normalization layers' inputs (verified at 1 bit)
+        self._min_bits: dict[str, int] = {}  # key -> the narrowest width the store uses for it
+        self._uniform = False  # the last decision measured worse than uniform: every key at default_bits
+        self.last_check: dict | None = None  # the last decision against uniform, measured
+        self.verified = 0  # 1-bit widths checked by direct measurement (see _verify_one_bit)
         self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
         self._skip_step = False  # record nothing until the step ends (defer_first_sample)
         self._set_sampling(True)  # the Compressor is built at step 0: sample it
@@ -200,6 +206,8 @@ class AutoPolicy:
     def bits_for(self, key: str, numel: int) -> int:
         if self._override is not None:
             return self._override.get(key, 32)
+        if self._uniform:
+            return self.default_bits  # the decision measured worse than uniform (see _check_against_uniform)
         return int(self.controller.bits_for(key))  # an unknown key: default_bits
 
     def on_stored(self, key: str, info: dict) -> None:
@@ -216,7 +224,10 @@ class AutoPolicy:
             return
         self._by_blob.setdefault(blob, key)
         numel = int(math.prod(info["shape"]))
-        self.controller.on_save(key, numel, 32 if info["dtype"] == "float32" else 16)
+        self.controller.on_save(key, numel, 32 if info["dtype"] == "float32" else 16, int(info.get("min_bits", 1)))
+        if info.get("normalized"):
+            self._normalized.add(key)
+        self._min_bits[key] = int(info.get("min_bits", 1))
         if self._sampling:
             self._saved[key] = dict(info)
 
@@ -231,11 +242,19 @@ class AutoPolicy:
                 est = self._reference_estimates()
             est = _allreduce_mean(est)
             for k in sorted(est):
-                self.controller.add_estimate(k, est[k])
+                if isinstance(est[k], (list, tuple)):  # the probe: the variance at 1, 2, 4, 8 bits
+                    self.controller.add_estimate_widths(k, list(est[k]))
+                else:
+                    self.controller.add_estimate(k, est[k])
             self.controller.set_step(step)
             if est:
                 self.controller.decide()
+                self._uniform = False
+                if self.estimator == "probe" and self._probe_closure is not None:
+                    self._verify_one_bit(self._probe_closure)
+                    self._check_against_uniform(self._probe_closure)
                 self.decisions += 1
+            self._probe_closure = None
             self.estimate_seconds += _now() - t0
         else:
             self.controller.set_step(step)
@@ -265,7 +284,10 @@ class AutoPolicy:
         self._skip_step = True
 
     def stats(self) -> dict:
-        return self.controller.stats()
+        doc = self.controller.stats()
+        if self.last_check is not None:
+            doc["last_check"] = dict(self.last_check)
+        return doc
 
     def fit_bytes(self, forward: Callable[[], Any], max_bytes: int) -> float:
         """Re-solve at the largest average-bit budget whose step stores at most ``max_bytes``
@@ -351,6 +373,87 @@ class AutoPolicy:
             est[target] = est.get(target, 0.0) + c
         return {k: v for k, v in est.items() if k not in uncovered}
 
+    # ---- verification of 1-bit normalization inputs ----------------------------------------
+
+    def _verify_one_bit(self, closure: Callable[[], Any], rounds: int = 3) -> None:
+        """Measure, rather than trust, the variance of each normalization input the solver put at 1 bit.
+
+        A normalization's backward is quadratic in its saved input (x̂·mean(δ·x̂)); the probe's
+        derivatives are its first-order part, exact at 2 bits and more but not at 1 bit, where the
+        second-order term can dominate (resnet18 at batch 8: a batch-norm input's 1-bit variance 3.5x
+        the probe's). So each such tensor at 1 bit gets a direct measurement (two runs of the closure
+        with only it quantized); a variance above the probe's replaces it, and the solve is redone,
+        for up to ``rounds`` rounds."""
+        checked: set[str] = set()
+        params = [p for p in self._comp.model.parameters() if p.requires_grad] if self._comp.model is not None else []
+        for _ in range(rounds):
+            todo = [k for k in sorted(self._normalized) if k not in checked and self.controller.bits_for(k) == 1]
+            if not todo or not params:
+                return
+            raised = False
+            for key in todo:
+                checked.add(key)
+                measured = self._measure(params, key, closure)
+                self.verified += 1
+                record = self.stats()["tensors"].get(key) or {}
+                predicted = (record.get("variance") or [record.get("C") or 0.0])[0]
+                if measured > predicted:
+                    self.controller.raise_variance(key, 1, measured)
+                    raised = True
+            if not raised:
+                return
+            self.controller.decide()
+
+    def _check_against_uniform(self, closure: Callable[[], Any], pairs: int = 2) -> None:
+        """Measure the decision against uniform ``default_bits`` before using it: the closure's gradient
+        variance with the policy's tensors at the decided widths, and at uniform's (every other tensor
+        exact in both), from ``pairs`` pairs of runs with fresh rounding noise each (the squared
+        difference of a pair's gradients is twice the variance in expectation). A decision that measures worse is not used until the next one:
+        every tensor then gets ``default_bits``, as with uniform storage. Whatever the estimators got wrong
+        (a term their model lacks), the policy is then not worse than uniform on the sampled batch."""
+        params = [p for p in self._comp.model.parameters() if p.requires_grad] if self._comp.model is not None else []
+        tensors = self.controller.stats()["tensors"]
+        keys = [k for k, r in tensors.items() if r["active"] and r["decided"]]
+        if not params or not keys:
+            return
+        auto = {k: int(tensors[k]["bits"]) for k in keys}
+        uniform = {k: max(self.default_bits, self._min_bits.get(k, 1)) for k in keys}
+        if auto == uniform:
+            self.last_check = {"step": self.controller.step(), "same_as_uniform": True}
+            return
+        seed0 = self._comp.seed
+        saved_grads = [p.grad for p in params]
+        var = {}
+        try:
+            for name, widths in (("auto", auto), ("uniform", uniform)):
+                var[name] = sum(self._pair_variance(params, widths, (seed0 + 211 + 2 * i, seed0 + 212 + 2 * i), closure)
+                                for i in range(pairs)) / pairs
+        finally:
+            self._comp.seed = seed0
+            self._override = None
+            for p, gr in zip(params, saved_grads):
+                p.grad = gr
+        self._uniform = var["auto"] > var["uniform"]
+        self.last_check = {"step": self.controller.step(), "variance_auto": var["auto"],
+                           "variance_uniform": var["uniform"], "used": "uniform" if self._uniform else "auto"}
+        if self._uniform:
+            warnings.warn(f"gact policy: the decision at step {self.controller.step()} measured a gradient variance "
+                          f"{var['auto']:.4g} against uniform {self.default_bits} bits' {var['uniform']:.4g} on the "
+                          f"sampled batch; using uniform {self.default_bits} bits until the next estimate",
+                          RuntimeWarning, stacklevel=4)
+
+    def _measure(self, params: list[torch.Tensor], key: str, closure: Callable[[], Any]) -> float:
+        """One tensor's 1-bit gradient variance, measured: two runs with only it quantized."""
+        seed0 = self._comp.seed
+        saved_grads = [p.grad for p in params]
+        try:
+            return self._pair_variance(params, {key: 1}, (seed0 + 101, seed0 + 102), closure)
+        finally:
+            self._comp.seed = seed0
+            self._override = None
+            for p, gr in zip(params, saved_grads):
+                p.grad = gr
+
     # ---- reference estimator -------------------------------------------------------------
 
     def _reference_estimates(self) -> dict[str, float]:
@@ -382,7 +485,7 @@ class AutoPolicy:
 
     # ---- probe estimator -----------------------------------------------------------------
 
-    def _probe_or_fallback(self) -> dict[str, float]:
+    def _probe_or_fallback(self) -> dict[str, Any]:
         """The probe with the closure given, else replaying the sampled step. When the probe was
         chosen by default and cannot run (no replayable call, or an op whose backward autograd
         cannot differentiate), a warning names why and the online estimator stands in."""
@@ -398,13 +501,15 @@ class AutoPolicy:
                 raise RuntimeError(f"gact.Compressor: {why}")
             return self._fall_back(why)
         try:
-            return self._probe_estimates(closure)
+            est = self._probe_estimates(closure)
+            self._probe_closure = closure
+            return est
         except RuntimeError as e:
             if not self._default_estimator:
                 raise
             return self._fall_back(f"the probe failed ({e})")
 
-    def _fall_back(self, why: str) -> dict[str, float]:
+    def _fall_back(self, why: str) -> dict[str, Any]:
         warnings.warn(f"gact policy: {why}; using the online estimator from now on", RuntimeWarning, stacklevel=3)
         self._probe_disabled = True
         return self._online_estimates()
@@ -447,15 +552,15 @@ class AutoPolicy:
 
         return replay
 
-    def _probe_estimates(self, closure: Callable[[], Any]) -> dict[str, float]:
+    def _probe_estimates(self, closure: Callable[[], Any]) -> dict[str, list[float]]:
         comp = self._comp
         params = [p for p in comp.model.parameters() if p.requires_grad] if comp.model is not None else []
         if not params:
             raise RuntimeError("gact.Compressor: estimator='probe' needs a model with parameters that require grad")
         rec = _ProbeRecorder(comp.group_size)
         cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts))
-                 for m in comp.model.modules() if next(m.children(), None) is None]
+        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec))
+                 for m in comp.model.modules() if _cut_here(m)]
         user_grads = [p.grad for p in params]
         saved_state = comp._key_counts, comp._input_ptrs, comp._step_open
         # the probe keys tensors as a step does, but stores nothing: no store step is opened
@@ -482,9 +587,10 @@ class AutoPolicy:
             rec.close()
 
     def _probe_solve(self, rec: "_ProbeRecorder", cuts: list, params: list[torch.Tensor],
-                     loss: torch.Tensor) -> dict[str, float]:
-        """C_l for every blob of the probe, from one backward with create_graph and
-        ``probe_vectors`` double backwards (the method: policy/README.md, "Probe")."""
+                     loss: torch.Tensor) -> dict[str, list[float]]:
+        """For every blob of the probe, the gradient variance it adds at 1, 2, 4 and 8 bits in the
+        form the store keeps it in, from one backward with create_graph and ``probe_vectors``
+        double backwards (the method: policy/README.md, "Probe")."""
         for p in params:
             p.grad = None
         with warnings.catch_warnings():
@@ -509,25 +615,25 @@ class AutoPolicy:
             # the tensor keeps its bits.
             if target in want and not k.startswith("<none>:") and rec.tensors[i].requires_grad:
                 blob_of[i] = target
-        c = {k: 0.0 for k in blob_of.values()}
+        c = {k: [0.0] * len(_CODE_WIDTHS) for k in blob_of.values()}
         idx = sorted(blob_of)
         n = self.probe_vectors
+        variances: dict[tuple[int, int], torch.Tensor] = {}  # (tensor, bits) -> variance, kept for the next vector
         if g and idx:
             gen = torch.Generator().manual_seed((comp.seed * 1_000_003 + self.decisions) % 2**63)
             for r in range(n):
                 # Hutchinson: with E[v vᵀ] = I, E_v[(J_lᵀ v)_j²] = ‖J_l[:, j]‖², so
-                # Σ_j var_j·(J_lᵀ v)_j² estimates Σ_j var_j‖J_l[:, j]‖² = E‖J_l ε_l‖², the
-                # gradient variance tensor l adds at 1 bit, for every tensor from one double backward.
-                signs = _random_signs(sum(x.numel() for x in g), gen)
-                dot, at = 0, 0
+                # Σ_j var_j(b)·(J_lᵀ v)_j² estimates Σ_j var_j(b)‖J_l[:, j]‖² = E‖J_l ε_l(b)‖², the
+                # gradient variance tensor l adds at b bits, for every tensor from one double backward.
+                dot = 0
                 for x in g:
-                    v = signs[at:at + x.numel()].view(x.shape).to(x.device, x.dtype)
+                    v = _random_signs(x.numel(), gen).view(x.shape).to(x.device)
                     dot = dot + (x * v).sum()
-                    at += x.numel()
                 us = torch.autograd.grad(dot, [rec.tensors[i] for i in idx], retain_graph=r + 1 < n,
                                          allow_unused=True)
+                del dot
                 per: dict[str, torch.Tensor] = {}  # controller key -> Jᵀv over the blob's elements
-                var: dict[str, torch.Tensor] = {}
+                first: dict[str, int] = {}  # controller key -> the recorded tensor of its blob
                 for i, u in zip(idx, us):
                     if u is None:
                         continue  # the tensor's noise reaches no parameter gradient (max-pool input)
@@ -535,15 +641,31 @@ class AutoPolicy:
                     k = blob_of[i]
                     w = u.detach().float().reshape(-1)
                     per[k] = per[k] + w if k in per else w
-                    var.setdefault(k, rec.var1[i])
+                    first.setdefault(k, i)
+                del us
                 for k, w in per.items():
-                    c[k] += float((w.double().pow(2) * var[k].double()).sum()) / n
+                    w2 = w.double().pow(2)
+                    for j, bits in enumerate(_CODE_WIDTHS):
+                        key = (first[k], bits)
+                        var = variances.get(key)
+                        if var is None:
+                            var = rec.variance(first[k], bits).to(w2.device)
+                            if r + 1 < n:
+                                variances[key] = var
+                        c[k][j] += float((w2 * var).sum()) / n
         for p in params:
             p.grad = None
         return c
 
     def _probe(self, params: list[torch.Tensor], override: dict[str, int], seed: int,
                closure: Callable[[], Any]) -> torch.Tensor:
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                          for p, g in zip(params, self._grads(params, override, seed, closure))])
+
+    def _grads(self, params: list[torch.Tensor], override: dict[str, int], seed: int,
+               closure: Callable[[], Any]) -> list[torch.Tensor | None]:
+        """The closure's parameter gradients with the tensors in ``override`` at those widths and every other
+        one kept exact, under rounding seed ``seed``: the tensors backward made (no copies)."""
         comp = self._comp
         self._override = override
         comp.seed = seed
@@ -558,8 +680,26 @@ class AutoPolicy:
                 del loss
         finally:
             comp._discard_step()
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).double()
-                          for p in params])
+        grads = [None if p.grad is None else p.grad.detach() for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    def _pair_variance(self, params: list[torch.Tensor], widths: dict[str, int], seeds: tuple[int, int],
+                       closure: Callable[[], Any]) -> float:
+        """The gradient variance of the closure with ``widths`` (every other tensor exact), from two runs of
+        independent rounding noise: E‖g_a − g_b‖² = 2·Var. One run's gradients are held at a time beside the
+        other's (the parameters' size, not more)."""
+        a = self._grads(params, widths, seeds[0] % 2**64, closure)
+        b = self._grads(params, widths, seeds[1] % 2**64, closure)
+        d = 0.0
+        for x, y in zip(a, b):
+            if x is None and y is None:
+                continue
+            diff = x if y is None else (-y if x is None else x - y)
+            d += float(diff.double().pow(2).sum()) if diff.numel() <= 1 << 20 else \
+                sum(float(c.double().pow(2).sum()) for c in diff.reshape(-1).split(1 << 20))
+        return d / 2.0
 
 
 class _ProbeSaved:
@@ -580,42 +720,66 @@ class _ProbeSaved:
 class _ProbeRecorder:
     """The Compressor's probe mode. Every float tensor it would store is kept as is, once per
     blob (the store's dedup: same storage, offset, shape, strides and version) under the key of
-    its first save, with its 1-bit rounding variance computed at save time."""
+    its first save, with the form the store would keep it in: plain values, channel-normalized
+    (batch-norm inputs: ``z`` and ``std``), or a boundary blob (a clamp's output, such as a ReLU's,
+    whose values a later op reads: the store keeps one blob with the clamp's bound exact). From
+    the form, :meth:`variance` gives each element's rounding variance at a width exactly."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.index: dict[tuple, int] = {}
         self.keys: list[str] = []
         self.tensors: list[torch.Tensor] = []
-        self.var1: list[torch.Tensor] = []
+        self.forms: list[tuple] = []  # per tensor: (z, std, boundary bound or None)
         self.holders: list[_ProbeSaved] = []
+        self.clamps: dict[tuple, float] = {}  # identity of a clamp's output -> the bound it clamps to
+
+    @staticmethod
+    def _ident(t: torch.Tensor) -> tuple:
+        return (_compat.storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
+
+    def note_clamp(self, t: torch.Tensor, lo: float) -> None:
+        """``t`` is the output of a clamp to [lo, ∞) saved for its mask (a ReLU's)."""
+        self.clamps[self._ident(t)] = float(lo)
+
+    def copy_clamp(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` is a copy of ``src`` the probe made (a cut): the same clamp's output, if ``src`` is one."""
+        lo = self.clamps.get(self._ident(src))
+        if lo is not None:
+            self.clamps[self._ident(dst)] = lo
 
     def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Any:
-        """``z``, ``std``: a tensor the store keeps channel-normalized (batch-norm inputs): its
-        rounding variance is z's, scaled back by std_c² per channel."""
+        """``z``, ``std``: a tensor the store keeps normalized (a normalization layer's input): its
+        rounding variance is z's, scaled back by std² (``std`` broadcasts to z's shape)."""
         if not t.is_floating_point():
             return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
-        ident = (_compat.storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version, t.dtype)
+        ident = self._ident(t)
         if ident not in self.index:  # the tensor stays referenced, so its address is not reused
             self.index[ident] = len(self.tensors)
             self.keys.append(key)
             self.tensors.append(t)
-            if z is None:
-                self.var1.append(rounding_variance_1bit(t, self.group_size))
-            else:
-                view = (1, -1) + (1,) * (t.dim() - 2)
-                var = rounding_variance_1bit(z, self.group_size).view(z.shape) * std.view(view).pow(2)
-                self.var1.append(var.reshape(-1))
+            self.forms.append((z, std, self.clamps.get(ident) if z is None else None))
         h = _ProbeSaved(t)
         self.holders.append(h)
         return h
+
+    def variance(self, i: int, bits: int) -> torch.Tensor:
+        """Tensor i's per-element rounding variance at ``bits`` in its stored form (float64, the
+        elements in row-major order, as its gradient is flattened)."""
+        t = self.tensors[i]
+        z, std, lo = self.forms[i]
+        if z is None:
+            return rounding_variance(t, self.group_size, bits, boundary=lo)
+        var = rounding_variance(z, self.group_size, bits).view(z.shape) * std.double().pow(2)  # std broadcasts to z
+        return var.reshape(-1)
 
     def close(self) -> None:
         for h in self.holders:  # break tensor -> grad_fn -> saved holder -> tensor
             h.tensor = None
         self.holders.clear()
         self.tensors.clear()
-        self.var1.clear()
+        self.forms.clear()
+        self.clamps.clear()
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -656,26 +820,44 @@ class _frozen_norm_stats:
                 b.copy_(v)
 
 
-def _cut_inputs(cuts: list, _module: torch.nn.Module, inputs: tuple) -> tuple:
+def _cut_here(m: torch.nn.Module) -> bool:
+    """Whether the probe cuts the graph at a module's inputs: a leaf module, or one that uses parameters of
+    its own directly (multi-head attention applies its projections functionally, without calling its
+    children): without the cut, the tensors it saves would collect the derivatives of every later
+    tensor through the forward graph (a layer's attention leaked into the previous layer's norm input)."""
+    return next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None
+
+
+def _cut_inputs(cuts: list, rec: "_ProbeRecorder", _module: torch.nn.Module, inputs: tuple) -> tuple:
     """A probe's forward pre-hook on a leaf module: each float input is replaced by a copy of a
     fresh leaf that requires grad, cutting the graph there (``cuts`` gets (leaf, original);
     an input that did not require grad, like the batch, now does, so that what the module
-    saves of it can be differentiated too)."""
+    saves of it can be differentiated too). A tensor passed several times gets one copy (self-
+    attention passes its input as query, key and value, and tests them for identity). The copy of a
+    clamp's output stays marked as one (the store keeps that tensor as a boundary blob when the
+    module reads its values)."""
     out = []
+    copies: dict[int, torch.Tensor] = {}  # one copy per tensor: a module may test its inputs for identity
     for a in inputs:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            leaf = a.detach().requires_grad_()
-            cuts.append((leaf, a))
-            a = leaf.clone()
+            c = copies.get(id(a))
+            if c is None:
+                leaf = a.detach().requires_grad_()
+                cuts.append((leaf, a))
+                c = copies[id(a)] = leaf.clone()
+                rec.copy_clamp(a, c)
+            a = c
         out.append(a)
     return tuple(out)
 
 
 def _random_signs(n: int, gen: torch.Generator) -> torch.Tensor:
-    """n independent ±1 (float32) from 64 random bits per word: much faster than one draw per element."""
-    words = torch.randint(-2**63, 2**63 - 1, ((n + 63) // 64, 1), generator=gen, dtype=torch.int64)
-    bits = (words >> torch.arange(64, dtype=torch.int64)) & 1
-    return bits.reshape(-1)[:n].to(torch.float32).mul_(2.0).sub_(1.0)
+    """n independent ±1 (int8) from 8 random bits per byte drawn: a byte per sign, so that the
+    probe's signs cost a quarter of the parameters they multiply (they stay referenced by the
+    graph of v·g until its double backward)."""
+    drawn = torch.randint(0, 256, ((n + 7) // 8, 1), generator=gen, dtype=torch.uint8)
+    bits = (drawn >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(-1)[:n].to(torch.int8).mul_(2).sub_(1)
 
 
 def variance_factor(bits: int) -> float:
@@ -683,19 +865,64 @@ def variance_factor(bits: int) -> float:
 
 
 def rounding_variance_1bit(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per element, the variance of 1-bit stochastic rounding within its group of ``group_size``
-    consecutive elements (row-major): (x − min_g)(max_g − x). At b bits it is at most this
-    times 1/(2^b − 1)², and equal to it in expectation over uniform fractions (policy/README.md)."""
-    v = x.detach().reshape(-1).float()
+    """Per element, the variance of 1-bit stochastic rounding within its group:
+    (x − min_g)(max_g − x) (:func:`rounding_variance` at 1 bit)."""
+    return rounding_variance(x, group_size, 1)
+
+
+def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """A dense tensor's elements in memory order (the order the store groups them in) and the
+    permutation that lays them out so; None when that is the row-major order."""
+    if t.dim() < 2 or t.is_contiguous() or not _compat.is_dense(t):
+        return t.reshape(-1), None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return t.permute(order).reshape(-1), order
+
+
+def rounding_variance(x: torch.Tensor, group_size: int, bits: int, boundary: float | None = None) -> torch.Tensor:
+    """Per element (row-major order, float64), the variance of the store's stochastic rounding of
+    ``x`` at ``bits``: in each group of ``group_size`` elements (consecutive in memory), step =
+    (max_g − min_g)/(2^b − 1) and variance step²·f(1 − f), f the element's fractional position
+    in its step. ``boundary``: the tensor is a boundary blob beside a clamp to [boundary, ∞) (a
+    ReLU's output also read as values): elements at the bound are exact, the others are
+    quantized between their own min and max on 2^b − 2 steps, with at least 2 bits."""
+    flat, order = _memory_order(x.detach())
+    v = flat.double()
     out = torch.empty_like(v)
-    full = v.numel() // group_size * group_size
-    for lo, hi, g in ((0, full, group_size), (full, v.numel(), v.numel() - full)):
-        if hi > lo:
-            blk = v[lo:hi].view(-1, g)
-            mn = blk.min(dim=1, keepdim=True).values
-            mx = blk.max(dim=1, keepdim=True).values
-            out[lo:hi] = ((blk - mn) * (mx - blk)).reshape(-1)
-    return out
+    n = v.numel()
+    full = n // group_size * group_size
+    inf = float("inf")
+    for a, b, g in ((0, full, group_size), (full, n, n - full)):
+        if b <= a:
+            continue
+        blk = v[a:b].view(-1, g)
+        inner = None
+        if boundary is None:
+            lo = blk.amin(dim=1, keepdim=True)
+            hi = blk.amax(dim=1, keepdim=True)
+            levels = float(2**bits - 1)
+        else:
+            inner = blk > boundary
+            lo = torch.where(inner, blk, torch.full_like(blk, inf)).amin(dim=1, keepdim=True)
+            hi = torch.where(inner, blk, torch.full_like(blk, -inf)).amax(dim=1, keepdim=True)
+            some = torch.isfinite(lo)
+            lo = torch.where(some, lo, torch.zeros_like(lo))
+            hi = torch.where(some, hi, torch.zeros_like(hi))
+            levels = float(2**max(bits, 2) - 2)
+        step = (hi - lo) / levels
+        live = step > 0
+        safe = torch.where(live, step, torch.ones_like(step))
+        pos = (blk - lo) / safe
+        f = pos - pos.floor()
+        var = torch.where(live, safe * safe * f * (1.0 - f), torch.zeros_like(blk))
+        if inner is not None:
+            var = torch.where(inner, var, torch.zeros_like(var))
+        out[a:b] = var.reshape(-1)
+    if order is None:
+        return out
+    shape = [x.shape[d] for d in order]
+    inverse = [order.index(d) for d in range(x.dim())]
+    return out.view(shape).permute(inverse).reshape(-1)
 
 
 def _now() -> float:
@@ -704,19 +931,26 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def _allreduce_mean(est: dict[str, float]) -> dict[str, float]:
+def _allreduce_mean(est: dict[str, Any]) -> dict[str, Any]:
     """With torch.distributed initialized: the per-key mean over the ranks that saw the key,
-    identical on every rank (keys sorted), so that every rank solves the same problem."""
+    identical on every rank (keys sorted), so that every rank solves the same problem. A value is
+    a number or a list of numbers (the variance at each width), averaged element by element."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return est
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, est)
-    sums: dict[str, list[float]] = {}
+    sums: dict[str, list[Any]] = {}
     for d in gathered:
         for k, v in d.items():
-            sums.setdefault(k, []).append(float(v))
-    return {k: math.fsum(v) / len(v) for k, v in sorted(sums.items())}
+            sums.setdefault(k, []).append(v)
+    out: dict[str, Any] = {}
+    for k, vs in sorted(sums.items()):
+        if isinstance(vs[0], (list, tuple)):
+            out[k] = [math.fsum(float(v[j]) for v in vs) / len(vs) for j in range(len(vs[0]))]
+        else:
+            out[k] = math.fsum(float(v) for v in vs) / len(vs)
+    return out
 
 
 def make_policy(compressor: Any, budget: float, estimator: Any = None) -> AutoPolicy:
