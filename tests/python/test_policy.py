@@ -562,3 +562,160 @@ def test_reference_estimator_measures_the_width_it_asks_for():
     for k in bn_inputs:
         assert c[k] > 0.01 * top, c  # measured at the width asked (was ~1e-5 of the top)
     comp.close()
+
+
+# ---- the probe's variances against measurement ----------------------------------------------
+
+class StoredForms(torch.nn.Module):
+    """Every stored form the probe models: a plain conv input (the batch copy through a conv), batch-norm
+    inputs (normalized), ReLU outputs read by the next conv (boundary blobs), a max-pool output, a
+    layer-norm input (normalized per row) and a linear input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.b1 = torch.nn.BatchNorm2d(16)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.b2 = torch.nn.BatchNorm2d(16)
+        self.c3 = torch.nn.Conv2d(16, 8, 3, padding=1)
+        self.ln = torch.nn.LayerNorm(8 * 8 * 8)
+        self.fc = torch.nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.b1(self.c1(x)))
+        h = torch.relu(self.b2(self.c2(h)))
+        h = torch.nn.functional.max_pool2d(h, 2)
+        h = self.c3(h)
+        return self.fc(self.ln(h.flatten(1)))
+
+
+class _Widths:
+    """A policy with fixed widths per key (others: full precision)."""
+
+    def __init__(self, widths: dict, default: int = 32) -> None:
+        self.widths, self.default = widths, default
+
+    def bits_for(self, key, numel):
+        return self.widths.get(key, self.default)
+
+
+def _stored_forms():
+    torch.manual_seed(3)
+    m = StoredForms()
+    x = torch.randn(8, 3, 16, 16)
+    y = torch.randint(0, 10, (8,))
+    g0, _ = _grad(m, x, y)
+    return m, x, y, g0
+
+
+@pytest.fixture(scope="module")
+def stored_forms_probe():
+    m, x, y, g0 = _stored_forms()
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    comp.policy.probe_vectors = 16
+    _grad(m, x, y, comp)  # sampled: the probe runs in step()
+    tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
+    comp.close()
+    return m, x, y, g0, tensors
+
+
+def _probe_against_measured(stored_forms_probe, keys, widths=((2, 1), (4, 2))):
+    m, x, y, g0, tensors = stored_forms_probe
+    out = []
+    for bits, col in widths:
+        for key in keys:
+            r = tensors[key]
+            if r["min_bits"] > bits:
+                continue
+            c = gact.Compressor(m, bits=2, policy=_Widths({key: bits}))
+            errs, _ = _arm_errors(m, x, y, g0, c, 24)
+            c.close()
+            measured = sum(errs) / len(errs)
+            out.append((key, bits, r["variance"][col], measured, r["variance"][col] / measured))
+    return out
+
+
+def test_probe_variance_of_each_tensor_matches_its_measured_variance(stored_forms_probe):
+    """The probe's variance of each tensor at 2 and 4 bits, in the form the store keeps it (boundary blobs,
+    normalized batch-norm inputs, plain values), against the gradient variance measured with only that
+    tensor quantized (every other exact), the whole batch replayed (8 samples).
+
+    Bounds: the measured mean over 24 seeds has a relative standard error of about 0.2/sqrt(24) = 4 %
+    (one seed's squared error spreads ~20 % here), the probe with 16 sign vectors about 0.2/sqrt(16) = 5 %;
+    a ratio outside [0.7, 1.45] is > 5 combined standard errors. The 1-bit model scaled by v(b), used
+    before, put boundary blobs at 1/2.25 of their 2-bit variance and fails this test. Measured: 0.83-1.01."""
+    tensors = stored_forms_probe[4]
+    assert len(tensors) >= 6, sorted(tensors)
+    assert any(r["min_bits"] == 2 for r in tensors.values()), "no boundary blob among the keys"
+    for key, bits, predicted, measured, ratio in _probe_against_measured(
+            stored_forms_probe, sorted(k for k in tensors if k != "ln:0")):
+        assert 0.7 < ratio < 1.45, (key, bits, predicted, measured, ratio)
+
+
+@pytest.mark.xfail(strict=True, reason="a layer norm's input made of a conv output is over-estimated 1.5x at 2 "
+                                       "and 4 bits (a linear layer's output into the same layer norm is within "
+                                       "7 %); the cause is not found. An over-estimate gives the tensor bytes it "
+                                       "does not need: less gain, not less fidelity")
+def test_probe_variance_of_a_layer_norm_input_matches_its_measured_variance(stored_forms_probe):
+    for key, bits, predicted, measured, ratio in _probe_against_measured(stored_forms_probe, ["ln:0"]):
+        assert 0.7 < ratio < 1.45, (key, bits, predicted, measured, ratio)
+
+
+def test_a_decision_measured_worse_than_uniform_is_not_used(monkeypatch):
+    """Estimates turned upside down (the most sensitive tensor looks the least): the decision is measured
+    against uniform 2 bits on the sampled batch, found worse, and every tensor keeps 2 bits, with a warning
+    and the measurement in the stats."""
+    m, x, y, g0 = _stored_forms()
+    real = gpol.AutoPolicy._probe_estimates
+
+    def upside_down(self, closure):
+        est = real(self, closure)
+        top = max(v[1] for v in est.values())
+        return {k: [top * top / max(w, 1e-30) for w in v] for k, v in est.items()}
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", upside_down)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with pytest.warns(RuntimeWarning, match="using uniform 2 bits"):
+        _grad(m, x, y, comp)
+    check = comp.policy.stats()["last_check"]
+    assert check["used"] == "uniform" and check["variance_auto"] > check["variance_uniform"], check
+    keys = [k for k, r in comp.policy.stats()["tensors"].items() if r["decided"]]
+    assert keys and all(comp.policy.bits_for(k, 1) == 2 for k in keys)
+    comp.close()
+    # the honest estimates: the decision is used
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", real)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _grad(m, x, y, comp)
+    check = comp.policy.stats()["last_check"]
+    assert check.get("used", "auto") == "auto" or check.get("same_as_uniform"), check
+    comp.close()
+
+
+def test_a_normalization_input_at_one_bit_is_measured_first(monkeypatch):
+    """A batch-norm input made to look insensitive goes to 1 bit in the first solve; its 1-bit variance is
+    then measured (the probe's first-order model misses the second-order term of the normalization's
+    backward), the record takes the measurement, and the solve is redone."""
+    m, x, y, g0 = _stored_forms()
+    real = gpol.AutoPolicy._probe_estimates
+    target = "b2:0"
+
+    def hide(self, closure):
+        est = real(self, closure)
+        assert target in est, sorted(est)
+        est[target] = [v * 1e-6 for v in est[target]]
+        return est
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", hide)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    _grad(m, x, y, comp)
+    rec = comp.policy.stats()["tensors"][target]
+    comp.close()
+    assert comp.policy.verified >= 1
+    # the measured 1-bit variance replaced the hidden estimate (a millionth of the probe's)
+    c = gact.Compressor(m, bits=2, policy=_Widths({target: 1}))
+    errs, _ = _arm_errors(m, x, y, g0, c, 16)
+    c.close()
+    measured = sum(errs) / len(errs)
+    assert rec["variance"][0] > 0.3 * measured, (rec, measured)
