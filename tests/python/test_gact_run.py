@@ -113,8 +113,9 @@ def test_script_without_optimizer_steps_at_each_backward(tmp_path):
     assert store["steps"] == 3, store
     assert store["leaks"] == 0, store
     policy = next(iter(doc["processes"].values()))["policy"]
+    # the process totals: the three steps and the policy's own passes on the sampled one
     per_step = store["tensors_in"] // 3
-    assert per_step > 0 and store["tensors_in"] == 3 * per_step
+    assert per_step > 0
     # keys reused from step to step (they once grew by a step's worth each step); a sampled step saves
     # a few tensors more under keys of its own
     assert per_step <= len(policy["tensors"]) < 2 * per_step, "the keys of one step were not reused by the next"

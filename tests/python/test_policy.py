@@ -4,9 +4,12 @@
 * Planted sensitivities: four parallel linear layers whose gradients are scaled by
   known factors w_i, so C_i ∝ w_i²; every estimator recovers the ratios and the
   chosen bits follow them.
-* resnet18 at 32 px, batch 32: auto+probe at the stored bytes of uniform 2 bits has at
-  least 2x lower gradient variance (one-sided Welch test over seeds, stated below);
-  auto+online is not significantly worse than 1.15x uniform.
+* resnet18 at 32 px, batch 32: auto+probe at the stored bytes of uniform 2 bits has
+  measurably lower gradient variance (one-sided Welch test over seeds, stated below; the 2x
+  target is a strict xfail); auto+online is not significantly worse than 1.15x uniform.
+* The probe's variance of each stored form against the variance measured with only that
+  tensor quantized; a decision measured worse than uniform is not used; a normalization
+  input at 1 bit is measured before it is trusted.
 * The closure API (``comp.step(closure)``) and its errors.
 * Training with auto ends no worse than uniform 2 bits (tolerance stated).
 * A dynamic graph (a branch on some steps only) trains under auto.
@@ -178,9 +181,11 @@ def test_resnet18_auto_probe_lower_variance_at_equal_bytes(resnet_uniform, resne
     assert t > 4.54, (sum(eu) / 4, sum(ea) / 4, t, eu, ea)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: with ReLU outputs in boundary blobs and normalization inputs "
-                                       "normalized, uniform 2 bits' error fell from 1852 to 477 and is spread "
-                                       "evenly over the conv inputs; auto+probe gains 1.2x, not the 2x target")
+@pytest.mark.xfail(strict=True, reason="issue 16: uniform 2 bits keeps ReLU outputs as boundary blobs (at least 2 "
+                                       "bits) and normalizes BatchNorm inputs; what is left to redistribute gives "
+                                       "1.23x at batch 32, and the best allocation of measured per-tensor "
+                                       "variances 1.29x (gact-bench policy --oracle): 2x is beyond any per-tensor "
+                                       "allocation of this model at this budget")
 def test_resnet18_auto_probe_halves_variance_at_equal_bytes(resnet_uniform, resnet_probe_errors):
     """The policy issue's target: at least 2x lower variance than uniform 2 bits at equal bytes."""
     eu, ea = resnet_uniform[4], resnet_probe_errors

@@ -72,6 +72,7 @@ TypeError when the probe's closure does not return a scalar loss.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -186,6 +187,8 @@ class AutoPolicy:
         self._min_bits: dict[str, int] = {}  # key -> the narrowest width the store uses for it
         self._uniform = False  # the last decision measured worse than uniform: every key at default_bits
         self.last_check: dict | None = None  # the last decision against uniform, measured
+        self._checked_widths: dict[str, int] | None = None  # the widths last_check measured
+        self._scratch_owner = 0  # the store owner the estimators' passes count under (_scratch_counters)
         self.verified = 0  # 1-bit widths checked by direct measurement (see _verify_one_bit)
         self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
         self._skip_step = False  # record nothing until the step ends (defer_first_sample)
@@ -404,13 +407,16 @@ class AutoPolicy:
                 return
             self.controller.decide()
 
-    def _check_against_uniform(self, closure: Callable[[], Any], pairs: int = 2) -> None:
+    def _check_against_uniform(self, closure: Callable[[], Any], pairs: int = 1) -> None:
         """Measure the decision against uniform ``default_bits`` before using it: the closure's gradient
         variance with the policy's tensors at the decided widths, and at uniform's (every other tensor
         exact in both), from ``pairs`` pairs of runs with fresh rounding noise each (the squared
         difference of a pair's gradients is twice the variance in expectation). A decision that measures worse is not used until the next one:
         every tensor then gets ``default_bits``, as with uniform storage. Whatever the estimators got wrong
-        (a term their model lacks), the policy is then not worse than uniform on the sampled batch."""
+        (a term their model lacks), the policy is then not worse than uniform on the sampled batch. The
+        squared error of a whole gradient is a sum over many parameters and varies little from run to run
+        (resnet18: 1 % between seeds), so one pair per arm is enough. A decision with the same widths as
+        the last one measured keeps that verdict without measuring again."""
         params = [p for p in self._comp.model.parameters() if p.requires_grad] if self._comp.model is not None else []
         tensors = self.controller.stats()["tensors"]
         keys = [k for k, r in tensors.items() if r["active"] and r["decided"]]
@@ -420,20 +426,18 @@ class AutoPolicy:
         uniform = {k: max(self.default_bits, self._min_bits.get(k, 1)) for k in keys}
         if auto == uniform:
             self.last_check = {"step": self.controller.step(), "same_as_uniform": True}
+            self._uniform = False
             return
-        seed0 = self._comp.seed
-        saved_grads = [p.grad for p in params]
+        if self.last_check is not None and self._checked_widths == auto:
+            self._uniform = self.last_check.get("used") == "uniform"
+            return
         var = {}
-        try:
+        with self._extra_runs(params) as seed0:
             for name, widths in (("auto", auto), ("uniform", uniform)):
                 var[name] = sum(self._pair_variance(params, widths, (seed0 + 211 + 2 * i, seed0 + 212 + 2 * i), closure)
                                 for i in range(pairs)) / pairs
-        finally:
-            self._comp.seed = seed0
-            self._override = None
-            for p, gr in zip(params, saved_grads):
-                p.grad = gr
         self._uniform = var["auto"] > var["uniform"]
+        self._checked_widths = auto
         self.last_check = {"step": self.controller.step(), "variance_auto": var["auto"],
                            "variance_uniform": var["uniform"], "used": "uniform" if self._uniform else "auto"}
         if self._uniform:
@@ -444,10 +448,32 @@ class AutoPolicy:
 
     def _measure(self, params: list[torch.Tensor], key: str, closure: Callable[[], Any]) -> float:
         """One tensor's 1-bit gradient variance, measured: two runs with only it quantized."""
+        with self._extra_runs(params) as seed0:
+            return self._pair_variance(params, {key: 1}, (seed0 + 101, seed0 + 102), closure)
+
+    @contextlib.contextmanager
+    def _scratch_counters(self) -> Any:
+        """The estimators' own passes count in a store owner of their own, not in the Compressor's
+        statistics (``comp.stats()["store"]``: what the user's steps saved). The process totals
+        (``store_process``, the dump's ``store``) include them."""
+        comp = self._comp
+        if self._scratch_owner == 0:
+            self._scratch_owner = _C.store_new_owner()
+            weakref.finalize(self, _C.store_drop_owner, self._scratch_owner)
+        owner, comp._owner = comp._owner, self._scratch_owner
+        try:
+            yield
+        finally:
+            comp._owner = owner
+
+    @contextlib.contextmanager
+    def _extra_runs(self, params: list[torch.Tensor]) -> Any:
+        """Around an estimator's extra runs of the closure: yields the Compressor's seed, and restores it,
+        the parameters' gradients and the Compressor's widths (no override) afterwards."""
         seed0 = self._comp.seed
         saved_grads = [p.grad for p in params]
         try:
-            return self._pair_variance(params, {key: 1}, (seed0 + 101, seed0 + 102), closure)
+            yield seed0
         finally:
             self._comp.seed = seed0
             self._override = None
@@ -464,10 +490,8 @@ class AutoPolicy:
                 "or pass estimator=gact.policy.Reference(closure)")
         keys = [k for k, i in self._saved.items() if k not in self._alias and i["codec"] != "raw"]
         params = [p for p in self._comp.model.parameters() if p.requires_grad] if self._comp.model is not None else []
-        saved_grads = [p.grad for p in params]
-        seed0 = self._comp.seed
         est: dict[str, float] = {}
-        try:
+        with self._extra_runs(params) as seed0:
             for key in keys:
                 g = []
                 for bits, seed in ((1, seed0), (1, seed0 + 1), (8, seed0 + 2)):
@@ -476,11 +500,6 @@ class AutoPolicy:
                 d02 = float((g[0] - g[2]).pow(2).sum())
                 d12 = float((g[1] - g[2]).pow(2).sum())
                 est[key] = reference_sensitivity(d01, d02, d12)
-        finally:
-            self._comp.seed = seed0
-            self._override = None
-            for p, gr in zip(params, saved_grads):
-                p.grad = gr
         return est
 
     # ---- probe estimator -----------------------------------------------------------------
@@ -568,7 +587,7 @@ class AutoPolicy:
         comp._probe = rec
         try:
             try:
-                with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
+                with torch.enable_grad(), self._scratch_counters(), comp, _frozen_norm_stats(comp.model):
                     loss = closure()
             finally:
                 comp._probe = None
@@ -671,15 +690,16 @@ class AutoPolicy:
         comp.seed = seed
         for p in params:
             p.grad = None
-        comp._open_step()
-        try:
-            with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
-                loss = closure()
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
-                del loss
-        finally:
-            comp._discard_step()
+        with self._scratch_counters():
+            comp._open_step()
+            try:
+                with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
+                    loss = closure()
+                if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
+                    del loss
+            finally:
+                comp._discard_step()
         grads = [None if p.grad is None else p.grad.detach() for p in params]
         for p in params:
             p.grad = None
