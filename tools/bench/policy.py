@@ -3,11 +3,12 @@
 auto policy with each estimator (online, probe, reference), and each estimator's overhead as a
 percentage of training time, amortized over adapt_interval steps.
 
-    gact-bench policy [--model resnet18|mobilenet_v2] [--size 32] [--batch 32] [--seeds 8]
+    gact-bench policy [--model resnet18|mobilenet_v2|encoder] [--size 32] [--batch 32] [--seeds 8]
                       [--ref-batch 8] [--interval N] [--probe-vectors 1] [--skip-reference]
-                      [--no-fit] [--threads 1]
+                      [--no-fit] [--oracle] [--threads 1]
 
-Method (--model, default resnet18, fresh weights, one random batch):
+Method (--model, default resnet18, fresh weights, one random batch; "encoder" is three
+transformer encoder layers, width 128, 4 heads, sequence --size):
   g*        the uncompressed gradient of the batch.
   variance  mean over --seeds steps (fresh rounding noise each) of ||g - g*||^2.
   bytes     the store's stored bytes while the step's activations are alive (ReLU masks too).
@@ -21,6 +22,10 @@ Method (--model, default resnet18, fresh weights, one random batch):
             samples (replayed with the step's output gradient), a backward with create_graph
             and --probe-vectors double backwards.
   reference estimator="reference": 3 forward+backward passes on the same samples per tensor.
+  oracle    (--oracle) the ceiling of any per-tensor allocation: each policy tensor's gradient
+            variance measured alone at 1, 2 and 4 bits (every other tensor exact, --seeds runs
+            each), the widths the policy's solver picks from those measurements at budget 2,
+            and that allocation measured (a ceiling up to the measurements' noise).
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
             included) / (interval x ordinary step time), interval = --interval or the
             adapt_interval option (GACT_ADAPT_INTERVAL, default 1000); "steps" is that extra
@@ -41,9 +46,51 @@ import time
 import torch
 
 
+class _Widths:
+    """A policy with fixed widths per key (others: full precision)."""
+
+    def __init__(self, widths: dict, default: int = 32) -> None:
+        self.widths, self.default = widths, default
+
+    def bits_for(self, key, numel):
+        return self.widths.get(key, self.default)
+
+
+def oracle(a, m, x, y, step, measure, tensors, bytes_eq):
+    """The best per-tensor widths from measured variances (see the module docstring), measured."""
+    import gact
+
+    def alone(key, bits):
+        comp = gact.Compressor(m, bits=2, policy=_Widths({key: bits}))
+        v = measure(comp)[0]
+        comp.close()
+        return v
+
+    import _gact as _C
+
+    var = {}
+    for k, r in tensors.items():
+        var[k] = {b: alone(k, b) for b in (1, 2, 4) if b >= r["min_bits"]}
+        # 8 bits: negligible beside 2 bits' either way
+        var[k][8] = var[k][4] * (15 / 255) ** 2 if 4 in var[k] else 0.0
+    # the policy's own solver, on the measured variances (the same byte model and budget as auto's)
+    pol = _C.PolicyController(budget=2.0, default_bits=2, group_size=256)
+    for k, r in tensors.items():
+        pol.on_save(k, int(r["numel"]), 32, int(r["min_bits"]))
+        v = var[k]
+        pol.add_estimate_widths(k, [v.get(1, v[min(v)]), v.get(2, v[min(v)]), v.get(4, v[min(v)]), v[8]])
+    pol.decide()
+    widths = {k: int(r["bits"]) for k, r in pol.stats()["tensors"].items()}
+    comp = gact.Compressor(m, bits=2, policy=_Widths(widths, 2))
+    v, se, nb, t = measure(comp)
+    comp.close()
+    return v, se, nb, t
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="gact-bench policy")
-    ap.add_argument("--model", default="resnet18", choices=("resnet18", "mobilenet_v2"))
+    ap.add_argument("--model", default="resnet18", choices=("resnet18", "mobilenet_v2", "encoder"))
+    ap.add_argument("--oracle", action="store_true", help="also the best per-tensor allocation from measured variances")
     ap.add_argument("--no-fit", action="store_true", help="only the plain-API arms (no re-solve at equal bytes)")
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
@@ -61,8 +108,23 @@ def main() -> int:
     import gact
 
     torch.manual_seed(0)
-    m = getattr(torchvision.models, a.model)(num_classes=10)
-    x = torch.randn(a.batch, 3, a.size, a.size)
+    if a.model == "encoder":
+        class Encoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                layer = torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True,
+                                                         activation="gelu")
+                self.enc = torch.nn.TransformerEncoder(layer, 3)
+                self.head = torch.nn.Linear(128, 10)
+
+            def forward(self, t):
+                return self.head(self.enc(t).mean(1))
+
+        m = Encoder()
+        x = torch.randn(a.batch, a.size, 128)
+    else:
+        m = getattr(torchvision.models, a.model)(num_classes=10)
+        x = torch.randn(a.batch, 3, a.size, a.size)
     y = torch.randint(0, 10, (a.batch,))
     params = list(m.parameters())
     interval = a.interval or int(_C.options_current()["adapt_interval"])
@@ -118,18 +180,26 @@ def main() -> int:
         res[name + "_estimate_steps"] = extra / t_step
         res[name + "_estimate_s"] = est_s
         res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
+        res[name + "_verified"] = getattr(comp.policy, "verified", 0)
+        res[name + "_check"] = comp.policy.stats().get("last_check")
+        if name == "probe":
+            res["_tensors"] = {k: r for k, r in comp.policy.stats()["tensors"].items() if r.get("variance")}
 
     auto_arm("online", "online")
     auto_arm("probe", "probe")
     if not a.skip_reference:
         auto_arm("reference", "reference")
 
+    if a.oracle:
+        res["oracle"] = oracle(a, m, x, y, step, measure, res.pop("_tensors", {}), bytes_eq)
+    res.pop("_tensors", None)
+
     vu = res["uniform2"][0]
     print(f"gact-bench policy: {a.model} {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "
           f"{a.ref_batch} samples, adapt_interval {interval}")
     print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} "
           f"{'steps':>7} {'overhead %':>11} {'interval for 1 %':>17}")
-    for name in ("uniform2", "online", "online@fit", "probe", "probe@fit", "reference", "reference@fit"):
+    for name in ("uniform2", "online", "online@fit", "probe", "probe@fit", "reference", "reference@fit", "oracle"):
         if name not in res:
             continue
         v, se, nb, _ = res[name]
