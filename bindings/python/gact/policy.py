@@ -213,6 +213,12 @@ class AutoPolicy:
             return self.default_bits  # the decision measured worse than uniform (see _check_against_uniform)
         return int(self.controller.bits_for(key))  # an unknown key: default_bits
 
+    @property
+    def measuring(self) -> bool:
+        """Whether an estimator is measuring the widths it sets (the reference estimator, the checks): the
+        Compressor then stores each tensor at exactly the width asked, without its narrowest-width rules."""
+        return self._override is not None
+
     def on_stored(self, key: str, info: dict) -> None:
         if self._skip_step or self._override is not None or info["dtype"] not in _FLOAT_DTYPES:
             return  # masks are stored at 1 bit whatever the policy says
