@@ -617,7 +617,7 @@ def _stored_forms():
 def stored_forms_probe():
     m, x, y, g0 = _stored_forms()
     comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
-    comp.policy.probe_vectors = 16
+    comp.policy.probe_vectors = 128
     _grad(m, x, y, comp)  # sampled: the probe runs in step()
     tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
     comp.close()
@@ -646,23 +646,16 @@ def test_probe_variance_of_each_tensor_matches_its_measured_variance(stored_form
     tensor quantized (every other exact), the whole batch replayed (8 samples).
 
     Bounds: the measured mean over 24 seeds has a relative standard error of about 0.2/sqrt(24) = 4 %
-    (one seed's squared error spreads ~20 % here), the probe with 16 sign vectors about 0.2/sqrt(16) = 5 %;
-    a ratio outside [0.7, 1.45] is > 5 combined standard errors. The 1-bit model scaled by v(b), used
-    before, put boundary blobs at 1/2.25 of their 2-bit variance and fails this test. Measured: 0.83-1.01."""
+    (one seed's squared error spreads ~20 % here); the probe with 128 sign vectors about 0.2/sqrt(128)
+    = 2 % for most tensors, but a layer norm's input couples each row through x̂·mean(δ·x̂), and its
+    Hutchinson estimate is far noisier (16 vectors: 1.5x; 128: 1.2x; finite differences of the native
+    backward agree with the measurement). A ratio outside [0.7, 1.45] is then > 5 combined standard
+    errors. The 1-bit model scaled by v(b), used before, put boundary blobs at 1/2.25 of their 2-bit
+    variance and fails this test."""
     tensors = stored_forms_probe[4]
     assert len(tensors) >= 6, sorted(tensors)
     assert any(r["min_bits"] == 2 for r in tensors.values()), "no boundary blob among the keys"
-    for key, bits, predicted, measured, ratio in _probe_against_measured(
-            stored_forms_probe, sorted(k for k in tensors if k != "ln:0")):
-        assert 0.7 < ratio < 1.45, (key, bits, predicted, measured, ratio)
-
-
-@pytest.mark.xfail(strict=True, reason="a layer norm's input made of a conv output is over-estimated 1.5x at 2 "
-                                       "and 4 bits (a linear layer's output into the same layer norm is within "
-                                       "7 %); the cause is not found. An over-estimate gives the tensor bytes it "
-                                       "does not need: less gain, not less fidelity")
-def test_probe_variance_of_a_layer_norm_input_matches_its_measured_variance(stored_forms_probe):
-    for key, bits, predicted, measured, ratio in _probe_against_measured(stored_forms_probe, ["ln:0"]):
+    for key, bits, predicted, measured, ratio in _probe_against_measured(stored_forms_probe, sorted(tensors)):
         assert 0.7 < ratio < 1.45, (key, bits, predicted, measured, ratio)
 
 
