@@ -367,7 +367,7 @@ def _allreduce_worker(rank, world, port, out_dir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    est = {"a:0": 1.0 + rank, f"only{rank}:0": 10.0 * (rank + 1)}
+    est = {"a:0": 1.0 + rank, f"only{rank}:0": 10.0 * (rank + 1), "w:0": [1.0 + rank, 2.0, 3.0 * rank, 0.0]}
     got = gpol._allreduce_mean(est)
     dist.destroy_process_group()
     torch.save(got, f"{out_dir}/r{rank}.pt")
@@ -385,7 +385,44 @@ def test_estimates_are_averaged_over_ranks(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_allreduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
-    assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0}
+    assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0, "w:0": [1.5, 2.0, 1.5, 0.0]}
+
+
+def _auto_rank_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(3)
+    m = StoredForms()
+    torch.manual_seed(100 + rank)  # each rank its own batch
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    _grad(m, x, y, comp)
+    st = comp.policy.stats()
+    out = {"bits": {k: r["bits"] for k, r in st["tensors"].items()}, "check": st.get("last_check"),
+           "uniform": comp.policy._uniform}
+    comp.close()
+    dist.destroy_process_group()
+    torch.save(out, f"{out_dir}/a{rank}.pt")
+
+
+def test_ranks_decide_alike_with_their_own_batches(tmp_path):
+    """Two ranks (gloo) with different batches: the estimates, the 1-bit measurements and the check
+    against uniform are averaged over the ranks, so both use the same widths and the same verdict."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_auto_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    a0, a1 = torch.load(tmp_path / "a0.pt"), torch.load(tmp_path / "a1.pt")
+    assert a0["bits"] and a0["bits"] == a1["bits"]
+    assert a0["uniform"] == a1["uniform"]
+    # the decision differs from uniform here, so it was measured: one verdict from both ranks' runs
+    assert a0["check"]["variance_auto"] == a1["check"]["variance_auto"], (a0["check"], a1["check"])
 
 
 def test_probe_runs_on_a_transformer_without_falling_back():

@@ -400,14 +400,18 @@ class AutoPolicy:
             if not todo or not params:
                 return
             raised = False
+            measured = {}
             for key in todo:
                 checked.add(key)
-                measured = self._measure(params, key, closure)
+                measured[key] = self._measure(params, key, closure)
                 self.verified += 1
-                record = self.stats()["tensors"].get(key) or {}
+            measured = _allreduce_mean(measured)  # with several ranks: the same records on every rank
+            tensors = self.stats()["tensors"]
+            for key in todo:
+                record = tensors.get(key) or {}
                 predicted = (record.get("variance") or [record.get("C") or 0.0])[0]
-                if measured > predicted:
-                    self.controller.raise_variance(key, 1, measured)
+                if measured[key] > predicted:
+                    self.controller.raise_variance(key, 1, measured[key])
                     raised = True
             if not raised:
                 return
@@ -442,6 +446,7 @@ class AutoPolicy:
             for name, widths in (("auto", auto), ("uniform", uniform)):
                 var[name] = sum(self._pair_variance(params, widths, (seed0 + 211 + 2 * i, seed0 + 212 + 2 * i), closure)
                                 for i in range(pairs)) / pairs
+        var = _allreduce_mean(var)  # with several ranks: one verdict for all
         self._uniform = var["auto"] > var["uniform"]
         self._checked_widths = auto
         self.last_check = {"step": self.controller.step(), "variance_auto": var["auto"],
