@@ -62,7 +62,7 @@ void record_table::add_estimate(std::string_view key, double c) {
                                                  "' must be finite and >= 0, got " + std::to_string(c));
   record& r = it->second;
   r.sensitivity = (r.estimates == 0) ? c : (1.0 - opts_.ema_weight) * r.sensitivity + opts_.ema_weight * c;
-  for (std::size_t i = 0; i < 4; ++i) r.variance[i] = r.sensitivity * variance_factor(1 << i);
+  for (std::size_t i = 0; i < 4; ++i) r.variance[i] = r.sensitivity * variance_factor(k_code_bits[i]);
   r.per_width = false;
   ++r.estimates;
 }
@@ -91,7 +91,7 @@ void record_table::raise_variance(std::string_view key, int bits, double v) {
   GACT_EXPECTS(std::isfinite(v) && v >= 0.0, "policy raise_variance: the variance of '" + std::string(key) +
                                                  "' must be finite and >= 0, got " + std::to_string(v));
   record& r = it->second;
-  std::size_t const i = bits == 1 ? 0 : bits == 2 ? 1 : bits == 4 ? 2 : 3;
+  std::size_t const i = width_index(bits);
   r.variance[i] = std::max(r.variance[i], v);
   r.per_width = true;
   r.sensitivity = r.variance[0];

@@ -361,8 +361,7 @@ double item_variance(solver_item const& it, int bits) {
   if (is_code_bits(bits)) bits = std::max(bits, it.min_bits);  // the store raises a narrower width
   if (it.variance) {
     GACT_EXPECTS(is_code_bits(bits), "item_variance: bits must be 1, 2, 4, 8, 16 or 32, got " + std::to_string(bits));
-    int const i = bits == 1 ? 0 : bits == 2 ? 1 : bits == 4 ? 2 : 3;
-    return (*it.variance)[static_cast<std::size_t>(i)];
+    return (*it.variance)[width_index(bits)];
   }
   return it.sensitivity * variance_factor(bits);
 }

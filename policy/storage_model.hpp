@@ -39,6 +39,11 @@ constexpr bool is_code_bits(int bits) noexcept {
   return bits == 1 || bits == 2 || bits == 4 || bits == 8;
 }
 
+/// The position of a code width in k_code_bits (1 -> 0, 2 -> 1, 4 -> 2, 8 -> 3); bits must be a code width.
+constexpr std::size_t width_index(int bits) noexcept {
+  return bits == 1 ? 0 : bits == 2 ? 1 : bits == 4 ? 2 : 3;
+}
+
 /// True for the full-precision widths a saved tensor can have (fp16/bf16 and fp32).
 constexpr bool is_full_bits(int bits) noexcept { return bits == 16 || bits == 32; }
 

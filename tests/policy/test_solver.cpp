@@ -466,6 +466,16 @@ TEST_CASE("a width below the narrowest is charged and valued at the narrowest") 
   // 2 -> 1 costs c almost nothing (5 - 4) while 2 -> 4 saves 3.9: c goes to 4 bits, paid by plain at 1
   solution const t = solve_greedy({b, c}, 2 * m.compressed_bytes(n, 2) + m.compressed_bytes(n, 1), o);
   CHECK(t.bits == std::vector<int>{1, 4});
+  // only widths below the narrowest allowed, no full precision: the widest is asked for, the narrowest paid
+  solver_options narrow = o;
+  narrow.code_bits = {1, 2};
+  solver_item small_block{"small_block", n, 1.0, 32, 8, std::nullopt};
+  solution const u = solve_greedy({small_block}, m.compressed_bytes(n, 8), narrow);
+  REQUIRE(u.status == solve_status::ok);
+  CHECK(u.bits == std::vector<int>{2});
+  CHECK(u.stored_bytes == m.compressed_bytes(n, 8));
+  CHECK(solve_greedy({small_block}, m.compressed_bytes(n, 8) - 1, narrow).status == solve_status::infeasible);
+  CHECK(solve_exact({small_block}, m.compressed_bytes(n, 8), narrow).stored_bytes == m.compressed_bytes(n, 8));
 }
 
 TEST_CASE("bad input is rejected with a clear error") {

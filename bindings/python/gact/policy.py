@@ -648,7 +648,7 @@ class AutoPolicy:
         c = {k: [0.0] * len(_CODE_WIDTHS) for k in blob_of.values()}
         idx = sorted(blob_of)
         n = self.probe_vectors
-        variances: dict[tuple[int, int], torch.Tensor] = {}  # (tensor, bits) -> variance, kept for the next vector
+        variances: dict[int, torch.Tensor] = {}  # tensor -> its variances, kept for the next vector
         if g and idx:
             gen = torch.Generator().manual_seed((comp.seed * 1_000_003 + self.decisions) % 2**63)
             for r in range(n):
@@ -674,15 +674,13 @@ class AutoPolicy:
                     first.setdefault(k, i)
                 del us
                 for k, w in per.items():
-                    w2 = w.double().pow(2)
-                    for j, bits in enumerate(_CODE_WIDTHS):
-                        key = (first[k], bits)
-                        var = variances.get(key)
-                        if var is None:
-                            var = rec.variance(first[k], bits).to(w2.device)
-                            if r + 1 < n:
-                                variances[key] = var
-                        c[k][j] += float((w2 * var).sum()) / n
+                    var = variances.get(first[k])
+                    if var is None:
+                        var = rec.variances(first[k]).to(w.device)
+                        if r + 1 < n:
+                            variances[first[k]] = var
+                    for j, v in enumerate((var * w.double().pow(2)).sum(dim=1).tolist()):
+                        c[k][j] += v / n
         for p in params:
             p.grad = None
         return c
@@ -754,7 +752,7 @@ class _ProbeRecorder:
     its first save, with the form the store would keep it in: plain values, channel-normalized
     (batch-norm inputs: ``z`` and ``std``), or a boundary blob (a clamp's output, such as a ReLU's,
     whose values a later op reads: the store keeps one blob with the clamp's bound exact). From
-    the form, :meth:`variance` gives each element's rounding variance at a width exactly."""
+    the form, :meth:`variances` gives each element's rounding variance at every width exactly."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -794,15 +792,15 @@ class _ProbeRecorder:
         self.holders.append(h)
         return h
 
-    def variance(self, i: int, bits: int) -> torch.Tensor:
-        """Tensor i's per-element rounding variance at ``bits`` in its stored form (float64, the
-        elements in row-major order, as its gradient is flattened)."""
+    def variances(self, i: int) -> torch.Tensor:
+        """Tensor i's per-element rounding variance at 1, 2, 4 and 8 bits in its stored form (4 rows,
+        float64, the elements in row-major order, as its gradient is flattened)."""
         t = self.tensors[i]
         z, std, lo = self.forms[i]
         if z is None:
-            return rounding_variance(t, self.group_size, bits, boundary=lo)
-        var = rounding_variance(z, self.group_size, bits).view(z.shape) * std.double().pow(2)  # std broadcasts to z
-        return var.reshape(-1)
+            return rounding_variances(t, self.group_size, boundary=lo)
+        var = rounding_variances(z, self.group_size).view(len(_CODE_WIDTHS), *z.shape) * std.double().pow(2)
+        return var.reshape(len(_CODE_WIDTHS), -1)  # std broadcasts to z
 
     def close(self) -> None:
         for h in self.holders:  # break tensor -> grad_fn -> saved holder -> tensor
@@ -895,12 +893,6 @@ def variance_factor(bits: int) -> float:
     return 1.0 / float(2**bits - 1) ** 2
 
 
-def rounding_variance_1bit(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per element, the variance of 1-bit stochastic rounding within its group:
-    (x − min_g)(max_g − x) (:func:`rounding_variance` at 1 bit)."""
-    return rounding_variance(x, group_size, 1)
-
-
 def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
     """A dense tensor's elements in memory order (the order the store groups them in) and the
     permutation that lays them out so; None when that is the row-major order."""
@@ -910,16 +902,16 @@ def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
     return t.permute(order).reshape(-1), order
 
 
-def rounding_variance(x: torch.Tensor, group_size: int, bits: int, boundary: float | None = None) -> torch.Tensor:
+def rounding_variances(x: torch.Tensor, group_size: int, boundary: float | None = None) -> torch.Tensor:
     """Per element (row-major order, float64), the variance of the store's stochastic rounding of
-    ``x`` at ``bits``: in each group of ``group_size`` elements (consecutive in memory), step =
-    (max_g − min_g)/(2^b − 1) and variance step²·f(1 − f), f the element's fractional position
-    in its step. ``boundary``: the tensor is a boundary blob beside a clamp to [boundary, ∞) (a
-    ReLU's output also read as values): elements at the bound are exact, the others are
-    quantized between their own min and max on 2^b − 2 steps, with at least 2 bits."""
+    ``x`` at 1, 2, 4 and 8 bits (one row each): in each group of ``group_size`` elements
+    (consecutive in memory), step = (max_g − min_g)/(2^b − 1) and variance step²·f(1 − f), f the
+    element's fractional position in its step. ``boundary``: the tensor is a boundary blob beside a
+    clamp to [boundary, ∞) (a ReLU's output also read as values): elements at the bound are exact,
+    the others are quantized between their own min and max on 2^b − 2 steps, with at least 2 bits."""
     flat, order = _memory_order(x.detach())
     v = flat.double()
-    out = torch.empty_like(v)
+    out = torch.empty(len(_CODE_WIDTHS), v.numel(), dtype=torch.float64, device=v.device)
     n = v.numel()
     full = n // group_size * group_size
     inf = float("inf")
@@ -931,7 +923,6 @@ def rounding_variance(x: torch.Tensor, group_size: int, bits: int, boundary: flo
         if boundary is None:
             lo = blk.amin(dim=1, keepdim=True)
             hi = blk.amax(dim=1, keepdim=True)
-            levels = float(2**bits - 1)
         else:
             inner = blk > boundary
             lo = torch.where(inner, blk, torch.full_like(blk, inf)).amin(dim=1, keepdim=True)
@@ -939,21 +930,23 @@ def rounding_variance(x: torch.Tensor, group_size: int, bits: int, boundary: flo
             some = torch.isfinite(lo)
             lo = torch.where(some, lo, torch.zeros_like(lo))
             hi = torch.where(some, hi, torch.zeros_like(hi))
-            levels = float(2**max(bits, 2) - 2)
-        step = (hi - lo) / levels
-        live = step > 0
-        safe = torch.where(live, step, torch.ones_like(step))
-        pos = (blk - lo) / safe
-        f = pos - pos.floor()
-        var = torch.where(live, safe * safe * f * (1.0 - f), torch.zeros_like(blk))
-        if inner is not None:
-            var = torch.where(inner, var, torch.zeros_like(var))
-        out[a:b] = var.reshape(-1)
+        offset = blk - lo
+        for j, bits in enumerate(_CODE_WIDTHS):
+            levels = float(2**bits - 1) if boundary is None else float(2**max(bits, 2) - 2)
+            step = (hi - lo) / levels
+            live = step > 0
+            safe = torch.where(live, step, torch.ones_like(step))
+            pos = offset / safe
+            f = pos - pos.floor()
+            var = torch.where(live, safe * safe * f * (1.0 - f), torch.zeros_like(blk))
+            if inner is not None:
+                var = torch.where(inner, var, torch.zeros_like(var))
+            out[j, a:b] = var.reshape(-1)
     if order is None:
         return out
     shape = [x.shape[d] for d in order]
-    inverse = [order.index(d) for d in range(x.dim())]
-    return out.view(shape).permute(inverse).reshape(-1)
+    inverse = [0] + [order.index(d) + 1 for d in range(x.dim())]
+    return out.view(len(_CODE_WIDTHS), *shape).permute(inverse).reshape(len(_CODE_WIDTHS), -1)
 
 
 def _now() -> float:
