@@ -162,6 +162,26 @@ bool group_minmax(float const* x, int n, float& lo, float& hi) {
   __m256i const expmask = _mm256_set1_epi32(0x7F800000);
   __m256i bad = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(mn), expmask), expmask);
   int i = 8;
+#if defined(__AVX512F__)
+  if (n >= 24) {  // 16 lanes from element 8 on, folded into the 8 (min/max are exact in any order)
+    __m512 mn16 = _mm512_loadu_ps(x + 8), mx16 = mn16;
+    __m512i const expmask16 = _mm512_set1_epi32(0x7F800000);
+    auto nonfinite = [&](__m512 v) {
+      return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), expmask16), expmask16);
+    };
+    __mmask16 bad16 = nonfinite(mn16);
+    for (i = 24; i + 16 <= n; i += 16) {
+      __m512 const v = _mm512_loadu_ps(x + i);
+      mn16 = _mm512_min_ps(v, mn16);
+      mx16 = _mm512_max_ps(v, mx16);
+      bad16 = _kor_mask16(bad16, nonfinite(v));
+    }
+    auto upper = [](__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); };
+    mn = _mm256_min_ps(mn, _mm256_min_ps(_mm512_castps512_ps256(mn16), upper(mn16)));
+    mx = _mm256_max_ps(mx, _mm256_max_ps(_mm512_castps512_ps256(mx16), upper(mx16)));
+    bad = _mm256_or_si256(bad, _mm256_set1_epi32(bad16 != 0 ? -1 : 0));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     __m256 const v = _mm256_loadu_ps(x + i);
     mn = _mm256_min_ps(v, mn);
@@ -223,15 +243,18 @@ inline void emit8(__m256i a, __m256i b, __m256i d, __m256i e, float* __restrict 
 struct lanes8 {
   using v = __m256i;
   static constexpr int n = 8;
-  static v load(std::uint32_t const* p) { return _mm256_load_si256(reinterpret_cast<__m256i const*>(p)); }
   static v set1(std::uint32_t x) { return _mm256_set1_epi32(int(x)); }
   static v xor3(v a, v b, v c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
-  /// hi and lo 32-bit halves of the products a * m.
-  static void mulhilo(v a, v m, v& hi, v& lo) {
-    v const pe = _mm256_mul_epu32(a, m);                         // even lanes
-    v const po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // odd lanes
-    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+  /// 64-bit lanes: counters c, c+1, ..; the full product of the low words; the high word.
+  static v counters(std::uint64_t c) {
+    return _mm256_add_epi64(_mm256_set1_epi64x(std::int64_t(c)), _mm256_setr_epi64x(0, 1, 2, 3));
+  }
+  static v mul64(v a, v m) { return _mm256_mul_epu32(a, m); }
+  static v high(v p) { return _mm256_srli_epi64(p, 32); }
+  /// The low words of two vectors of 64-bit lanes, in order, as one vector of 32-bit lanes.
+  static v narrow(v x, v y) {
+    __m256 const s = _mm256_shuffle_ps(_mm256_castsi256_ps(x), _mm256_castsi256_ps(y), 0x88);  // x0 x1 y0 y1 | x2 x3 y2 y3
+    return _mm256_permute4x64_epi64(_mm256_castps_si256(s), 0xD8);
   }
   /// Uniforms of the 8 chunks whose words are lanes of a, b, d, e.
   static void emit(v a, v b, v d, v e, float* __restrict u) { emit8(a, b, d, e, u); }
@@ -241,14 +264,15 @@ struct lanes8 {
 struct lanes16 {
   using v = __m512i;
   static constexpr int n = 16;
-  static v load(std::uint32_t const* p) { return _mm512_load_si512(p); }
   static v set1(std::uint32_t x) { return _mm512_set1_epi32(int(x)); }
-  static v xor3(v a, v b, v c) { return _mm512_xor_si512(_mm512_xor_si512(a, b), c); }
-  static void mulhilo(v a, v m, v& hi, v& lo) {
-    v const pe = _mm512_mul_epu32(a, m);
-    v const po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
-    hi = _mm512_mask_blend_epi32(__mmask16(0xAAAA), _mm512_srli_epi64(pe, 32), po);
-    lo = _mm512_mask_blend_epi32(__mmask16(0xAAAA), pe, _mm512_slli_epi64(po, 32));
+  static v xor3(v a, v b, v c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }  // a ^ b ^ c
+  static v counters(std::uint64_t c) {
+    return _mm512_add_epi64(_mm512_set1_epi64(std::int64_t(c)), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static v mul64(v a, v m) { return _mm512_mul_epu32(a, m); }
+  static v high(v p) { return _mm512_srli_epi64(p, 32); }
+  static v narrow(v x, v y) {
+    return _mm512_permutex2var_epi32(x, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), y);
   }
   /// Two halves of 8 chunks, each through the AVX2 transpose.
   static void emit(v a, v b, v d, v e, float* __restrict u) {
@@ -260,40 +284,51 @@ struct lanes16 {
 };
 #endif
 
-/// Noise for L::n*W consecutive chunks from c0: Philox4x32-10 on W independent vectors of L::n
-/// counters, interleaved round by round (one vector's rounds are a chain of dependent multiplies;
-/// W of them keep the multipliers busy), then L::emit for each.
+/// Philox4x32-10 for L::n*W consecutive chunks from c0: lane k of a[w], b[w], d[w], e[w] (32-bit
+/// lanes) are words 0..3 of chunk c0 + L::n*w + k. Each counter runs in a 64-bit lane (L::n/2 per
+/// vector): one 32x32->64-bit multiply is then a whole product, its high word one shift away, and
+/// the high words left above the low ones are never read (the multiplies read the low 32 bits,
+/// the xors keep the halves apart): 6 operations a round per vector. The 2W vectors are
+/// interleaved round by round (one vector's rounds are a chain of dependent multiplies).
+template <typename L, int W>
+inline void philox_w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
+                     typename L::v (&a)[W], typename L::v (&b)[W], typename L::v (&d)[W], typename L::v (&e)[W]) {
+  using V = typename L::v;
+  constexpr int Q = 2 * W;  // vectors of L::n/2 counters
+  V x0[Q], x1[Q], x2[Q], x3[Q];
+  for (int v = 0; v < Q; ++v) {
+    V const c = L::counters(c0 + std::uint64_t(L::n / 2 * v));
+    x0[v] = c;           // low word (the high word above it is not read)
+    x1[v] = L::high(c);  // high word
+    x2[v] = L::set1(t0);
+    x3[v] = L::set1(t1);
+  }
+  V const m0 = L::set1(hd::k_philox_m0), m1 = L::set1(hd::k_philox_m1);
+  for (int r = 0; r < 10; ++r) {
+    V const kk0 = L::set1(k0 + std::uint32_t(r) * hd::k_philox_w0);
+    V const kk1 = L::set1(k1 + std::uint32_t(r) * hd::k_philox_w1);
+    for (int v = 0; v < Q; ++v) {  // hd::philox_round
+      V const p0 = L::mul64(x0[v], m0), p1 = L::mul64(x2[v], m1);
+      x0[v] = L::xor3(L::high(p1), x1[v], kk0);
+      x2[v] = L::xor3(L::high(p0), x3[v], kk1);
+      x1[v] = p1;
+      x3[v] = p0;
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    a[w] = L::narrow(x0[2 * w], x0[2 * w + 1]);
+    b[w] = L::narrow(x1[2 * w], x1[2 * w + 1]);
+    d[w] = L::narrow(x2[2 * w], x2[2 * w + 1]);
+    e[w] = L::narrow(x3[2 * w], x3[2 * w + 1]);
+  }
+}
+
+/// Noise uniforms for L::n*W consecutive chunks from c0 (philox_w, then L::emit for each vector).
 template <typename L, int W>
 inline void noise_w(std::uint32_t k0, std::uint32_t k1, std::uint32_t t0, std::uint32_t t1, std::uint64_t c0,
                     float* __restrict u) {
   typename L::v a[W], b[W], d[W], e[W];
-  for (int v = 0; v < W; ++v) {
-    alignas(64) std::uint32_t lo[L::n], hi[L::n];
-    for (int k = 0; k < L::n; ++k) {
-      std::uint64_t const c = c0 + std::uint64_t(L::n * v + k);
-      lo[k] = std::uint32_t(c);
-      hi[k] = std::uint32_t(c >> 32);
-    }
-    a[v] = L::load(lo);
-    b[v] = L::load(hi);
-    d[v] = L::set1(t0);
-    e[v] = L::set1(t1);
-  }
-  typename L::v const m0 = L::set1(hd::k_philox_m0), m1 = L::set1(hd::k_philox_m1);
-  for (int r = 0; r < 10; ++r) {
-    typename L::v const kk0 = L::set1(k0 + std::uint32_t(r) * hd::k_philox_w0);
-    typename L::v const kk1 = L::set1(k1 + std::uint32_t(r) * hd::k_philox_w1);
-    for (int v = 0; v < W; ++v) {
-      typename L::v h0, l0, h1, l1;
-      L::mulhilo(a[v], m0, h0, l0);
-      L::mulhilo(d[v], m1, h1, l1);
-      typename L::v const na = L::xor3(h1, b[v], kk0), nd = L::xor3(h0, e[v], kk1);
-      b[v] = l1;
-      e[v] = l0;
-      a[v] = na;
-      d[v] = nd;
-    }
-  }
+  philox_w<L, W>(k0, k1, t0, t1, c0, a, b, d, e);
   for (int v = 0; v < W; ++v) L::emit(a[v], b[v], d[v], e[v], u + 8 * L::n * v);
 }
 
@@ -410,6 +445,138 @@ GACT_LOOP void dequantize_group<dtype::bfloat16>(std::int32_t const* __restrict 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
   }
   for (; i < n; ++i) out[i] = hd::float_to_bf16(hd::dequantize(q[i], p));
+}
+#endif
+
+#if defined(__AVX512F__)
+// ---- the fused encode of whole 128-element blocks (AVX-512) -----------------------------------
+// Philox gives the noise of chunk k (elements 8k .. 8k+7) as lane k of four word vectors: element
+// 8k + j takes half j & 1 of word j >> 1. Rather than lay that noise out in element order (a
+// transpose of the noise, then a round trip through memory for the uniforms and again for the
+// codes), the block's values are transposed into the noise's order: vector j holds element 8k + j
+// in lane k. The codes come out in that order too, and chunk k's Bits bytes (element 8k + j at bit
+// Bits*j) are lane k's shifts and ors: nothing crosses lanes after the quantization. The arithmetic
+// is hd::quantize_u's (and hd::quantize_boundary's), operation by operation: the same bytes as the
+// per-element loops (the tests compare the builds byte for byte).
+
+// Stage 1 and 2 permutations of the 16x8 -> 8x16 transpose (stage 3 selects 256-bit halves).
+alignas(64) constexpr std::int32_t k_tr1[2][16] = {{0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
+                                                   {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
+alignas(64) constexpr std::int32_t k_tr2[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                                                   {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+
+/// x[0, 128) as t[j] (lane k = x[8k + j]).
+inline void transpose_block(float const* __restrict x, __m512 (&t)[8]) {
+  __m512i const i10 = _mm512_load_si512(k_tr1[0]), i11 = _mm512_load_si512(k_tr1[1]);
+  __m512i const i20 = _mm512_load_si512(k_tr2[0]), i21 = _mm512_load_si512(k_tr2[1]);
+  __m512 u[4][2];  // u[p][s]: rows 4p .. 4p+3 (two loads), columns 4s .. 4s+3
+  for (int p = 0; p < 4; ++p) {
+    __m512 const r0 = _mm512_loadu_ps(x + 32 * p), r1 = _mm512_loadu_ps(x + 32 * p + 16);
+    u[p][0] = _mm512_permutex2var_ps(r0, i10, r1);
+    u[p][1] = _mm512_permutex2var_ps(r0, i11, r1);
+  }
+  for (int s = 0; s < 2; ++s) {
+    __m512 v[2][2];  // v[q][t]: rows 8q .. 8q+7, columns 4s + 2t, 4s + 2t + 1
+    for (int q = 0; q < 2; ++q) {
+      v[q][0] = _mm512_permutex2var_ps(u[2 * q][s], i20, u[2 * q + 1][s]);
+      v[q][1] = _mm512_permutex2var_ps(u[2 * q][s], i21, u[2 * q + 1][s]);
+    }
+    for (int tt = 0; tt < 2; ++tt) {
+      t[4 * s + 2 * tt] = _mm512_shuffle_f32x4(v[0][tt], v[1][tt], 0x44);
+      t[4 * s + 2 * tt + 1] = _mm512_shuffle_f32x4(v[0][tt], v[1][tt], 0xEE);
+    }
+  }
+}
+
+/// What a fused block needs of its group: the quantization constants (hd::group_params) and, for a
+/// boundary group, its bounds and top code.
+struct fused_group {
+  __m512 s, lo_s, step, levels;
+  __m512 lo, hi;  // boundary: codes 0 (x <= lo) and top (x >= hi)
+  __m512i top;
+  bool live;      // step > 0
+  bool halved;    // s = 1/2 (a range beyond FLT_MAX); x * 1 is x, so the common case skips the multiply
+};
+
+inline fused_group make_fused(group_params const& p, float lo, float hi, std::int32_t top) {
+  return {_mm512_set1_ps(p.s),  _mm512_set1_ps(p.lo_s), _mm512_set1_ps(p.step), _mm512_set1_ps(p.levels),
+          _mm512_set1_ps(lo),   _mm512_set1_ps(hi),     _mm512_set1_epi32(top), p.step > 0.0f,
+          p.s != 1.0f};
+}
+
+/// hd::quantize_u on 16 lanes.
+inline __m512i quantize16(__m512 x, __m512 u, fused_group const& g) {
+  __m512 v = _mm512_div_ps(_mm512_sub_ps(g.halved ? _mm512_mul_ps(x, g.s) : x, g.lo_s), g.step);
+  v = _mm512_max_ps(v, _mm512_setzero_ps());  // v > 0 ? v : +0
+  v = _mm512_min_ps(v, g.levels);             // v < levels ? v : levels
+  __m512i const k = _mm512_cvttps_epi32(v);
+  __m512 const frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(k));
+  __mmask16 const up = _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ);
+  return _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
+}
+
+/// One 128-element block's codes from its transposed values and its chunks' Philox words
+/// (a, b, d, e: lane k = chunk k), written to out[0, 16*Bits).
+template <int Bits, bool Boundary>
+inline void encode_block(__m512 const (&t)[8], __m512i a, __m512i b, __m512i d, __m512i e, fused_group const& g,
+                         std::uint8_t* __restrict out) {
+  __m512i const words[4] = {a, b, d, e};
+  __m512i const mask16 = _mm512_set1_epi32(0xFFFF);
+  __m512 const scale = _mm512_set1_ps(1.52587890625e-05f), half = _mm512_set1_ps(7.62939453125e-06f);
+  __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int j = 0; j < 8; ++j) {
+    __m512i const r = (j & 1) != 0 ? _mm512_srli_epi32(words[j >> 1], 16) : _mm512_and_si512(words[j >> 1], mask16);
+    __m512 const u = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(r), scale), half);  // hd::noise_uniform
+    __m512i q;
+    if constexpr (Boundary) {
+      // hd::quantize_boundary: 0 at or below lo, top at or above hi, else 1 + the interior code
+      q = g.live ? _mm512_add_epi32(quantize16(t[j], u, g), _mm512_set1_epi32(1)) : _mm512_set1_epi32(1);
+      q = _mm512_mask_mov_epi32(q, _mm512_cmp_ps_mask(t[j], g.hi, _CMP_GE_OQ), g.top);
+      q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(t[j], g.lo, _CMP_GT_OQ), q);
+    } else {
+      q = quantize16(t[j], u, g);
+    }
+    constexpr int per = Bits == 8 ? 4 : 8;  // codes per 32-bit lane
+    acc[j / per] = _mm512_or_si512(acc[j / per], _mm512_slli_epi32(q, unsigned(Bits * (j % per))));
+  }
+  if constexpr (Bits == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(acc[0]));
+  } else if constexpr (Bits == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(acc[0]));
+  } else if constexpr (Bits == 4) {
+    _mm512_storeu_si512(out, acc[0]);
+  } else {
+    // chunk k's 8 bytes: acc[0] lane k, then acc[1] lane k
+    __m512i const lo = _mm512_unpacklo_epi32(acc[0], acc[1]), hi = _mm512_unpackhi_epi32(acc[0], acc[1]);
+    _mm512_storeu_si512(out, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi));
+    _mm512_storeu_si512(out + 64, _mm512_permutex2var_epi64(lo, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), hi));
+  }
+}
+
+/// The codes of nblocks whole 128-element blocks x[0, 128*nblocks) whose first chunk is c0, two
+/// blocks' Philox interleaved at a time.
+template <int Bits, bool Boundary>
+GACT_LOOP void encode_blocks(float const* __restrict x, int nblocks, fused_group const g, std::uint64_t seed,
+                             std::uint64_t key, std::uint64_t c0, std::uint8_t* __restrict out) {
+  std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
+  std::uint32_t const t0 = std::uint32_t(key), t1 = std::uint32_t(key >> 32);
+  int i = 0;
+  for (; i + 2 <= nblocks; i += 2) {
+    __m512i a[2], b[2], d[2], e[2];
+    philox_w<lanes16, 2>(k0, k1, t0, t1, c0 + 16 * std::uint64_t(i), a, b, d, e);
+    for (int v = 0; v < 2; ++v) {
+      __m512 t[8];
+      transpose_block(x + 128 * (i + v), t);
+      encode_block<Bits, Boundary>(t, a[v], b[v], d[v], e[v], g, out + 16 * Bits * (i + v));
+    }
+  }
+  if (i < nblocks) {
+    __m512i a[1], b[1], d[1], e[1];
+    philox_w<lanes16, 1>(k0, k1, t0, t1, c0 + 16 * std::uint64_t(i), a, b, d, e);
+    __m512 t[8];
+    transpose_block(x + 128 * i, t);
+    encode_block<Bits, Boundary>(t, a[0], b[0], d[0], e[0], g, out + 16 * Bits * i);
+  }
 }
 #endif
 
@@ -607,6 +774,13 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       float lo, hi;
       load_meta<Dt, V>(job.meta, g, lo, hi);
       group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, job.boundary.has_hi != 0));
+#if defined(__AVX512F__)
+      if (Bits > 1 && n % 128 == 0) {
+        encode_blocks<Bits, true>(x, n / 128, make_fused(p, job.boundary.lo, hi_or_inf, top), job.seed, job.key,
+                                  e0 / 8, out);
+        continue;
+      }
+#endif
       group_noise(job.seed, job.key, e0 / 8, nchunks, u);
       quantize_boundary_group(x, u, n, job.boundary.lo, hi_or_inf, top, p, q);
       for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
@@ -620,6 +794,12 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       store_meta<Dt, V>(job.meta, g, lo, hi);
       group_params const p = hd::make_params(lo, hi, Bits);
       if (p.step > 0.0f) {
+#if defined(__AVX512F__)
+        if (n % 128 == 0) {
+          encode_blocks<Bits, false>(x, n / 128, make_fused(p, 0.0f, 0.0f, 0), job.seed, job.key, e0 / 8, out);
+          continue;
+        }
+#endif
         group_noise(job.seed, job.key, e0 / 8, nchunks, u);
         quantize_group(x, u, n, p, q);
         for (int i = n; i < nchunks * 8; ++i) q[i] = 0;

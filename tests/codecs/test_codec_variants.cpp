@@ -342,6 +342,70 @@ TEST_CASE("boundary quant: two boundaries (a clamp to [0, 6]) keep both exact; t
   }
 }
 
+TEST_CASE("boundary and normalized quant: every build of the CPU loops gives the baseline's bytes") {
+  // The vectorized builds (avx2, avx512) encode whole blocks of a group in fused loops of their own;
+  // the baseline build runs the per-element hd:: math. Groups of every size, a short last group,
+  // constant groups, both boundary forms, channels-first and -last statistics, every dtype and width.
+  auto const isas = detail::quant_cpu_isas();
+  if (isas.size() == 1) return;  // only the baseline build exists on this CPU
+  auto same_in_every_build = [&](bytes const& t, dtype dt, std::vector<std::int64_t> const& shape,
+                                 encode_params const& p) {
+    REQUIRE(detail::use_quant_cpu_isa("generic"));
+    auto const a = encode_ok(t, dt, shape, p);
+    auto const ya = decode_all(a);
+    for (std::size_t k = 1; k < isas.size(); ++k) {
+      CAPTURE(std::string(isas[k]));
+      REQUIRE(detail::use_quant_cpu_isa(isas[k]));
+      auto const b = encode_ok(t, dt, shape, p);
+      CHECK(a == b);
+      CHECK(decode_all(b) == ya);
+    }
+    detail::use_quant_cpu_isa(nullptr);
+  };
+  for (dtype dt : k_float_dtypes) {
+    for (int G : {64, 128, 256, 1024}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(G);
+      std::size_t const n = std::size_t(5 * G + 77);
+      auto relu = relu_values(n, std::uint32_t(G));
+      for (std::size_t i = std::size_t(G); i < std::size_t(2 * G); ++i) relu[i] = 0.f;  // a group of zeros only
+      auto clamp6 = normal_values(n, std::uint32_t(G + 1), 3.f, 4.f);
+      for (auto& x : clamp6) x = std::min(6.f, std::max(0.f, x));
+      for (int bits : {2, 4, 8}) {
+        CAPTURE(bits);
+        encode_params p;
+        p.bits = bits;
+        p.group_size = G;
+        p.seed = 0xFEEDFACECAFEBEEFull;
+        p.key = 0x123456789ull << 20;
+        p.variant = std::uint8_t(quant_mode::boundary);
+        p.boundary = {0.f, 0.f, 0, 0};
+        same_in_every_build(make_tensor(dt, relu), dt, {std::int64_t(n)}, p);
+        p.boundary = {0.f, 6.f, 1, 0};
+        same_in_every_build(make_tensor(dt, clamp6), dt, {std::int64_t(n)}, p);
+      }
+      for (bool cl : {false, true}) {
+        norm_case const k = batch_norm_case(6, 24, 7 * 7, cl, std::uint32_t(G));
+        for (int bits : {1, 2, 4, 8}) {
+          CAPTURE(bits);
+          CAPTURE(cl);
+          encode_params p;
+          p.bits = bits;
+          p.group_size = G;
+          p.seed = 77;
+          p.key = 5;
+          p.variant = std::uint8_t(quant_mode::normalized);
+          p.norm_count = k.count;
+          p.norm_inner = k.inner;
+          p.norm_shift = k.shift.data();
+          p.norm_scale = k.scale.data();
+          same_in_every_build(make_tensor(dt, k.x), dt, {6, 24, 7, 7}, p);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("boundary quant: interior values unbiased over seeds") {
   auto const x = relu_values(512, 29);
   encode_params p;

@@ -378,6 +378,11 @@ TEST_CASE("quant: the baseline and the vectorized (avx2, avx512) builds of the C
         std::size_t const n = std::size_t(7 * G + 61);
         auto x = normal_values(n, std::uint32_t(G + bits), 1.f, 3.f);
         x[n / 2] = -0.0f;
+        for (std::size_t i = std::size_t(2 * G); i < std::size_t(3 * G); ++i) x[i] = 0.5f;  // a constant group
+        if (dt != dtype::float16) {  // a group whose range overflows float: encoded in the halved domain
+          x[std::size_t(3 * G + 1)] = 3e38f;
+          x[std::size_t(3 * G + 2)] = -3e38f;
+        }
         auto const t = make_tensor(dt, x);
         encode_params p;
         p.bits = bits;
