@@ -111,6 +111,7 @@ class Probe(Reference):
 _ESTIMATORS = ("online", "probe", "reference")
 
 
+
 def online_sensitivity(sum_sq_ranges: float, numel: int, group_size: int, grad_sq_norm: float, fan_in: float) -> float:
     """C_l of the online estimator (the formula of policy/estimator.cpp ``online_sensitivity``)."""
     if numel <= 0 or group_size <= 0:
@@ -360,7 +361,8 @@ class AutoPolicy:
             i = len(slot) - 1
 
             def grad_hook(g: torch.Tensor) -> None:
-                slot[i] += float(g.detach().double().pow(2).sum())
+                # no copy of g: a float64 one was twice the size of the layer's output, on the user's step
+                slot[i] += float(torch.linalg.vector_norm(g.detach())) ** 2
 
             output.register_hook(grad_hook)
 
@@ -648,7 +650,6 @@ class AutoPolicy:
         c = {k: [0.0] * len(_CODE_WIDTHS) for k in blob_of.values()}
         idx = sorted(blob_of)
         n = self.probe_vectors
-        variances: dict[int, torch.Tensor] = {}  # tensor -> its variances, kept for the next vector
         if g and idx:
             gen = torch.Generator().manual_seed((comp.seed * 1_000_003 + self.decisions) % 2**63)
             for r in range(n):
@@ -662,25 +663,22 @@ class AutoPolicy:
                 us = torch.autograd.grad(dot, [rec.tensors[i] for i in idx], retain_graph=r + 1 < n,
                                          allow_unused=True)
                 del dot
-                per: dict[str, torch.Tensor] = {}  # controller key -> Jᵀv over the blob's elements
-                first: dict[str, int] = {}  # controller key -> the recorded tensor of its blob
-                for i, u in zip(idx, us):
-                    if u is None:
-                        continue  # the tensor's noise reaches no parameter gradient (max-pool input)
+                us = list(us)
+                by_key: dict[str, list[int]] = {}  # controller key -> positions in us of its blob's tensors
+                for j, i in enumerate(idx):
+                    if us[j] is not None:  # None: the tensor's noise reaches no parameter gradient (max-pool input)
+                        by_key.setdefault(blob_of[i], []).append(j)
+                for k, js in by_key.items():
                     # one blob saved under several keys: the same noise enters each use
-                    k = blob_of[i]
-                    w = u.detach().float().reshape(-1)
-                    per[k] = per[k] + w if k in per else w
-                    first.setdefault(k, i)
-                del us
-                for k, w in per.items():
-                    var = variances.get(first[k])
-                    if var is None:
-                        var = rec.variances(first[k]).to(w.device)
-                        if r + 1 < n:
-                            variances[first[k]] = var
-                    for j, v in enumerate((var * w.double().pow(2)).sum(dim=1).tolist()):
+                    w = us[js[0]].detach().float().reshape(-1)
+                    for j in js[1:]:
+                        w = w + us[j].detach().float().reshape(-1)
+                    for j in js:
+                        us[j] = None  # each Jᵀv goes as soon as it is used: they are the size of the activations
+                    for j, v in enumerate(rec.weighted_variances(idx[js[0]], w)):
                         c[k][j] += v / n
+                    del w
+                del us
         for p in params:
             p.grad = None
         return c
@@ -792,15 +790,16 @@ class _ProbeRecorder:
         self.holders.append(h)
         return h
 
-    def variances(self, i: int) -> torch.Tensor:
-        """Tensor i's per-element rounding variance at 1, 2, 4 and 8 bits in its stored form (4 rows,
-        float64, the elements in row-major order, as its gradient is flattened)."""
-        t = self.tensors[i]
+    def weighted_variances(self, i: int, w: torch.Tensor) -> list[float]:
+        """Σ_j w_j²·var_j(b) over tensor i's elements at 1, 2, 4 and 8 bits, var_j(b) element j's
+        rounding variance in its stored form (``w``: tensor i's shape, or its elements in row-major order)."""
         z, std, lo = self.forms[i]
+        x = self.tensors[i] if z is None else z
+        w2 = w.detach().double().reshape(x.shape).pow(2)
         if z is None:
-            return rounding_variances(t, self.group_size, boundary=lo)
-        var = rounding_variances(z, self.group_size).view(len(_CODE_WIDTHS), *z.shape) * std.double().pow(2)
-        return var.reshape(len(_CODE_WIDTHS), -1)  # std broadcasts to z
+            return weighted_rounding_variances(x, w2, self.group_size, boundary=lo)
+        # z's rounding variance, scaled back by std² (std broadcasts to z's shape)
+        return weighted_rounding_variances(z, w2.mul_(std.double().pow(2)), self.group_size)
 
     def close(self) -> None:
         for h in self.holders:  # break tensor -> grad_fn -> saved holder -> tensor
@@ -889,10 +888,6 @@ def _random_signs(n: int, gen: torch.Generator) -> torch.Tensor:
     return bits.reshape(-1)[:n].to(torch.int8).mul_(2).sub_(1)
 
 
-def variance_factor(bits: int) -> float:
-    return 1.0 / float(2**bits - 1) ** 2
-
-
 def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
     """A dense tensor's elements in memory order (the order the store groups them in) and the
     permutation that lays them out so; None when that is the row-major order."""
@@ -902,51 +897,57 @@ def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
     return t.permute(order).reshape(-1), order
 
 
-def rounding_variances(x: torch.Tensor, group_size: int, boundary: float | None = None) -> torch.Tensor:
-    """Per element (row-major order, float64), the variance of the store's stochastic rounding of
-    ``x`` at 1, 2, 4 and 8 bits (one row each): in each group of ``group_size`` elements
-    (consecutive in memory), step = (max_g − min_g)/(2^b − 1) and variance step²·f(1 − f), f the
+def weighted_rounding_variances(x: torch.Tensor, w2: torch.Tensor, group_size: int, boundary: float | None = None,
+                                chunk: int = 1 << 18) -> list[float]:
+    """Σ_j w2_j·var_j(b) at b = 1, 2, 4 and 8 bits, var_j(b) the variance of the store's stochastic
+    rounding of element j of ``x`` (``w2``: x's shape). In each group of ``group_size`` elements
+    (consecutive in memory), step = (max_g − min_g)/(2^b − 1) and var = step²·f(1 − f), f the
     element's fractional position in its step. ``boundary``: the tensor is a boundary blob beside a
     clamp to [boundary, ∞) (a ReLU's output also read as values): elements at the bound are exact,
-    the others are quantized between their own min and max on 2^b − 2 steps, with at least 2 bits."""
+    the others are quantized between their own min and max on 2^b − 2 steps, with at least 2 bits.
+    Whole groups of about ``chunk`` elements at a time: the float64 temporaries stay that small
+    whatever the tensor's size."""
     flat, order = _memory_order(x.detach())
-    v = flat.double()
-    out = torch.empty(len(_CODE_WIDTHS), v.numel(), dtype=torch.float64, device=v.device)
-    n = v.numel()
-    full = n // group_size * group_size
+    wflat = w2.reshape(-1) if order is None else w2.permute(order).reshape(-1)
+    n = flat.numel()
+    step_elems = max(group_size, chunk // group_size * group_size)
+    sums = [0.0] * len(_CODE_WIDTHS)
     inf = float("inf")
-    for a, b, g in ((0, full, group_size), (full, n, n - full)):
-        if b <= a:
-            continue
-        blk = v[a:b].view(-1, g)
-        inner = None
-        if boundary is None:
-            lo = blk.amin(dim=1, keepdim=True)
-            hi = blk.amax(dim=1, keepdim=True)
-        else:
-            inner = blk > boundary
-            lo = torch.where(inner, blk, torch.full_like(blk, inf)).amin(dim=1, keepdim=True)
-            hi = torch.where(inner, blk, torch.full_like(blk, -inf)).amax(dim=1, keepdim=True)
-            some = torch.isfinite(lo)
-            lo = torch.where(some, lo, torch.zeros_like(lo))
-            hi = torch.where(some, hi, torch.zeros_like(hi))
-        offset = blk - lo
-        for j, bits in enumerate(_CODE_WIDTHS):
-            levels = float(2**bits - 1) if boundary is None else float(2**max(bits, 2) - 2)
-            step = (hi - lo) / levels
-            live = step > 0
-            safe = torch.where(live, step, torch.ones_like(step))
-            pos = offset / safe
-            f = pos - pos.floor()
-            var = torch.where(live, safe * safe * f * (1.0 - f), torch.zeros_like(blk))
-            if inner is not None:
-                var = torch.where(inner, var, torch.zeros_like(var))
-            out[j, a:b] = var.reshape(-1)
-    if order is None:
-        return out
-    shape = [x.shape[d] for d in order]
-    inverse = [0] + [order.index(d) + 1 for d in range(x.dim())]
-    return out.view(len(_CODE_WIDTHS), *shape).permute(inverse).reshape(len(_CODE_WIDTHS), -1)
+    for a in range(0, n, step_elems):
+        b = min(n, a + step_elems)
+        full = a + (b - a) // group_size * group_size
+        for a2, b2, g in ((a, full, group_size), (full, b, b - full)):
+            if b2 <= a2:
+                continue
+            blk = flat[a2:b2].double().view(-1, g)
+            wb = wflat[a2:b2].view(-1, g)
+            inner = None
+            if boundary is None:
+                lo = blk.amin(dim=1, keepdim=True)
+                hi = blk.amax(dim=1, keepdim=True)
+            else:
+                inner = blk > boundary
+                lo = torch.where(inner, blk, torch.full_like(blk, inf)).amin(dim=1, keepdim=True)
+                hi = torch.where(inner, blk, torch.full_like(blk, -inf)).amax(dim=1, keepdim=True)
+                some = torch.isfinite(lo)
+                lo = torch.where(some, lo, torch.zeros_like(lo))
+                hi = torch.where(some, hi, torch.zeros_like(hi))
+                wb = torch.where(inner, wb, torch.zeros_like(wb))  # elements at the bound are exact
+            offset = blk - lo
+            for j, bits in enumerate(_CODE_WIDTHS):
+                levels = float(2**bits - 1) if boundary is None else float(2**max(bits, 2) - 2)
+                step = (hi - lo) / levels
+                live = step > 0
+                safe = torch.where(live, step, torch.ones_like(step))
+                f = offset / safe
+                f = f.sub_(f.floor())
+                var = f.mul_(1.0 - f).mul_(safe * safe)  # a constant group (step 0) is exact
+                sums[j] += float((var * wb).sum(dim=1).mul_(live.squeeze(1)).sum())
+    return sums
+
+
+def variance_factor(bits: int) -> float:
+    return 1.0 / float(2**bits - 1) ** 2
 
 
 def _now() -> float:
