@@ -631,16 +631,6 @@ class StoredForms(torch.nn.Module):
         return self.fc(self.ln(h.flatten(1)))
 
 
-class _Widths:
-    """A policy with fixed widths per key (others: full precision)."""
-
-    def __init__(self, widths: dict, default: int = 32) -> None:
-        self.widths, self.default = widths, default
-
-    def bits_for(self, key, numel):
-        return self.widths.get(key, self.default)
-
-
 def _stored_forms():
     torch.manual_seed(3)
     m = StoredForms()
@@ -669,7 +659,7 @@ def _probe_against_measured(stored_forms_probe, keys, widths=((2, 1), (4, 2))):
             r = tensors[key]
             if r["min_bits"] > bits:
                 continue
-            c = gact.Compressor(m, bits=2, policy=_Widths({key: bits}))
+            c = gact.Compressor(m, bits=2, policy=gact.policy.FixedWidths({key: bits}))
             errs, _ = _arm_errors(m, x, y, g0, c, 24)
             c.close()
             measured = sum(errs) / len(errs)
@@ -749,8 +739,32 @@ def test_a_normalization_input_at_one_bit_is_measured_first(monkeypatch):
     comp.close()
     assert comp.policy.verified >= 1
     # the measured 1-bit variance replaced the hidden estimate (a millionth of the probe's)
-    c = gact.Compressor(m, bits=2, policy=_Widths({target: 1}))
+    c = gact.Compressor(m, bits=2, policy=gact.policy.FixedWidths({target: 1}))
     errs, _ = _arm_errors(m, x, y, g0, c, 16)
     c.close()
     measured = sum(errs) / len(errs)
     assert rec["variance"][0] > 0.3 * measured, (rec, measured)
+
+
+
+def test_fixed_widths_pins_each_key_and_rejects_bad_widths():
+    class Recording(gact.policy.FixedWidths):
+        def on_stored(self, key, info):
+            stored[key] = info["bits"]
+
+    stored = {}
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                            torch.nn.Linear(64, 4))
+    comp = gact.Compressor(m, policy=Recording({"1:0": 8}, default=2), min_bytes=0)
+    with comp:
+        m(torch.randn(32, 64)).sum().backward()
+    comp.step()
+    comp.close()
+    # the first tanh's output (also the next linear's input, "2:0": one blob) and the second's
+    assert stored.get("1:0") == 8 and stored.get("3:0") == 2, stored
+    for bad in ({"a": 3}, {"a": True}, {"a": "8"}):
+        with pytest.raises(ValueError, match="FixedWidths: a="):
+            gact.policy.FixedWidths(bad)
+    with pytest.raises(ValueError, match="default=16"):
+        gact.policy.FixedWidths({}, default=16)

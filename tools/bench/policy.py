@@ -46,22 +46,12 @@ import time
 import torch
 
 
-class _Widths:
-    """A policy with fixed widths per key (others: full precision)."""
-
-    def __init__(self, widths: dict, default: int = 32) -> None:
-        self.widths, self.default = widths, default
-
-    def bits_for(self, key, numel):
-        return self.widths.get(key, self.default)
-
-
 def oracle(a, m, x, y, step, measure, tensors, bytes_eq):
     """The best per-tensor widths from measured variances (see the module docstring), measured."""
     import gact
 
     def alone(key, bits):
-        comp = gact.Compressor(m, bits=2, policy=_Widths({key: bits}))
+        comp = gact.Compressor(m, bits=2, policy=gact.policy.FixedWidths({key: bits}))
         v = measure(comp)[0]
         comp.close()
         return v
@@ -81,7 +71,7 @@ def oracle(a, m, x, y, step, measure, tensors, bytes_eq):
         pol.add_estimate_widths(k, [v.get(1, v[min(v)]), v.get(2, v[min(v)]), v.get(4, v[min(v)]), v[8]])
     pol.decide()
     widths = {k: int(r["bits"]) for k, r in pol.stats()["tensors"].items()}
-    comp = gact.Compressor(m, bits=2, policy=_Widths(widths, 2))
+    comp = gact.Compressor(m, bits=2, policy=gact.policy.FixedWidths(widths, 2))
     v, se, nb, t = measure(comp)
     comp.close()
     return v, se, nb, t

@@ -111,6 +111,21 @@ class Probe(Reference):
 _ESTIMATORS = ("online", "probe", "reference")
 
 
+class FixedWidths:
+    """``policy=gact.policy.FixedWidths({key: bits, ...}, default=...)``: each listed tensor at its
+    width, every other one at ``default`` (32: kept exact). Keys are the Compressor's (module name
+    and save index, as in ``stats()["policy"]`` or the stats dump). For measuring what one tensor's
+    width does (``gact-bench policy --oracle``, the policy tests) or pinning widths by hand."""
+
+    def __init__(self, widths: dict[str, int], default: int = 32) -> None:
+        for k, b in list(widths.items()) + [("default", default)]:
+            if isinstance(b, bool) or b not in (1, 2, 4, 8, 32):
+                raise ValueError(f"gact.policy.FixedWidths: {k}={b!r} is not one of 1, 2, 4, 8, 32")
+        self.widths, self.default = dict(widths), default
+
+    def bits_for(self, key: str, numel: int) -> int:
+        return self.widths.get(key, self.default)
+
 
 def online_sensitivity(sum_sq_ranges: float, numel: int, group_size: int, grad_sq_norm: float, fan_in: float) -> float:
     """C_l of the online estimator (the formula of policy/estimator.cpp ``online_sensitivity``)."""
@@ -944,10 +959,6 @@ def weighted_rounding_variances(x: torch.Tensor, w2: torch.Tensor, group_size: i
                 var = f.mul_(1.0 - f).mul_(safe * safe)  # a constant group (step 0) is exact
                 sums[j] += float((var * wb).sum(dim=1).mul_(live.squeeze(1)).sum())
     return sums
-
-
-def variance_factor(bits: int) -> float:
-    return 1.0 / float(2**bits - 1) ** 2
 
 
 def _now() -> float:
