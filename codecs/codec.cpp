@@ -17,11 +17,16 @@
 #include "codecs/quant_math.hpp"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cstring>
 #include <type_traits>
 #include <mutex>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <string>
 #include <thread>
 
@@ -78,11 +83,27 @@ void parallel_copy(void* dst, void const* src, std::size_t n, int threads) {
 }
 
 /// Pack bytes (0/1) into bits, element e at bit e%8 of byte e/8. Returns false if a value is > 1
-/// (only when `strict`; otherwise any nonzero byte is a 1).
+/// (only when `strict`; otherwise any nonzero byte is a 1). 16 bytes at a time where SSE2 is the
+/// baseline (x86-64): a compare with zero and a movemask give two bytes of bits.
 bool mask_pack(std::uint8_t const* in, std::uint64_t numel, std::uint8_t* out, bool strict) {
   std::uint64_t const full = numel / 8;
   unsigned over = 0;
-  for (std::uint64_t m = 0; m < full; ++m) {
+  std::uint64_t m = 0;
+#if defined(__SSE2__)
+  __m128i const zero = _mm_setzero_si128();
+  __m128i any = zero;
+  for (; m + 2 <= full; m += 2) {
+    __m128i const x = _mm_loadu_si128(reinterpret_cast<__m128i const*>(in + 8 * m));
+    any = _mm_or_si128(any, x);
+    unsigned const nonzero = ~unsigned(_mm_movemask_epi8(_mm_cmpeq_epi8(x, zero)));  // bit i: byte i != 0
+    out[m] = std::uint8_t(nonzero);
+    out[m + 1] = std::uint8_t(nonzero >> 8);
+  }
+  alignas(16) std::uint8_t lanes[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), any);
+  for (std::uint8_t b : lanes) over |= b;
+#endif
+  for (; m < full; ++m) {
     unsigned v = 0;
     for (int j = 0; j < 8; ++j) {
       unsigned const b = in[8 * m + std::uint64_t(j)];
@@ -103,12 +124,18 @@ bool mask_pack(std::uint8_t const* in, std::uint64_t numel, std::uint8_t* out, b
   return !strict || (over & ~1u) == 0;
 }
 
+/// The 8 bytes (0/1) of each byte of bits: a table of 2 KiB, so unpacking is a load and a store
+/// per 8 elements.
+constexpr auto k_unpack_table = [] {
+  std::array<std::array<std::uint8_t, 8>, 256> t{};
+  for (unsigned v = 0; v < 256; ++v)
+    for (unsigned j = 0; j < 8; ++j) t[v][j] = std::uint8_t((v >> j) & 1u);
+  return t;
+}();
+
 void mask_unpack(std::uint8_t const* in, std::uint64_t numel, std::uint8_t* out) {
   std::uint64_t const full = numel / 8;
-  for (std::uint64_t m = 0; m < full; ++m) {  // a byte at a time: 8 fixed lanes, which vectorize
-    unsigned const v = in[m];
-    for (int j = 0; j < 8; ++j) out[8 * m + std::uint64_t(j)] = std::uint8_t((v >> j) & 1u);
-  }
+  for (std::uint64_t m = 0; m < full; ++m) std::memcpy(out + 8 * m, k_unpack_table[in[m]].data(), 8);
   for (std::uint64_t e = full * 8; e < numel; ++e) out[e] = std::uint8_t((in[e / 8] >> (e % 8)) & 1u);
 }
 

@@ -540,7 +540,8 @@ TEST_CASE("mask: lossless 1 bit per element; uint8 other than 0/1 is rejected") 
   encode_params p;
   p.codec = codec_id::mask;
   std::mt19937 rng(12);
-  for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(8), std::size_t(1001)}) {
+  // sizes around the 16-byte steps of the vector loop, its odd last byte and the tail
+  for (std::size_t n : {0, 1, 7, 8, 15, 16, 17, 24, 31, 33, 1001}) {
     for (dtype dt : {dtype::boolean, dtype::uint8}) {
       std::vector<std::uint8_t> x(n);
       for (auto& v : x) v = std::uint8_t(rng() & 1);
@@ -555,12 +556,25 @@ TEST_CASE("mask: lossless 1 bit per element; uint8 other than 0/1 is rejected") 
       CHECK(y[n] == 0xAA);
     }
   }
-  std::vector<std::uint8_t> x(100, 1);
-  x[50] = 2;
-  std::vector<std::int64_t> const shape{100};
-  bytes b(blob_size(dtype::uint8, shape, p));
-  CHECK_THROWS_WITH_AS(encode_cpu(x.data(), dtype::uint8, shape, p, b.data(), b.size()),
-                       doctest::Contains("values other than 0 and 1"), gact::invalid_argument);
+  // a value other than 0/1 in the vector part (0, 15, 50), the last whole byte (92: 100 elements are
+  // 12 whole bytes, an even number, so in the vector part too), the tail (97), and in an odd last
+  // whole byte (a 24-element tensor: its third byte)
+  for (auto [n, at] : {std::pair{100, 0}, {100, 15}, {100, 50}, {100, 92}, {100, 97}, {24, 20}}) {
+    CAPTURE(n);
+    CAPTURE(at);
+    std::vector<std::uint8_t> x(std::size_t(n), 1);
+    x[std::size_t(at)] = 2;
+    std::vector<std::int64_t> const shape{n};
+    bytes b(blob_size(dtype::uint8, shape, p));
+    CHECK_THROWS_WITH_AS(encode_cpu(x.data(), dtype::uint8, shape, p, b.data(), b.size()),
+                         doctest::Contains("values other than 0 and 1"), gact::invalid_argument);
+    // a bool tensor's byte is true when nonzero, whatever its value
+    bytes bb(blob_size(dtype::boolean, shape, p));
+    encode_cpu(x.data(), dtype::boolean, shape, p, bb.data(), bb.size());
+    std::vector<std::uint8_t> y(static_cast<std::size_t>(n));
+    decode_cpu(bb.data(), bb.size(), y.data(), y.size());
+    CHECK(std::all_of(y.begin(), y.end(), [](std::uint8_t v) { return v == 1; }));
+  }
 }
 
 TEST_CASE("raw: lossless for every dtype") {
