@@ -136,9 +136,9 @@ def flatten(obj) -> list:
 
 def device_index(t: torch.Tensor) -> int:
     """-1 for a CPU tensor, the CUDA device index otherwise."""
-    if t.device.type == "cpu":
+    if not t.is_cuda:
         return -1
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return t.get_device()
 
 
 def current_stream(t: torch.Tensor) -> int:

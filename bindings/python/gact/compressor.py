@@ -51,6 +51,7 @@ saved-tensor hooks and function modes are per thread); the step and the statisti
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import warnings
@@ -78,10 +79,13 @@ NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 
 _from_dlpack = _dlpack.from_dlpack
+_HAS_NESTED = hasattr(torch.Tensor, "is_nested")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key64(key: str) -> int:
-    """The 64-bit tensor key the codec's noise is derived from (stable across runs and processes)."""
+    """The 64-bit tensor key the codec's noise is derived from (stable across runs and processes).
+    Cached: a model's keys recur every step."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
@@ -586,15 +590,17 @@ class Compressor:
 
     def _keep_reason(self, t: torch.Tensor) -> str | None:
         """Why a tensor is kept as it is whatever its reader (None: the table decides)."""
+        # (runs for every saved tensor: cheap properties first, no torch.device object made)
+        tt = type(t)
         if (
-            t.layout != torch.strided
+            (tt is not torch.Tensor and tt is not torch.nn.Parameter)
+            or t.layout is not torch.strided
             or t.is_quantized
-            or getattr(t, "is_nested", False)
-            or t.device.type not in ("cpu", "cuda")
-            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or (_HAS_NESTED and t.is_nested)
+            or not (t.is_cpu or t.is_cuda)
         ):
             return "layout"
-        if t.device.type == "cuda" and not _C.have_kernels:
+        if t.is_cuda and not _C.have_kernels:
             return "device"
         if self._is_parameter(t):
             return "parameter"
@@ -683,9 +689,9 @@ class Compressor:
             bits = 1
         src = t
         dense = True
-        if t.device.type == "cuda" and not _compat.is_dense(t):
+        if t.is_cuda and not _compat.is_dense(t):
             src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
-        stream = torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
+        stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
         try:
             h, offset, shared, strides, upgraded = _C.store_put(
                 src.data_ptr(), _compat.DTYPE_NAMES[src.dtype], tuple(src.shape), src.stride(),
