@@ -13,6 +13,8 @@
 //            -> Philox noise for the group (one call per 8 elements)
 //            -> quantize (hd::quantize_u / hd::quantize_boundary) -> pack b-bit codes into bytes
 //   decode:  unpack codes -> hd::dequantize (+ denormalize) -> narrow to the dtype -> store
+//            (AVX-512, float32 plain groups of 1/2/4 bits: a group has at most 16 values, computed once
+//            with hd::dequantize; each 16 codes select theirs, a mask blend or a vpermps, unpacking nothing)
 //
 // The three variants (plain, normalized, boundary; format.hpp) are template
 // parameters of the same loops, so each compiles to straight-line code.
@@ -841,6 +843,51 @@ void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint6
     int const nchunks = (n + 7) / 8;
     float lo, hi;
     load_meta<Dt, V>(job.meta, g, lo, hi);
+#if defined(__AVX512F__)
+    if constexpr (Dt == dtype::float32 && Bits == 1 && V == k_plain) {
+      // two values per group: each 16 bits of codes select between them (no unpacked codes)
+      group_params const p = hd::make_params(lo, hi, 1);
+      __m512 const v0 = _mm512_set1_ps(hd::dequantize(0, p)), v1 = _mm512_set1_ps(hd::dequantize(1, p));
+      std::uint8_t const* c = job.codes + e0 / 8;
+      float* o = out + e0;
+      int i = 0;
+      for (; i + 16 <= n; i += 16) {
+        std::uint16_t bits16;
+        std::memcpy(&bits16, c + i / 8, 2);
+        _mm512_storeu_ps(o + i, _mm512_mask_blend_ps(__mmask16(bits16), v0, v1));
+      }
+      for (; i < n; ++i) o[i] = ((c[i / 8] >> (i % 8)) & 1) != 0 ? hd::dequantize(1, p) : hd::dequantize(0, p);
+      continue;
+    }
+    if constexpr (Dt == dtype::float32 && (Bits == 2 || Bits == 4) && V == k_plain) {
+      // at most 16 values per group, computed once: each 16 codes index that table (vpermps)
+      group_params const p = hd::make_params(lo, hi, Bits);
+      alignas(64) float table[16] = {};
+      for (int v = 0; v < (1 << Bits); ++v) table[v] = hd::dequantize(v, p);
+      __m512 const tv = _mm512_load_ps(table);
+      __m512i const mask = _mm512_set1_epi32((1 << Bits) - 1);
+      // lane k's code sits at bit Bits*k of the 16 codes' Bits*2 bytes (as 32-bit words: word k*Bits/32)
+      __m512i const shift = Bits == 2 ? _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+                                      : _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+      __m512i const word = Bits == 2 ? _mm512_setzero_si512()
+                                     : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      std::uint8_t const* c = job.codes + (e0 / 8) * std::uint64_t(Bits);
+      float* o = out + e0;
+      int i = 0;
+      for (; i + 16 <= n; i += 16) {
+        std::uint64_t w = 0;
+        std::memcpy(&w, c + i / 8 * Bits, 2 * Bits);
+        __m512i const words = _mm512_permutexvar_epi32(word, _mm512_castsi128_si512(_mm_cvtsi64_si128(std::int64_t(w))));
+        __m512i const codes = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
+        _mm512_storeu_ps(o + i, _mm512_permutexvar_ps(codes, tv));
+      }
+      if (i < n) {
+        unpack_codes<Bits>(c + i / 8 * Bits, (n - i + 7) / 8, q);
+        for (int j = 0; j < n - i; ++j) o[i + j] = table[q[j]];
+      }
+      continue;
+    }
+#endif
     unpack_codes<Bits>(job.codes + (e0 / 8) * std::uint64_t(Bits), nchunks, q);
     if constexpr (V == k_boundary) {
       boundary_params const b = job.boundary;
