@@ -13,8 +13,8 @@
 //            -> Philox noise for the group (one call per 8 elements)
 //            -> quantize (hd::quantize_u / hd::quantize_boundary) -> pack b-bit codes into bytes
 //   decode:  unpack codes -> hd::dequantize (+ denormalize) -> narrow to the dtype -> store
-//            (AVX-512, float32 plain groups of 1/2/4 bits: a group has at most 16 values, computed once
-//            with hd::dequantize; each 16 codes select theirs, a mask blend or a vpermps, unpacking nothing)
+//            (AVX-512, float32 plain and boundary groups of 1/2/4 bits: a group has at most 16 values,
+//            computed once with the per-element rule; each 16 codes select theirs, unpacking nothing)
 //
 // The three variants (plain, normalized, boundary; format.hpp) are template
 // parameters of the same loops, so each compiles to straight-line code.
@@ -828,6 +828,43 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
   return true;
 }
 
+#if defined(__AVX512F__)
+/// out[0, n) = table[code] for the n codes of Bits <= 4 bits at c: per 16 codes, at 1 bit their bits
+/// are a mask register for one blend, at 2 and 4 bits they are shifted out of their 32 or 64 bits
+/// into lanes and index the table (vpermps). q: scratch for the last codes after whole 16s.
+template <int Bits>
+void decode_by_table(std::uint8_t const* __restrict c, int n, float const (&table)[16], std::int32_t* __restrict q,
+                     float* __restrict out) {
+  int i = 0;
+  if constexpr (Bits == 1) {
+    __m512 const v0 = _mm512_set1_ps(table[0]), v1 = _mm512_set1_ps(table[1]);
+    for (; i + 16 <= n; i += 16) {
+      std::uint16_t bits16;
+      std::memcpy(&bits16, c + i / 8, 2);
+      _mm512_storeu_ps(out + i, _mm512_mask_blend_ps(__mmask16(bits16), v0, v1));
+    }
+  } else {
+    __m512 const tv = _mm512_loadu_ps(table);
+    __m512i const mask = _mm512_set1_epi32((1 << Bits) - 1);
+    // lane k's code: bits Bits*k.. of the 16 codes' 2*Bits bytes (4 bits: lanes 8..15 in the second word)
+    __m512i const shift = Bits == 2 ? _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+                                    : _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    __m512i const word = Bits == 2 ? _mm512_setzero_si512()
+                                   : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (; i + 16 <= n; i += 16) {
+      std::uint64_t w = 0;
+      std::memcpy(&w, c + i / 8 * Bits, 2 * Bits);
+      __m512i const words = _mm512_permutexvar_epi32(word, _mm512_castsi128_si512(_mm_cvtsi64_si128(std::int64_t(w))));
+      _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift), mask), tv));
+    }
+  }
+  if (i < n) {
+    unpack_codes<Bits>(c + i / 8 * Bits, (n - i + 7) / 8, q);
+    for (int j = 0; j < n - i; ++j) out[i + j] = table[q[j]];
+  }
+}
+#endif
+
 template <dtype Dt, int Bits, int V>
 void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
   using S = typename io<Dt>::storage;
@@ -844,48 +881,24 @@ void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint6
     float lo, hi;
     load_meta<Dt, V>(job.meta, g, lo, hi);
 #if defined(__AVX512F__)
-    if constexpr (Dt == dtype::float32 && Bits == 1 && V == k_plain) {
-      // two values per group: each 16 bits of codes select between them (no unpacked codes)
-      group_params const p = hd::make_params(lo, hi, 1);
-      __m512 const v0 = _mm512_set1_ps(hd::dequantize(0, p)), v1 = _mm512_set1_ps(hd::dequantize(1, p));
-      std::uint8_t const* c = job.codes + e0 / 8;
-      float* o = out + e0;
-      int i = 0;
-      for (; i + 16 <= n; i += 16) {
-        std::uint16_t bits16;
-        std::memcpy(&bits16, c + i / 8, 2);
-        _mm512_storeu_ps(o + i, _mm512_mask_blend_ps(__mmask16(bits16), v0, v1));
+    if constexpr (Dt == dtype::float32 && Bits <= 4 && V != k_normalized) {
+      // A group has at most 2^Bits values: computed once with the per-element rule, then each 16
+      // codes select theirs (decode_by_table), unpacking nothing.
+      bool const predicate = V == k_boundary && job.predicate;
+      if (!predicate && (V == k_plain || Bits > 1)) {
+        alignas(64) float table[16] = {};
+        if constexpr (V == k_boundary) {
+          bool const has_hi = job.boundary.has_hi != 0;
+          group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, has_hi));
+          for (int v = 0; v <= top; ++v)
+            table[v] = hd::dequantize_boundary(v, job.boundary.lo, job.boundary.hi, has_hi, top, p);
+        } else {
+          group_params const p = hd::make_params(lo, hi, Bits);
+          for (int v = 0; v <= top; ++v) table[v] = hd::dequantize(v, p);
+        }
+        decode_by_table<Bits>(job.codes + (e0 / 8) * std::uint64_t(Bits), n, table, q, out + e0);
+        continue;
       }
-      for (; i < n; ++i) o[i] = ((c[i / 8] >> (i % 8)) & 1) != 0 ? hd::dequantize(1, p) : hd::dequantize(0, p);
-      continue;
-    }
-    if constexpr (Dt == dtype::float32 && (Bits == 2 || Bits == 4) && V == k_plain) {
-      // at most 16 values per group, computed once: each 16 codes index that table (vpermps)
-      group_params const p = hd::make_params(lo, hi, Bits);
-      alignas(64) float table[16] = {};
-      for (int v = 0; v < (1 << Bits); ++v) table[v] = hd::dequantize(v, p);
-      __m512 const tv = _mm512_load_ps(table);
-      __m512i const mask = _mm512_set1_epi32((1 << Bits) - 1);
-      // lane k's code sits at bit Bits*k of the 16 codes' Bits*2 bytes (as 32-bit words: word k*Bits/32)
-      __m512i const shift = Bits == 2 ? _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-                                      : _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-      __m512i const word = Bits == 2 ? _mm512_setzero_si512()
-                                     : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-      std::uint8_t const* c = job.codes + (e0 / 8) * std::uint64_t(Bits);
-      float* o = out + e0;
-      int i = 0;
-      for (; i + 16 <= n; i += 16) {
-        std::uint64_t w = 0;
-        std::memcpy(&w, c + i / 8 * Bits, 2 * Bits);
-        __m512i const words = _mm512_permutexvar_epi32(word, _mm512_castsi128_si512(_mm_cvtsi64_si128(std::int64_t(w))));
-        __m512i const codes = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
-        _mm512_storeu_ps(o + i, _mm512_permutexvar_ps(codes, tv));
-      }
-      if (i < n) {
-        unpack_codes<Bits>(c + i / 8 * Bits, (n - i + 7) / 8, q);
-        for (int j = 0; j < n - i; ++j) o[i + j] = table[q[j]];
-      }
-      continue;
     }
 #endif
     unpack_codes<Bits>(job.codes + (e0 / 8) * std::uint64_t(Bits), nchunks, q);
