@@ -376,8 +376,9 @@ class AutoPolicy:
             i = len(slot) - 1
 
             def grad_hook(g: torch.Tensor) -> None:
-                # no copy of g: a float64 one was twice the size of the layer's output, on the user's step
-                slot[i] += float(torch.linalg.vector_norm(g.detach())) ** 2
+                # no float64 copy of g (twice the size of the layer's output, on the user's step); a
+                # float16 gradient (scaled by AMP's loss scale) is summed in float32, where it cannot overflow
+                slot[i] += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float32)) ** 2
 
             output.register_hook(grad_hook)
 
