@@ -559,7 +559,8 @@ TEST_CASE("mask: lossless 1 bit per element; uint8 other than 0/1 is rejected") 
   // a value other than 0/1 in the vector part (0, 15, 50), the last whole byte (92: 100 elements are
   // 12 whole bytes, an even number, so in the vector part too), the tail (97), and in an odd last
   // whole byte (a 24-element tensor: its third byte)
-  for (auto [n, at] : {std::pair{100, 0}, {100, 15}, {100, 50}, {100, 92}, {100, 97}, {24, 20}}) {
+  for (auto const& where : {std::pair{100, 0}, {100, 15}, {100, 50}, {100, 92}, {100, 97}, {24, 20}}) {
+    int const n = where.first, at = where.second;  // (clang 14 cannot capture structured bindings)
     CAPTURE(n);
     CAPTURE(at);
     std::vector<std::uint8_t> x(std::size_t(n), 1);
