@@ -134,6 +134,18 @@ TEST_SUITE("codecs") {
 struct norm_case {
   std::vector<float> x, shift, scale;
   std::uint64_t count, inner;
+
+  /// Encode parameters of the normalized variant with these statistics, `bits` wide.
+  encode_params params(int bits = 4) const {
+    encode_params p;
+    p.bits = bits;
+    p.variant = std::uint8_t(quant_mode::normalized);
+    p.norm_count = count;
+    p.norm_inner = inner;
+    p.norm_shift = shift.data();
+    p.norm_scale = scale.data();
+    return p;
+  }
 };
 
 norm_case batch_norm_case(int n, int c, int hw, bool channels_last, std::uint32_t seed) {
@@ -165,13 +177,7 @@ TEST_CASE("normalized quant: each element's error is within its block's step, bo
     norm_case const k = batch_norm_case(4, 24, 7 * 7, cl, 3);  // groups span channels (49 < 256)
     for (dtype dt : k_float_dtypes) {
       for (int bits : {1, 2, 4, 8}) {
-        encode_params p;
-        p.bits = bits;
-        p.variant = std::uint8_t(quant_mode::normalized);
-        p.norm_count = k.count;
-        p.norm_inner = k.inner;
-        p.norm_shift = k.shift.data();
-        p.norm_scale = k.scale.data();
+        encode_params p = k.params(bits);
         auto const t = make_tensor(dt, k.x);
         auto const xin = values(dt, t.data(), k.x.size());
         auto const b = encode_ok(t, dt, {4, 24, 7, 7}, p);
@@ -225,13 +231,7 @@ TEST_CASE("normalized quant: groups spanning channels get each channel's own noi
 
 TEST_CASE("normalized quant: unbiased; the mean over 400 seeds is within 5 sigma / sqrt(n) of x") {
   norm_case const k = batch_norm_case(2, 8, 25, false, 9);
-  encode_params p;
-  p.bits = 2;
-  p.variant = std::uint8_t(quant_mode::normalized);
-  p.norm_count = k.count;
-  p.norm_inner = k.inner;
-  p.norm_shift = k.shift.data();
-  p.norm_scale = k.scale.data();
+  encode_params p = k.params(2);
   auto const t = make_tensor(dtype::float32, k.x);
   int const n = 400;
   std::vector<double> sum(k.x.size(), 0.0);
@@ -389,16 +389,10 @@ TEST_CASE("boundary and normalized quant: every build of the CPU loops gives the
         for (int bits : {1, 2, 4, 8}) {
           CAPTURE(bits);
           CAPTURE(cl);
-          encode_params p;
-          p.bits = bits;
+          encode_params p = k.params(bits);
           p.group_size = G;
           p.seed = 77;
           p.key = 5;
-          p.variant = std::uint8_t(quant_mode::normalized);
-          p.norm_count = k.count;
-          p.norm_inner = k.inner;
-          p.norm_shift = k.shift.data();
-          p.norm_scale = k.scale.data();
           same_in_every_build(make_tensor(dt, k.x), dt, {6, 24, 7, 7}, p);
         }
       }
@@ -738,12 +732,7 @@ TEST_CASE("corrupted variant blobs (headers, parameters, statistics, codes) deco
   std::vector<bytes> valid;
   {
     norm_case const k = batch_norm_case(2, 5, 30, false, 71);
-    encode_params p;
-    p.variant = std::uint8_t(quant_mode::normalized);
-    p.norm_count = k.count;
-    p.norm_inner = k.inner;
-    p.norm_shift = k.shift.data();
-    p.norm_scale = k.scale.data();
+    encode_params p = k.params();
     valid.push_back(encode_ok(make_tensor(dtype::float16, k.x), dtype::float16, {2, 5, 30}, p));
   }
   {
