@@ -791,10 +791,12 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       load_meta<Dt, V>(job.meta, g, lo, hi);
       group_params const p = hd::make_params_levels(lo, hi, hd::boundary_levels(Bits, job.boundary.has_hi != 0));
 #if defined(__AVX512F__)
-      if (Bits > 1 && n % 128 == 0) {
-        encode_blocks<Bits, true>(x, n / 128, make_fused(p, job.boundary.lo, hi_or_inf, top), job.seed, job.key,
-                                  e0 / 8, out);
-        continue;
+      if constexpr (Bits > 1) {  // (boundary blobs have 2, 4 or 8 bits)
+        if (n % 128 == 0) {
+          encode_blocks<Bits, true>(x, n / 128, make_fused(p, job.boundary.lo, hi_or_inf, top), job.seed, job.key,
+                                    e0 / 8, out);
+          continue;
+        }
       }
 #endif
       group_noise(job.seed, job.key, e0 / 8, nchunks, u);
@@ -884,8 +886,7 @@ void decode_groups(quant_job const& job, void* dst, std::uint64_t g0, std::uint6
     if constexpr (Dt == dtype::float32 && Bits <= 4 && V != k_normalized) {
       // A group has at most 2^Bits values: computed once with the per-element rule, then each 16
       // codes select theirs (decode_by_table), unpacking nothing.
-      bool const predicate = V == k_boundary && job.predicate;
-      if (!predicate && (V == k_plain || Bits > 1)) {
+      if (!(V == k_boundary && job.predicate)) {  // (a boundary blob's predicate decode keeps its loop)
         alignas(64) float table[16] = {};
         if constexpr (V == k_boundary) {
           bool const has_hi = job.boundary.has_hi != 0;
