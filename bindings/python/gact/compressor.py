@@ -575,11 +575,12 @@ class Compressor:
     # ---- hooks --------------------------------------------------------------------------
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
+        # (a leaf that requires grad is a parameter, except a probe's cut: a module input it made a leaf)
         if t.requires_grad and t.is_leaf:
-            return True
+            return self._probe is None or id(t) not in self._probe.leaves
         b = t._base
         if b is not None and b.requires_grad and b.is_leaf:
-            return True
+            return self._probe is None or id(b) not in self._probe.leaves
         return bool(self._param_ptrs) and _compat.storage_base(t) in self._param_ptrs
 
     def _is_excluded(self, t: torch.Tensor) -> bool:

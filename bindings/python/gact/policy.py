@@ -600,29 +600,42 @@ class AutoPolicy:
 
         return replay
 
-    def _probe_estimates(self, closure: Callable[[], Any]) -> dict[str, list[float]]:
+    def _probe_estimates(self, closure: Callable[[], Any], copy_inputs: bool = False) -> dict[str, list[float]]:
+        """The probe's estimates; ``copy_inputs``: every cut gives its module a copy of its leaf, as it
+        does again when a module wrote its input in place without saying so by ``inplace=True``."""
+        est = self._probe_once(closure, copy_inputs)
+        return est if est is not None else self._probe_once(closure, True)
+
+    def _probe_once(self, closure: Callable[[], Any], copy_inputs: bool) -> dict[str, list[float]] | None:
         comp = self._comp
         params = [p for p in comp.model.parameters() if p.requires_grad] if comp.model is not None else []
         if not params:
             raise RuntimeError("gact.Compressor: estimator='probe' needs a model with parameters that require grad")
         rec = _ProbeRecorder(comp.group_size)
         cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec))
+        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec, copy_inputs))
                  for m in comp.model.modules() if _cut_here(m)]
         user_grads = [p.grad for p in params]
         saved_state = comp._key_counts, comp._input_ptrs, comp._step_open
         # the probe keys tensors as a step does, but stores nothing: no store step is opened
         comp._key_counts, comp._input_ptrs, comp._step_open = {}, set(), True
         comp._probe = rec
+        retry = False
         try:
             try:
                 with torch.enable_grad(), self._scratch_counters(), comp, _frozen_norm_stats(comp.model):
                     loss = closure()
+            except RuntimeError as e:
+                if copy_inputs or "leaf Variable that requires grad" not in str(e):
+                    raise
+                retry = True  # a module wrote its input in place: the caller runs again, with copies
             finally:
                 comp._probe = None
                 comp._key_counts, comp._input_ptrs, comp._step_open = saved_state
                 for h in hooks:
                     h.remove()
+            if retry:
+                return None
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise TypeError("gact.Compressor: the probe closure must return the scalar loss of its forward "
                                 f"pass (a tensor that requires grad), not {type(loss).__name__}")
@@ -651,7 +664,7 @@ class AutoPolicy:
             for leaf, orig in reversed(cuts):
                 if leaf.grad is not None and orig.requires_grad:
                     torch.autograd.backward(orig, leaf.grad, create_graph=True)
-        g = [p.grad for p in params if p.grad is not None and p.grad.requires_grad]
+        g = [p for p in params if p.grad is not None and p.grad.requires_grad]  # those g(h) reaches
         comp = self._comp
         alias = self._alias
         want = {k for k in self._saved if k not in alias}
@@ -668,20 +681,29 @@ class AutoPolicy:
         n = self.probe_vectors
         if g and idx:
             gen = torch.Generator().manual_seed((comp.seed * 1_000_003 + self.decisions) % 2**63)
+            # Hutchinson: with E[v vᵀ] = I, E_v[(J_lᵀ v)_j²] = ‖J_l[:, j]‖², so
+            # Σ_j var_j(b)·(J_lᵀ v)_j² estimates Σ_j var_j(b)‖J_l[:, j]‖² = E‖J_l ε_l(b)‖², the
+            # gradient variance tensor l adds at b bits, for every tensor from one double backward.
+            # Every v·g is formed first, one parameter at a time, each gradient dropped once used:
+            # the products keep their signs (int8), not g, so the parameter-sized gradients are gone
+            # before the double backwards run.
+            dots: list[Any] = [0] * n
+            for p in g:
+                x, p.grad = p.grad, None
+                for r in range(n):
+                    dots[r] = dots[r] + (x * _random_signs(x.numel(), gen).view(x.shape).to(x.device)).sum()
+                del x
+            del g
+            for p in params:
+                p.grad = None
+            # the tensors to differentiate by: each blob's, and the others saved as it (rec.uses)
+            owner = [i for i in idx for _ in range(1 + len(rec.uses.get(i, ())))]
+            inputs = [t for i in idx for t in [rec.tensors[i], *rec.uses.get(i, ())]]
             for r in range(n):
-                # Hutchinson: with E[v vᵀ] = I, E_v[(J_lᵀ v)_j²] = ‖J_l[:, j]‖², so
-                # Σ_j var_j(b)·(J_lᵀ v)_j² estimates Σ_j var_j(b)‖J_l[:, j]‖² = E‖J_l ε_l(b)‖², the
-                # gradient variance tensor l adds at b bits, for every tensor from one double backward.
-                dot = 0
-                for x in g:
-                    v = _random_signs(x.numel(), gen).view(x.shape).to(x.device)
-                    dot = dot + (x * v).sum()
-                us = torch.autograd.grad(dot, [rec.tensors[i] for i in idx], retain_graph=r + 1 < n,
-                                         allow_unused=True)
-                del dot
-                us = list(us)
+                us = list(torch.autograd.grad(dots[r], inputs, retain_graph=r + 1 < n, allow_unused=True))
+                dots[r] = None
                 by_key: dict[str, list[int]] = {}  # controller key -> positions in us of its blob's tensors
-                for j, i in enumerate(idx):
+                for j, i in enumerate(owner):
                     if us[j] is not None:  # None: the tensor's noise reaches no parameter gradient (max-pool input)
                         by_key.setdefault(blob_of[i], []).append(j)
                 for k, js in by_key.items():
@@ -691,10 +713,11 @@ class AutoPolicy:
                         w = w + us[j].detach().float().reshape(-1)
                     for j in js:
                         us[j] = None  # each Jᵀv goes as soon as it is used: they are the size of the activations
-                    for j, v in enumerate(rec.weighted_variances(idx[js[0]], w)):
+                    for j, v in enumerate(rec.weighted_variances(owner[js[0]], w)):
                         c[k][j] += v / n
                     del w
                 del us
+            del inputs
         for p in params:
             p.grad = None
         return c
@@ -705,14 +728,15 @@ class AutoPolicy:
                           for p, g in zip(params, self._grads(params, override, seed, closure))])
 
     def _grads(self, params: list[torch.Tensor], override: dict[str, int], seed: int,
-               closure: Callable[[], Any]) -> list[torch.Tensor | None]:
+               closure: Callable[[], Any], start: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
         """The closure's parameter gradients with the tensors in ``override`` at those widths and every other
-        one kept exact, under rounding seed ``seed``: the tensors backward made (no copies)."""
+        one kept exact, under rounding seed ``seed``: the tensors backward made (no copies). ``start``: the
+        gradients backward accumulates into (each parameter's .grad before the run), None for none."""
         comp = self._comp
         self._override = override
         comp.seed = seed
-        for p in params:
-            p.grad = None
+        for i, p in enumerate(params):
+            p.grad = None if start is None else start[i]
         with self._scratch_counters():
             comp._open_step()
             try:
@@ -731,17 +755,17 @@ class AutoPolicy:
     def _pair_variance(self, params: list[torch.Tensor], widths: dict[str, int], seeds: tuple[int, int],
                        closure: Callable[[], Any]) -> float:
         """The gradient variance of the closure with ``widths`` (every other tensor exact), from two runs of
-        independent rounding noise: E‖g_a − g_b‖² = 2·Var. One run's gradients are held at a time beside the
-        other's (the parameters' size, not more)."""
+        independent rounding noise: E‖g_a − g_b‖² = 2·Var. The second run accumulates into the first's
+        gradients negated, in place: one set of parameter-sized gradients is held, not two."""
         a = self._grads(params, widths, seeds[0] % 2**64, closure)
-        b = self._grads(params, widths, seeds[1] % 2**64, closure)
+        neg = [None if x is None else x.neg_() for x in a]
+        del a
+        diff = self._grads(params, widths, seeds[1] % 2**64, closure, start=neg)
+        del neg
         d = 0.0
-        for x, y in zip(a, b):
-            if x is None and y is None:
-                continue
-            diff = x if y is None else (-y if x is None else x - y)
-            d += float(diff.double().pow(2).sum()) if diff.numel() <= 1 << 20 else \
-                sum(float(c.double().pow(2).sum()) for c in diff.reshape(-1).split(1 << 20))
+        for x in diff:
+            if x is not None:
+                d += sum(float(c.double().pow(2).sum()) for c in x.reshape(-1).split(1 << 20))
         return d / 2.0
 
 
@@ -749,14 +773,19 @@ class _ProbeSaved:
     """What autograd holds for a saved tensor during a probe: the tensor itself (uncompressed),
     so that a double backward reaches it through the saved-variable edge."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.version = tensor._version
 
     def probe_unpack(self) -> torch.Tensor:
         if self.tensor is None:
             raise RuntimeError("gact: a probe's saved tensor was used after the probe ended")
+        if self.tensor._version != self.version:
+            # what autograd says of a saved tensor changed after it was saved (the probe keeps no copy)
+            raise RuntimeError(f"a tensor of shape {list(self.tensor.shape)} saved for backward was modified by an "
+                               f"in-place operation (version {self.tensor._version}, saved at {self.version})")
         return self.tensor
 
 
@@ -776,6 +805,8 @@ class _ProbeRecorder:
         self.forms: list[tuple] = []  # per tensor: (z, std, boundary bound or None)
         self.holders: list[_ProbeSaved] = []
         self.clamps: dict[tuple, float] = {}  # identity of a clamp's output -> the bound it clamps to
+        self.leaves: set[int] = set()  # id() of the cuts' leaves (alive in the cut list while the probe runs)
+        self.uses: dict[int, list[torch.Tensor]] = {}  # tensor i -> other tensors saved as the same blob
 
     @staticmethod
     def _ident(t: torch.Tensor) -> tuple:
@@ -797,11 +828,16 @@ class _ProbeRecorder:
         if not t.is_floating_point():
             return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
         ident = self._ident(t)
-        if ident not in self.index:  # the tensor stays referenced, so its address is not reused
-            self.index[ident] = len(self.tensors)
+        i = self.index.get(ident)
+        if i is None:  # the tensor stays referenced, so its address is not reused
+            i = self.index[ident] = len(self.tensors)
             self.keys.append(key)
             self.tensors.append(t)
             self.forms.append((z, std, self.clamps.get(ident) if z is None else None))
+        elif t is not self.tensors[i]:
+            # another tensor with the blob's identity (two cuts of one tensor are two leaves sharing
+            # its storage): autograd routes the derivative of this save to it, not to the first
+            self.uses.setdefault(i, []).append(t)
         h = _ProbeSaved(t)
         self.holders.append(h)
         return h
@@ -824,6 +860,8 @@ class _ProbeRecorder:
         self.tensors.clear()
         self.forms.clear()
         self.clamps.clear()
+        self.leaves.clear()
+        self.uses.clear()
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -872,24 +910,33 @@ def _cut_here(m: torch.nn.Module) -> bool:
     return next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None
 
 
-def _cut_inputs(cuts: list, rec: "_ProbeRecorder", _module: torch.nn.Module, inputs: tuple) -> tuple:
-    """A probe's forward pre-hook on a leaf module: each float input is replaced by a copy of a
-    fresh leaf that requires grad, cutting the graph there (``cuts`` gets (leaf, original);
-    an input that did not require grad, like the batch, now does, so that what the module
-    saves of it can be differentiated too). A tensor passed several times gets one copy (self-
-    attention passes its input as query, key and value, and tests them for identity). The copy of a
-    clamp's output stays marked as one (the store keeps that tensor as a boundary blob when the
-    module reads its values)."""
+def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.Module, inputs: tuple) -> tuple:
+    """A probe's forward pre-hook on a leaf module: each float input is replaced by a fresh leaf
+    that requires grad and shares its storage, cutting the graph there (``cuts`` gets (leaf,
+    original); an input that did not require grad, like the batch, now does, so that what the
+    module saves of it can be differentiated too). No copy: the leaf has the original's identity,
+    so a tensor saved both by the module that made it and by the one that reads it (a ReLU's output
+    and the next convolution's input) is one tensor in the probe, as it is one blob in the store,
+    and the 8 samples' activations are not held twice. A module that writes its input in place
+    (``inplace=True``) gets a copy of the leaf instead; it stays marked as a clamp's output if the
+    original is one; so does every module with ``copy`` (the retry when a module wrote its input
+    in place without saying so). A tensor passed several times gets one leaf (self-attention passes its input
+    as query, key and value, and tests them for identity)."""
     out = []
-    copies: dict[int, torch.Tensor] = {}  # one copy per tensor: a module may test its inputs for identity
+    copies: dict[int, torch.Tensor] = {}  # one leaf per tensor: a module may test its inputs for identity
+    copy = copy or getattr(module, "inplace", False) is True
     for a in inputs:
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             c = copies.get(id(a))
             if c is None:
                 leaf = a.detach().requires_grad_()
                 cuts.append((leaf, a))
-                c = copies[id(a)] = leaf.clone()
-                rec.copy_clamp(a, c)
+                rec.leaves.add(id(leaf))
+                c = leaf
+                if copy:  # a module that writes its input (ReLU(inplace=True)) writes a copy: a leaf refuses it
+                    c = leaf.clone()
+                    rec.copy_clamp(a, c)
+                copies[id(a)] = c
             a = c
         out.append(a)
     return tuple(out)
