@@ -369,13 +369,15 @@ def _allreduce_worker(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     est = {"a:0": 1.0 + rank, f"only{rank}:0": 10.0 * (rank + 1), "w:0": [1.0 + rank, 2.0, 3.0 * rank, 0.0]}
     got = gpol._allreduce_mean(est)
+    got["spacing"] = gpol._allreduce_max(1000 + 37 * rank)  # the policy's spacing: the largest
     dist.destroy_process_group()
     torch.save(got, f"{out_dir}/r{rank}.pt")
 
 
 def test_estimates_are_averaged_over_ranks(tmp_path):
     """With torch.distributed (gloo, 2 ranks) every rank gets the same per-key means over the
-    ranks that saw the key, so the deterministic solve gives every rank the same bits."""
+    ranks that saw the key, so the deterministic solve gives every rank the same bits, and the
+    same spacing to the next estimate (the largest), so every rank samples the same steps."""
     import socket
 
     import torch.multiprocessing as mp
@@ -385,7 +387,7 @@ def test_estimates_are_averaged_over_ranks(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_allreduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
-    assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0, "w:0": [1.5, 2.0, 1.5, 0.0]}
+    assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0, "w:0": [1.5, 2.0, 1.5, 0.0], "spacing": 1037}
 
 
 def _auto_rank_worker(rank, world, port, out_dir):
@@ -874,3 +876,79 @@ def test_a_probe_saved_tensor_modified_in_place_is_refused():
     t.add_(1.0)
     with pytest.raises(RuntimeError, match=r"shape \[4, 5\] saved for backward was modified by an in-place"):
         h.probe_unpack()
+
+
+# ---- the estimates' share of training time ----------------------------------------------------------
+
+def _drive_schedule(monkeypatch, step_s, cost_s, steps, sampled_extra_s=0.0, **kw):
+    """A policy driven by a fake clock: each user step takes step_s seconds (a sampled one
+    sampled_extra_s more), each estimate cost_s. The steps it samples, and the policy."""
+    clock = [0.0]
+    monkeypatch.setattr(gpol, "_now", lambda: clock[0])
+
+    def estimate(self):
+        clock[0] += cost_s
+        return {}
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_online_estimates", estimate)
+    comp = gact.Compressor(torch.nn.Linear(8, 8), bits="auto", estimator="online", **kw)
+    pol = comp.policy
+    sampled = [0]  # the Compressor samples its first step
+    for s in range(1, steps + 1):
+        clock[0] += step_s + (sampled_extra_s if pol._sampling else 0.0)
+        pol.on_step(s)
+        if pol._sampling:
+            sampled.append(s)
+    comp.close()
+    return sampled, pol
+
+
+def test_default_interval_holds_each_estimate_to_one_percent_of_the_training_time_since_the_last(monkeypatch):
+    """With the default adapt_interval, an estimate that costs 40 ordinary steps waits 100 x 40 steps after
+    the previous one (its cost is then 1 % of the training time between them), not 1000; the early
+    estimates (10, 20, ..., 640) keep their steps; estimates that cost less than 10 steps keep the
+    interval. The spacing uses the median step time, so one slow step does not move it."""
+    early = [0, 10, 20, 40, 80, 160, 320, 640]
+    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=10.0, steps=20000)
+    assert pol.max_overhead == 0.01
+    assert sampled[:8] == early, sampled
+    regular = sampled[8:]
+    assert len(regular) >= 3, sampled
+    # 10 s / (1 % of 0.25 s) = 4000 steps after each estimate (+1: the estimate runs at the next step's start)
+    gaps = [b - a for a, b in zip([640] + regular, regular)]
+    assert all(4000 <= g <= 4002 for g in gaps), gaps
+    sched = pol.stats()["schedule"]
+    regular_cost = 10.0 * len(regular)
+    assert regular_cost <= 0.01 * (sched["train_seconds"] - 0.25 * 640) * (1 + 1e-9)
+    assert sched["next_regular_step"] > regular[-1]
+    # cheap estimates: every adapt_interval steps, as before
+    sampled, _ = _drive_schedule(monkeypatch, step_s=0.25, cost_s=0.5, steps=5000)
+    assert sampled == early + [1000, 2000, 3000, 4000, 5000], sampled
+
+
+def test_what_sampling_adds_to_the_step_counts_as_the_estimates_cost(monkeypatch):
+    """A sampled step slower than the others (the estimators' hooks run in it): the difference to the
+    median step counts as estimate time, not training time, and spaces the estimates too."""
+    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=5.0, sampled_extra_s=5.0, steps=12000)
+    regular = sampled[8:]
+    gaps = [b - a for a, b in zip([640] + regular, regular)]
+    assert regular and all(4000 <= g <= 4002 for g in gaps), gaps  # (5 + 5) s at 1 % of 0.25 s
+    sched = pol.stats()["schedule"]
+    # every estimate but step 0's (no ordinary step measured before it) carries its step's 5 s
+    assert sched["estimate_seconds"] == pytest.approx(5.0 * len(sampled) + 5.0 * (len(sampled) - 1))
+    assert sched["train_seconds"] == pytest.approx(0.25 * 12000 + 5.0)
+
+
+def test_an_interval_the_user_chose_is_kept_whatever_the_estimates_cost(monkeypatch):
+    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=10.0, steps=3000, adapt_interval=1000)
+    assert pol.max_overhead is None and pol.stats()["schedule"]["max_overhead"] is None
+    assert sampled == [0, 10, 20, 40, 80, 160, 320, 640, 1000, 2000, 3000], sampled
+    try:
+        gact.configure(adapt_interval=500)  # configured: the user's choice too
+        sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=10.0, steps=1500)
+        assert pol.max_overhead is None
+        assert sampled == [0, 10, 20, 40, 80, 160, 320, 500, 1000, 1500], sampled
+    finally:
+        gact.configure(adapt_interval=1000)
+    with pytest.raises(ValueError, match="max_overhead"):
+        gpol.AutoPolicy(gact.Compressor(torch.nn.Linear(2, 2), bits=2), 2, max_overhead=1.5)

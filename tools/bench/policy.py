@@ -29,7 +29,10 @@ transformer encoder layers, width 128, 4 heads, sequence --size):
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
             included) / (interval x ordinary step time), interval = --interval or the
             adapt_interval option (GACT_ADAPT_INTERVAL, default 1000); "steps" is that extra
-            time in ordinary steps, and interval for 1 % = 100 x steps.
+            time in ordinary steps. "default interval" is the spacing the policy itself keeps
+            with the default adapt_interval (max_overhead 1 %: the larger of 1000 and
+            gact.policy.spacing_steps of the measured times), and "at default" the overhead
+            there.
 Each variance is printed beside uniform's as a ratio (uniform / arm: > 1 is better).
 Target (issue 5): uniform / auto >= 2 at <= 1 % overhead.
 """
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -96,6 +98,7 @@ def main() -> int:
 
     import _gact as _C
     import gact
+    from gact import policy as gpol
 
     torch.manual_seed(0)
     if a.model == "encoder":
@@ -167,6 +170,9 @@ def main() -> int:
         extra = max(t_sampled - est_s - t_step, 0.0) + est_s
         res[name] = (var, se, nb, t_step)
         res[name + "_overhead_pct"] = 100.0 * extra / (interval * t_step)
+        default_gap = max(1000, gpol.spacing_steps(extra, t_step, 0.01))
+        res[name + "_default_interval"] = default_gap
+        res[name + "_default_overhead_pct"] = 100.0 * extra / (default_gap * t_step)
         res[name + "_estimate_steps"] = extra / t_step
         res[name + "_estimate_s"] = est_s
         res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
@@ -188,14 +194,15 @@ def main() -> int:
     print(f"gact-bench policy: {a.model} {a.size}px batch {a.batch}, {a.seeds} seeds, estimators on "
           f"{a.ref_batch} samples, adapt_interval {interval}")
     print(f"{'arm':<10} {'grad variance':>14} {'± s.e.':>10} {'stored B':>9} {'uniform/arm':>12} "
-          f"{'steps':>7} {'overhead %':>11} {'interval for 1 %':>17}")
+          f"{'steps':>7} {'overhead %':>11} {'default interval':>17} {'at default %':>13}")
     for name in ("uniform2", "online", "online@fit", "probe", "probe@fit", "reference", "reference@fit", "oracle"):
         if name not in res:
             continue
         v, se, nb, _ = res[name]
         ov = res.get(name + "_overhead_pct")
         steps = res.get(name + "_estimate_steps")
-        tail = "" if ov is None else f"{steps:7.2f} {ov:11.3f} {max(1, math.ceil(100 * steps)):17d}"
+        tail = "" if ov is None else (f"{steps:7.2f} {ov:11.3f} {res[name + '_default_interval']:17d} "
+                                      f"{res[name + '_default_overhead_pct']:13.3f}")
         print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {tail}")
     print(f"ordinary auto step {res['online'][3]:.3f} s; probe estimate {res['probe_estimate_s']:.2f} s; "
           f"reference estimate {res.get('reference_estimate_s', float('nan')):.1f} s; "

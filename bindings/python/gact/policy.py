@@ -9,10 +9,12 @@ budget (metadata counted). This module feeds it:
   width of a known key, ``default_bits`` (the widest code width ≤ budget) for an
   unknown one, so a dynamic graph never fails.
 * Every ``adapt_interval`` steps (the ``adapt_interval`` option, GACT_ADAPT_INTERVAL)
-  one training step is *sampled* (steps 0, N, 2N, ...): the estimator gathers its
-  input during that step, and at the following ``comp.step()`` the estimates are
-  (with torch.distributed) averaged over ranks, given to the controller and the
-  allocation is re-solved. So default bits hold until the end of step 0.
+  one training step is *sampled* (steps 0, N, 2N, ..., and 10, 20, 40, ... below N): the
+  estimator gathers its input during that step, and at the following ``comp.step()`` the
+  estimates are (with torch.distributed) averaged over ranks, given to the controller and
+  the allocation is re-solved. So default bits hold until the end of step 0. With the
+  default interval the policy also spaces its estimates so that each costs at most
+  ``max_overhead`` (1 %) of the training time since the previous one (``samples_at``).
 
 Estimators (policy/README.md, "Sensitivity estimators"):
 
@@ -155,12 +157,17 @@ class AutoPolicy:
 
     Attributes:
         controller: the ``_gact.PolicyController`` (its ``stats()`` is the "policy" section).
-        adapt_interval: steps between adaptations.
+        adapt_interval: steps between adaptations (the fewest, when ``max_overhead`` is set).
+        max_overhead: with the default ``adapt_interval`` (neither given nor configured): the
+            largest share of training time a re-estimate may take, 0.01; a re-estimate then also
+            waits until its predicted cost is at most that share of the training time since the
+            previous estimate (see :meth:`samples_at`). None: every ``adapt_interval`` steps.
         reference_closure: the reference estimator's closure (None for online).
     """
 
     def __init__(self, compressor: Any, budget: float, estimator: Any = None, adapt_interval: int | None = None,
-                 ema_weight: float = 0.5, probe_vectors: int = 1, probe_samples: int = 8) -> None:
+                 ema_weight: float = 0.5, probe_vectors: int = 1, probe_samples: int = 8,
+                 max_overhead: float | None = 0.01) -> None:
         # The default: the probe, replaying the sampled step when no closure is given, with the
         # online estimator as the fallback when it cannot run (see _probe_or_fallback).
         self._default_estimator = estimator is None
@@ -179,11 +186,21 @@ class AutoPolicy:
         self._probe_disabled = False
         self._probe_closure: Callable[[], Any] | None = None  # the closure the last probe ran (verification)
         self._replay: dict | None = None  # the sampled step's first samples and output gradient
+        default_interval = adapt_interval is None and _option_is_default("adapt_interval")
         if adapt_interval is None:
             adapt_interval = int(_C.options_current()["adapt_interval"])
         if isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1:
             raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
+        if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
+            raise ValueError(f"gact.Compressor: max_overhead={max_overhead!r} must be a share of training time "
+                             "in (0, 1), or None")
         self.adapt_interval = adapt_interval
+        # An interval the user chose is kept as it is; the default one is also held to max_overhead.
+        self.max_overhead = float(max_overhead) if max_overhead is not None and default_interval else None
+        self.train_seconds = 0.0  # time between comp.step() calls, estimates left out (the overhead's base)
+        self._step_seconds: list[float] = []  # the latest ordinary step times (the estimate's cost in steps)
+        self._next_regular = adapt_interval  # the next step a regular (not early) estimate may sample
+        self._t_mark = _now()  # the end of the last comp.step() (or the policy's start)
         self._comp = compressor
         self.default_bits = max(b for b in _CODE_WIDTHS if b <= budget)
         self.controller = _C.PolicyController(budget=float(budget), default_bits=self.default_bits,
@@ -257,8 +274,14 @@ class AutoPolicy:
             self._saved[key] = dict(info)
 
     def on_step(self, step: int) -> None:
+        t0 = _now()
+        took = t0 - self._t_mark  # the user's step since the last comp.step() (no estimate in it)
+        self.train_seconds += took
+        # what sampling added to the step itself (the estimators' hooks) counts as the estimate's
+        extra = max(0.0, took - _median(self._step_seconds)) if self._sampling and self._step_seconds else 0.0
+        if not self._sampling:
+            self._step_seconds = self._step_seconds[-31:] + [took]
         if self._sampling:
-            t0 = _now()
             if self.estimator == "online":
                 est = self._online_estimates()
             elif self.estimator == "probe":
@@ -280,20 +303,42 @@ class AutoPolicy:
                     self._check_against_uniform(self._probe_closure)
                 self.decisions += 1
             self._probe_closure = None
-            self.estimate_seconds += _now() - t0
+            cost = _now() - t0 + extra
+            self.estimate_seconds += cost
+            self.train_seconds -= extra
+            if self.max_overhead is not None:
+                self._next_regular = max(self._next_regular, step + self.spacing(cost))
         else:
             self.controller.set_step(step)
         self._by_blob.clear()
-        self._set_sampling(self.samples_at(step) or self._sample_next)
+        sample = self.samples_at(step) or self._sample_next
+        if sample and self.max_overhead is not None and step >= self._next_regular:
+            self._next_regular = step + self.adapt_interval  # the next regular one, unless spacing pushes it
+        self._set_sampling(sample)
         self._sample_next = False
         self._skip_step = False
+        self._t_mark = _now()
+
+    def spacing(self, cost: float) -> int:
+        """The fewest steps after an estimate that cost ``cost`` seconds before the next regular one
+        (:func:`spacing_steps` with the median of the latest ordinary steps' times; the largest over
+        the ranks with torch.distributed, so that every rank samples the same steps)."""
+        if self.max_overhead is None or not self._step_seconds:
+            return 0
+        return _allreduce_max(spacing_steps(cost, _median(self._step_seconds), self.max_overhead))
 
     def samples_at(self, step: int) -> bool:
         """Whether step ``step`` is sampled (estimated): every ``adapt_interval`` steps, and before the
         first interval at steps 10, 20, 40, 80, ... (sensitivities move fastest early in training:
         measured at initialization alone they misled a character-level transformer, whose attention
-        probabilities went to 1 bit while they sharpened; see policy/README.md)."""
-        if step % self.adapt_interval == 0:
+        probabilities went to 1 bit while they sharpened; see policy/README.md). With ``max_overhead``
+        (the default interval), a regular estimate comes ``adapt_interval`` steps after the previous
+        regular one, or later: not before :meth:`spacing` steps after the last estimate of any kind
+        (its cost repaid at ``max_overhead`` of the steps since); the early ones keep their steps."""
+        if self.max_overhead is not None:
+            if step == 0 or (step >= self._next_regular and (step - self._next_regular) % self.adapt_interval == 0):
+                return True
+        elif step % self.adapt_interval == 0:
             return True
         if step < WARMUP_FIRST or step >= self.adapt_interval or step % WARMUP_FIRST:
             return False
@@ -312,6 +357,10 @@ class AutoPolicy:
         doc = self.controller.stats()
         if self.last_check is not None:
             doc["last_check"] = dict(self.last_check)
+        doc["schedule"] = {"adapt_interval": self.adapt_interval, "max_overhead": self.max_overhead,
+                           "next_regular_step": self._next_regular if self.max_overhead is not None else None,
+                           "estimate_seconds": self.estimate_seconds, "train_seconds": self.train_seconds,
+                           "overhead": self.estimate_seconds / self.train_seconds if self.train_seconds > 0 else None}
         return doc
 
     def fit_bytes(self, forward: Callable[[], Any], max_bytes: int) -> float:
@@ -1013,6 +1062,32 @@ def _now() -> float:
     import time
 
     return time.perf_counter()
+
+
+def spacing_steps(cost_s: float, step_s: float, max_overhead: float) -> int:
+    """The steps of ``step_s`` seconds that an estimate of ``cost_s`` seconds must be spread over to
+    take at most ``max_overhead`` of the training time: ceil(cost / (max_overhead x step))."""
+    return math.ceil(cost_s / (max_overhead * max(step_s, 1e-9)))
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _option_is_default(name: str) -> bool:
+    """Whether option ``name`` holds its table default (neither GACT_* nor configure() changed it)."""
+    row = next(r for r in _C.options_table() if r["name"] == name)
+    return str(_C.options_current()[name]) == str(row["default"])
+
+
+def _allreduce_max(n: int) -> int:
+    """With torch.distributed initialized: the largest n over the ranks (the same on every rank)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, int(n))
+    return max(gathered)
 
 
 def _allreduce_mean(est: dict[str, Any]) -> dict[str, Any]:
