@@ -803,23 +803,38 @@ class SharedReads(torch.nn.Module):
         return self.fc(h.flatten(1))
 
 
-@pytest.mark.parametrize("doubles", [False, True], ids=["inplace-attribute", "undeclared-in-place"])
-def test_probe_cuts_without_copies_estimate_what_copies_do(monkeypatch, doubles):
+def _classifier_head():
+    """vgg's classifier, narrower: Linear, ReLU(inplace), Dropout, twice. With copies at the cuts, the
+    ReLU's copy given to the dropout was freed and its address reused by the dropout's output of the
+    same shape, which then passed for the ReLU's output (a boundary blob: 0.24x the 1-bit variance)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(True), nn.Dropout(0.5), nn.Linear(256, 256), nn.ReLU(True),
+                         nn.Dropout(0.5), nn.Linear(256, 10))
+
+
+@pytest.mark.parametrize("model", ["inplace-attribute", "undeclared-in-place", "dropout-after-inplace-relu"])
+def test_probe_cuts_without_copies_estimate_what_copies_do(monkeypatch, model):
     """The probe cuts the forward graph at every leaf module's inputs with leaves that share the input's
     storage (no copy of the sampled rows' activations). Its estimates must equal those of cuts made with
     copies (the same signs: one seed): a tensor two modules save is one blob whose noise enters both
     uses, so the derivative of each use must be summed (missing the second use changed the estimate
     of a residual block's input by 8 % on resnet18). A module that writes its input in place without
-    saying so makes the probe run again with copies, with the same estimates and no fallback."""
+    saying so makes the probe run again with copies, with the same estimates and no fallback. A clamp's
+    output is recognized by identity, so the tensors noted as clamps are held while the probe runs: a
+    freed one's address taken by another tensor of its shape gave that tensor a boundary form."""
     torch.manual_seed(5)
-    m = SharedReads(doubles)
-    x = torch.randn(8, 3, 8, 8)
+    if model == "dropout-after-inplace-relu":
+        m, x = _classifier_head(), torch.randn(8, 64)
+    else:
+        m, x = SharedReads(model == "undeclared-in-place"), torch.randn(8, 3, 8, 8)
     y = torch.randint(0, 10, (8,))
     real = gpol.AutoPolicy._probe_estimates
     got = {}
 
     def both(self, closure, copy_inputs=False):
+        torch.manual_seed(11)  # the same dropout masks in both
         got["copies"] = real(self, closure, copy_inputs=True)
+        torch.manual_seed(11)
         got["leaves"] = real(self, closure)
         return got["leaves"]
 
@@ -831,9 +846,10 @@ def test_probe_cuts_without_copies_estimate_what_copies_do(monkeypatch, doubles)
     comp.close()
     assert not comp.policy._probe_disabled
     a, b = got["copies"], got["leaves"]
-    assert sorted(a) == sorted(b) and len(a) >= 3, (sorted(a), sorted(b))
-    shared = [k for k in a if k.startswith("ca:")]
-    assert shared and a[shared[0]][0] > 0, a  # the block input read by ca and cb: one blob, one estimate
+    assert sorted(a) == sorted(b) and len(a) >= 2, (sorted(a), sorted(b))
+    if model != "dropout-after-inplace-relu":
+        shared = [k for k in a if k.startswith("ca:")]
+        assert shared and a[shared[0]][0] > 0, a  # the block input read by ca and cb: one blob, one estimate
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a[k], b[k])
 

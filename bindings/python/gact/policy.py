@@ -853,7 +853,10 @@ class _ProbeRecorder:
         self.tensors: list[torch.Tensor] = []
         self.forms: list[tuple] = []  # per tensor: (z, std, boundary bound or None)
         self.holders: list[_ProbeSaved] = []
-        self.clamps: dict[tuple, float] = {}  # identity of a clamp's output -> the bound it clamps to
+        # identity of a clamp's output -> (the bound it clamps to, the tensor): the tensor is held so
+        # that its storage is not freed and handed to another tensor of that shape (a dropout's output
+        # after an in-place ReLU's copy was taken for the ReLU's output and given a boundary form)
+        self.clamps: dict[tuple, tuple[float, torch.Tensor]] = {}
         self.leaves: set[int] = set()  # id() of the cuts' leaves (alive in the cut list while the probe runs)
         self.uses: dict[int, list[torch.Tensor]] = {}  # tensor i -> other tensors saved as the same blob
 
@@ -863,13 +866,13 @@ class _ProbeRecorder:
 
     def note_clamp(self, t: torch.Tensor, lo: float) -> None:
         """``t`` is the output of a clamp to [lo, ∞) saved for its mask (a ReLU's)."""
-        self.clamps[self._ident(t)] = float(lo)
+        self.clamps[self._ident(t)] = (float(lo), t)
 
     def copy_clamp(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """``dst`` is a copy of ``src`` the probe made (a cut): the same clamp's output, if ``src`` is one."""
-        lo = self.clamps.get(self._ident(src))
-        if lo is not None:
-            self.clamps[self._ident(dst)] = lo
+        noted = self.clamps.get(self._ident(src))
+        if noted is not None:
+            self.clamps[self._ident(dst)] = (noted[0], dst)
 
     def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Any:
         """``z``, ``std``: a tensor the store keeps normalized (a normalization layer's input): its
@@ -882,7 +885,8 @@ class _ProbeRecorder:
             i = self.index[ident] = len(self.tensors)
             self.keys.append(key)
             self.tensors.append(t)
-            self.forms.append((z, std, self.clamps.get(ident) if z is None else None))
+            noted = self.clamps.get(ident) if z is None else None
+            self.forms.append((z, std, noted[0] if noted is not None else None))
         elif t is not self.tensors[i]:
             # another tensor with the blob's identity (two cuts of one tensor are two leaves sharing
             # its storage): autograd routes the derivative of this save to it, not to the first
