@@ -968,3 +968,56 @@ def test_an_interval_the_user_chose_is_kept_whatever_the_estimates_cost(monkeypa
         gact.configure(adapt_interval=1000)
     with pytest.raises(ValueError, match="max_overhead"):
         gpol.AutoPolicy(gact.Compressor(torch.nn.Linear(2, 2), bits=2), 2, max_overhead=1.5)
+
+
+class NoDoubleBackward(torch.nn.Module):
+    """A model with an op autograd cannot differentiate twice (hardsigmoid in torch 1.13, here as a gate
+    like a squeeze-excitation's, whose input gradient depends on a saved tensor): the probe fails and
+    the online estimator decides, for its convolutions and linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.act = torch.nn.Hardsigmoid()
+        self.fc = torch.nn.Linear(16 * 8 * 8, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.c2(self.c1(x))
+        return self.fc2(self.fc((h * self.act(h)).flatten(1)))
+
+
+def test_online_decisions_after_a_failed_probe_are_measured_against_uniform(monkeypatch):
+    """When the probe cannot run (an op without a double backward) and the online estimator stands in,
+    its decisions are measured against uniform on the replayed step as the probe's are: estimates made
+    upside down are found worse and not used (every tensor keeps 2 bits, with a warning); honest ones
+    are measured and kept. Before, a fallback's decisions went unchecked."""
+    torch.manual_seed(2)
+    m = NoDoubleBackward()
+    x = torch.randn(8, 3, 8, 8)
+    y = torch.randint(0, 10, (8,))
+    _, _ = _grad(m, x, y)
+    real = gpol.AutoPolicy._online_estimates
+
+    def upside_down(self):
+        est = real(self)
+        top = max(est.values())
+        return {k: top * top / max(v, 1e-30) for k, v in est.items()}
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_online_estimates", upside_down)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    with pytest.warns(RuntimeWarning) as record:
+        _grad(m, x, y, comp)
+    said = " | ".join(str(r.message) for r in record)
+    assert "the probe failed" in said and "using uniform 2 bits" in said, said
+    check = comp.policy.stats()["last_check"]
+    assert check["used"] == "uniform" and check["variance_auto"] > check["variance_uniform"], check
+    comp.close()
+    monkeypatch.setattr(gpol.AutoPolicy, "_online_estimates", real)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    with pytest.warns(RuntimeWarning, match="the probe failed"):
+        _grad(m, x, y, comp)
+    check = comp.policy.stats()["last_check"]
+    assert check is not None and (check.get("same_as_uniform") or "variance_auto" in check), check
+    comp.close()

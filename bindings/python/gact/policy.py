@@ -585,8 +585,11 @@ class AutoPolicy:
     def _probe_or_fallback(self) -> dict[str, Any]:
         """The probe with the closure given, else replaying the sampled step. When the probe was
         chosen by default and cannot run (no replayable call, or an op whose backward autograd
-        cannot differentiate), a warning names why and the online estimator stands in."""
+        cannot differentiate), a warning names why and the online estimator stands in; its decisions
+        are then measured against uniform as the probe's are, by the same closure's first-order runs,
+        whenever it can be replayed."""
         if self._probe_disabled:
+            self._probe_closure = self.closure or self._replay_closure()
             return self._online_estimates()
         closure = self.closure or self._replay_closure()
         if closure is None:
@@ -604,7 +607,9 @@ class AutoPolicy:
         except RuntimeError as e:
             if not self._default_estimator:
                 raise
-            return self._fall_back(f"the probe failed ({e})")
+            est = self._fall_back(f"the probe failed ({e})")
+            self._probe_closure = closure  # (an op with no double backward still runs forward and backward)
+            return est
 
     def _fall_back(self, why: str) -> dict[str, Any]:
         warnings.warn(f"gact policy: {why}; using the online estimator from now on", RuntimeWarning, stacklevel=3)
