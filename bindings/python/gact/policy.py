@@ -13,8 +13,9 @@ budget (metadata counted). This module feeds it:
   estimator gathers its input during that step, and at the following ``comp.step()`` the
   estimates are (with torch.distributed) averaged over ranks, given to the controller and
   the allocation is re-solved. So default bits hold until the end of step 0. With the
-  default interval the policy also spaces its estimates so that each costs at most
-  ``max_overhead`` (1 %) of the training time since the previous one (``samples_at``).
+  default interval the policy also spaces its regular estimates so that each costs at most
+  ``max_overhead`` (1 %) of the training time since the previous estimate (``samples_at``;
+  the early ones keep their steps).
 
 Estimators (policy/README.md, "Sensitivity estimators"):
 
@@ -158,7 +159,7 @@ class AutoPolicy:
     Attributes:
         controller: the ``_gact.PolicyController`` (its ``stats()`` is the "policy" section).
         adapt_interval: steps between adaptations (the fewest, when ``max_overhead`` is set).
-        max_overhead: with the default ``adapt_interval`` (neither given nor configured): the
+        max_overhead: with the default ``adapt_interval`` (not given, the option at its default value): the
             largest share of training time a re-estimate may take, 0.01; a re-estimate then also
             waits until its predicted cost is at most that share of the training time since the
             previous estimate (see :meth:`samples_at`). None: every ``adapt_interval`` steps.
@@ -184,6 +185,8 @@ class AutoPolicy:
         self.probe_vectors = probe_vectors
         self.probe_samples = probe_samples
         self._probe_disabled = False
+        self._probe_stage = ""  # how far the last probe got (a failed one: whether its closure ran backward)
+        self._fallback_checks = False  # the online estimator standing in for the probe is checked against uniform
         self._probe_closure: Callable[[], Any] | None = None  # the closure the last probe ran (verification)
         self._replay: dict | None = None  # the sampled step's first samples and output gradient
         default_interval = adapt_interval is None and _option_is_default("adapt_interval")
@@ -299,8 +302,7 @@ class AutoPolicy:
                 self.controller.decide()
                 self._uniform = False
                 if self.estimator == "probe" and self._probe_closure is not None:
-                    self._verify_one_bit(self._probe_closure)
-                    self._check_against_uniform(self._probe_closure)
+                    self._checks(self._probe_closure)
                 self.decisions += 1
             self._probe_closure = None
             cost = _now() - t0 + extra
@@ -451,6 +453,20 @@ class AutoPolicy:
 
     # ---- verification of 1-bit normalization inputs ----------------------------------------
 
+    def _checks(self, closure: Callable[[], Any]) -> None:
+        """The 1-bit verification and the check against uniform. Standing in for a failed probe, a check
+        that fails says so once and the online estimator's decisions go unchecked from then on."""
+        try:
+            self._verify_one_bit(closure)
+            self._check_against_uniform(closure)
+        except RuntimeError as e:
+            if not self._probe_disabled:
+                raise
+            self._fallback_checks = False
+            self._uniform = False
+            warnings.warn(f"gact policy: the online estimator's decision cannot be measured against uniform ({e}); "
+                          "using it unchecked from now on", RuntimeWarning, stacklevel=4)
+
     def _verify_one_bit(self, closure: Callable[[], Any], rounds: int = 3) -> None:
         """Measure, rather than trust, the variance of each normalization input the solver put at 1 bit.
 
@@ -587,9 +603,10 @@ class AutoPolicy:
         chosen by default and cannot run (no replayable call, or an op whose backward autograd
         cannot differentiate), a warning names why and the online estimator stands in; its decisions
         are then measured against uniform as the probe's are, by the same closure's first-order runs,
-        whenever it can be replayed."""
+        whenever it can be replayed and ran forward and backward in the failed probe (it failed in the
+        double backward)."""
         if self._probe_disabled:
-            self._probe_closure = self.closure or self._replay_closure()
+            self._probe_closure = (self.closure or self._replay_closure()) if self._fallback_checks else None
             return self._online_estimates()
         closure = self.closure or self._replay_closure()
         if closure is None:
@@ -608,7 +625,9 @@ class AutoPolicy:
             if not self._default_estimator:
                 raise
             est = self._fall_back(f"the probe failed ({e})")
-            self._probe_closure = closure  # (an op with no double backward still runs forward and backward)
+            # an op with no double backward: the closure itself ran forward and backward, so the checks can run
+            self._fallback_checks = self._probe_stage == "double backward"
+            self._probe_closure = closure if self._fallback_checks else None
             return est
 
     def _fall_back(self, why: str) -> dict[str, Any]:
@@ -661,6 +680,7 @@ class AutoPolicy:
         return est if est is not None else self._probe_once(closure, True)
 
     def _probe_once(self, closure: Callable[[], Any], copy_inputs: bool) -> dict[str, list[float]] | None:
+        self._probe_stage = "forward"
         comp = self._comp
         params = [p for p in comp.model.parameters() if p.requires_grad] if comp.model is not None else []
         if not params:
@@ -693,7 +713,14 @@ class AutoPolicy:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise TypeError("gact.Compressor: the probe closure must return the scalar loss of its forward "
                                 f"pass (a tensor that requires grad), not {type(loss).__name__}")
-            return self._probe_solve(rec, cuts, params, loss)
+            try:
+                return self._probe_solve(rec, cuts, params, loss)
+            except RuntimeError as e:
+                # a cut's leaf shares its original's version counter: a later in-place write to the
+                # original (which a copy would not see) is refused at unpack; again, with copies
+                if copy_inputs or "saved for backward was modified by an in-place" not in str(e):
+                    raise
+                return None
         finally:
             for p, g in zip(params, user_grads):
                 p.grad = g
@@ -708,6 +735,7 @@ class AutoPolicy:
         double backwards (the method: policy/README.md, "Probe")."""
         for p in params:
             p.grad = None
+        self._probe_stage = "backward"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # create_graph=True into .grad: the cycle is broken below
             # g(h): the parameter gradients as a function of the saved tensors h. The forward pass
@@ -750,6 +778,7 @@ class AutoPolicy:
             del g
             for p in params:
                 p.grad = None
+            self._probe_stage = "double backward"
             # the tensors to differentiate by: each blob's, and the others saved as it (rec.uses)
             owner = [i for i in idx for _ in range(1 + len(rec.uses.get(i, ())))]
             inputs = [t for i in idx for t in [rec.tensors[i], *rec.uses.get(i, ())]]
@@ -784,19 +813,25 @@ class AutoPolicy:
     def _grads(self, params: list[torch.Tensor], override: dict[str, int], seed: int,
                closure: Callable[[], Any], start: list[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
         """The closure's parameter gradients with the tensors in ``override`` at those widths and every other
-        one kept exact, under rounding seed ``seed``: the tensors backward made (no copies). ``start``: the
-        gradients backward accumulates into (each parameter's .grad before the run), None for none."""
+        one kept exact, under rounding seed ``seed``: the tensors backward made (no copies). ``start``: gradients
+        to add this run's to (in place, by backward's accumulation: they are set as the .grad only once the
+        closure has returned, so a closure that zeroes gradients cannot clear them), None for none."""
         comp = self._comp
         self._override = override
         comp.seed = seed
-        for i, p in enumerate(params):
-            p.grad = None if start is None else start[i]
+        for p in params:
+            p.grad = None
+        added = False
         with self._scratch_counters():
             comp._open_step()
             try:
                 with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
                     loss = closure()
                 if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    if start is not None:
+                        for p, g in zip(params, start):
+                            p.grad = g
+                        added = True
                     loss.backward()  # the closure returns its loss (one that ran backward itself returns None)
                     del loss
             finally:
@@ -804,13 +839,16 @@ class AutoPolicy:
         grads = [None if p.grad is None else p.grad.detach() for p in params]
         for p in params:
             p.grad = None
+        if start is not None and not added:  # the closure ran backward itself: add them now
+            grads = [s if g is None else (g if s is None else g + s) for g, s in zip(grads, start)]
         return grads
 
     def _pair_variance(self, params: list[torch.Tensor], widths: dict[str, int], seeds: tuple[int, int],
                        closure: Callable[[], Any]) -> float:
         """The gradient variance of the closure with ``widths`` (every other tensor exact), from two runs of
         independent rounding noise: E‖g_a − g_b‖² = 2·Var. The second run accumulates into the first's
-        gradients negated, in place: one set of parameter-sized gradients is held, not two."""
+        gradients negated, in place: one set of parameter-sized gradients is held, not two (two when the
+        closure runs backward itself)."""
         a = self._grads(params, widths, seeds[0] % 2**64, closure)
         neg = [None if x is None else x.neg_() for x in a]
         del a
@@ -892,9 +930,10 @@ class _ProbeRecorder:
             self.tensors.append(t)
             noted = self.clamps.get(ident) if z is None else None
             self.forms.append((z, std, noted[0] if noted is not None else None))
-        elif t is not self.tensors[i]:
-            # another tensor with the blob's identity (two cuts of one tensor are two leaves sharing
-            # its storage): autograd routes the derivative of this save to it, not to the first
+        elif t is not self.tensors[i] and id(t) in self.leaves and not any(u is t for u in self.uses.get(i, ())):
+            # another cut of the blob's tensor (two cuts of one tensor are two leaves sharing its
+            # storage): autograd routes the derivative of this save to it, not to the first. (A view
+            # with the same identity is not added: the first's derivative already passes through it.)
             self.uses.setdefault(i, []).append(t)
         h = _ProbeSaved(t)
         self.holders.append(h)
