@@ -1103,3 +1103,33 @@ def test_online_decisions_after_a_failed_probe_are_measured_against_uniform(monk
     check = comp.policy.stats()["last_check"]
     assert check is not None and (check.get("same_as_uniform") or "variance_auto" in check), check
     comp.close()
+
+
+def test_probe_estimates_the_same_without_cuts_at_modules_whose_saves_carry_no_derivative(monkeypatch):
+    """The probe does not cut at ReLU, dropout, pooling, identity and flatten modules (their saves are
+    masks, indices or shapes: nothing a later tensor's derivative can leak through), which spares a copy
+    of every in-place ReLU's input; the estimates are those of a probe that cuts at every leaf module
+    (float rounding apart). torchvision's resnet18 at batch 4: ReLU(inplace), max-pool, average pool."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m = tv.models.resnet18(num_classes=10)
+    x = torch.randn(4, 3, 32, 32)
+    y = torch.randint(0, 10, (4,))
+    real = gpol.AutoPolicy._probe_estimates
+    got = {}
+
+    def both(self, closure, copy_inputs=False):
+        monkeypatch.setattr(gpol, "_NO_CUT", ())
+        got["every"] = real(self, closure)
+        monkeypatch.undo()
+        got["fewer"] = real(self, closure)
+        return got["fewer"]
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", both)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    _grad(m, x, y, comp)
+    comp.close()
+    a, b = got["every"], got["fewer"]
+    assert sorted(a) == sorted(b) and len(a) >= 20
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a[k], b[k])

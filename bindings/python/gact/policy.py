@@ -746,6 +746,7 @@ class AutoPolicy:
             for leaf, orig in reversed(cuts):
                 if leaf.grad is not None and orig.requires_grad:
                     torch.autograd.backward(orig, leaf.grad, create_graph=True)
+                leaf.grad = None  # complete and passed on (the graph keeps what its derivative needs)
         g = [p for p in params if p.grad is not None and p.grad.requires_grad]  # those g(h) reaches
         comp = self._comp
         alias = self._alias
@@ -999,11 +1000,24 @@ class _frozen_norm_stats:
                 b.copy_(v)
 
 
+# Modules the probe does not cut at: they save nothing a derivative passes through (a mask, indices, a
+# shape), so no later saved tensor's derivative can leak through them into an earlier one's, and the cut
+# would only hold their input twice (an in-place ReLU's input was copied: one activation per ReLU).
+_NO_CUT = tuple(getattr(torch.nn, n) for n in (
+    "ReLU", "ReLU6", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "MaxPool1d", "MaxPool2d",
+    "MaxPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "AvgPool1d", "AvgPool2d",
+    "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Identity", "Flatten", "Unflatten")
+    if hasattr(torch.nn, n))
+
+
 def _cut_here(m: torch.nn.Module) -> bool:
     """Whether the probe cuts the graph at a module's inputs: a leaf module, or one that uses parameters of
     its own directly (multi-head attention applies its projections functionally, without calling its
     children): without the cut, the tensors it saves would collect the derivatives of every later
-    tensor through the forward graph (a layer's attention leaked into the previous layer's norm input)."""
+    tensor through the forward graph (a layer's attention leaked into the previous layer's norm input).
+    Not at the modules of ``_NO_CUT``, whose saves carry no derivative."""
+    if isinstance(m, _NO_CUT):
+        return False
     return next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None
 
 
