@@ -1026,13 +1026,14 @@ def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.
     that requires grad and shares its storage, cutting the graph there (``cuts`` gets (leaf,
     original); an input that did not require grad, like the batch, now does, so that what the
     module saves of it can be differentiated too). No copy: the leaf has the original's identity,
-    so a tensor saved both by the module that made it and by the one that reads it (a ReLU's output
-    and the next convolution's input) is one tensor in the probe, as it is one blob in the store,
-    and the 8 samples' activations are not held twice. A module that writes its input in place
-    (``inplace=True``) gets a copy of the leaf instead; it stays marked as a clamp's output if the
-    original is one; so does every module with ``copy`` (the retry when a module wrote its input
-    in place without saying so). A tensor passed several times gets one leaf (self-attention passes its input
-    as query, key and value, and tests them for identity)."""
+    so a tensor saved both before the cut and after it (a clamp's output read by the next
+    convolution) is one record in the probe, as it is one blob in the store (its other saves are
+    its uses, ``_ProbeRecorder.uses``), and the replayed rows' activations are not held twice.
+    A module that writes its input in place (``inplace=True``), and every module when ``copy``
+    is set (the retry after a module wrote its input in place without saying so), gets a copy of
+    the leaf instead, marked as a clamp's output if the original is one. A tensor passed several
+    times gets one leaf (self-attention passes its input as query, key and value, and tests them
+    for identity)."""
     out = []
     copies: dict[int, torch.Tensor] = {}  # one leaf per tensor: a module may test its inputs for identity
     copy = copy or getattr(module, "inplace", False) is True
@@ -1137,30 +1138,34 @@ def _median(xs: list[float]) -> float:
 
 
 def _option_is_default(name: str) -> bool:
-    """Whether option ``name`` holds its table default (neither GACT_* nor configure() changed it)."""
+    """Whether option ``name`` holds its table default value (set to that value explicitly counts too)."""
     row = next(r for r in _C.options_table() if r["name"] == name)
     return str(_C.options_current()[name]) == str(row["default"])
 
 
-def _allreduce_max(n: int) -> int:
-    """With torch.distributed initialized: the largest n over the ranks (the same on every rank)."""
+def _gather(obj: Any) -> list[Any] | None:
+    """With torch.distributed initialized and several ranks: ``obj`` of every rank, in rank order; else None."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return n
+        return None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, int(n))
-    return max(gathered)
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _allreduce_max(n: int) -> int:
+    """With torch.distributed initialized: the largest n over the ranks (the same on every rank)."""
+    gathered = _gather(int(n))
+    return n if gathered is None else max(gathered)
 
 
 def _allreduce_mean(est: dict[str, Any]) -> dict[str, Any]:
     """With torch.distributed initialized: the per-key mean over the ranks that saw the key,
     identical on every rank (keys sorted), so that every rank solves the same problem. A value is
     a number or a list of numbers (the variance at each width), averaged element by element."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    gathered = _gather(est)
+    if gathered is None:
         return est
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, est)
     sums: dict[str, list[Any]] = {}
     for d in gathered:
         for k, v in d.items():
