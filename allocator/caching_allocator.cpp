@@ -33,6 +33,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator/block_pool.hpp"
@@ -134,6 +135,7 @@ struct tag_stat {
 struct caching_allocator::impl {
   device::backend& be;
   allocator_options opts;  ///< fixed after construction, except memory_limit (set_memory_limit, under mu)
+  bool release_on_miss = false;  ///< set_release_on_miss (under mu)
   mutable std::mutex mu;
   int fault_after = 0, fault_count = 0;  ///< fail_allocations (tests), under mu
 
@@ -256,6 +258,11 @@ struct caching_allocator::impl {
   void release_cached() {
     synchronize_pending();
     ++st.num_sync_all_streams;
+    release_whole_free();
+  }
+
+  /// Release every whole free segment (blocks waiting for events stay).
+  void release_whole_free() {
     for (free_set* pool : {&small_free, &large_free}) {
       for (auto it = pool->begin(); it != pool->end();) {
         block* b = *it;
@@ -564,6 +571,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     m.erase_free(b);
   } else {
     std::size_t const seg = m.segment_size(size);
+    if (m.release_on_miss) m.release_whole_free();  // none of them can serve this request
     b = m.try_new_segment(seg, small, stream);
     if (b == nullptr) {
       m.release_cached();
@@ -679,6 +687,11 @@ void caching_allocator::fail_allocations(int after, int count) noexcept {
 void caching_allocator::empty_cache() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->release_cached();
+}
+
+bool caching_allocator::set_release_on_miss(bool on) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return std::exchange(impl_->release_on_miss, on);
 }
 
 std::size_t caching_allocator::block_size(void const* p) const noexcept {

@@ -79,6 +79,14 @@ class caching_allocator {
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
 
+  /// While on, a request that no cached block can serve first returns every whole free
+  /// segment to the backend, then reserves its own: what is reserved stays close to what is
+  /// in use while the sizes requested keep changing (gact's policy turns it on for its
+  /// estimates, on the host arena). Off by default: a repeating pattern of requests (a
+  /// training step) never misses, and a segment kept warm spares the first touch of fresh
+  /// pages. Returns the previous setting.
+  bool set_release_on_miss(bool on) noexcept;
+
   /// fork() safety (pthread_atfork): lock the allocator before a fork and unlock it after, in the
   /// parent and in the child, so that a fork while another thread is inside the allocator cannot
   /// leave the child's copy locked forever. Call the three in that order around one fork.

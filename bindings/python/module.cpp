@@ -612,6 +612,14 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("which"), py::arg("after"), py::arg("count"),
       "Test hook: after `after` more reserves of the host arena's (or the CPU swap pool's) memory, fail `count`.");
   m.def(
+      "host_release_on_miss", [](bool on) { return rt().host_arena.set_release_on_miss(on); }, py::arg("on"),
+      "While on, a request the host arena's cache cannot serve first returns its whole free segments, so that "
+      "what it reserves stays close to what is in use while request sizes keep changing (the policy's "
+      "estimates). Returns the previous setting.");
+  m.def(
+      "host_empty_cache", []() { rt().host_arena.empty_cache(); },
+      "Return the host arena's whole free segments to the system (what is in use stays).");
+  m.def(
       "_testing_empty_caches",
       []() {
         runtime& r = rt();

@@ -333,3 +333,29 @@ TEST_CASE("set_memory_limit caps later reservations and releases the cache to ge
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("release_on_miss: a miss returns the whole free segments first; blocks in use and split segments stay") {
+  gact::test::manual_backend be;
+  caching_allocator a(be);
+  void* keep = a.allocate(4096);        // a small segment, in use throughout
+  void* p = a.allocate(12 * k_mib);     // its own large segment
+  a.deallocate(p);                      // cached, whole and free
+  void* q = a.allocate(14 * k_mib);     // no cached block serves it: without the setting, both stay reserved
+  CHECK(a.reserved_bytes() == 2 * k_mib + 12 * k_mib + 14 * k_mib);
+  a.deallocate(q);
+  CHECK_FALSE(a.set_release_on_miss(true));
+  void* r = a.allocate(16 * k_mib);     // a miss: the free 12 and 14 MiB segments go back first
+  CHECK(a.reserved_bytes() == 2 * k_mib + 16 * k_mib);
+  void* s = a.allocate(8 * k_mib);      // another miss (a 20 MiB segment): nothing whole and free to return
+  CHECK(a.reserved_bytes() == 2 * k_mib + 16 * k_mib + 20 * k_mib);
+  a.deallocate(r);
+  void* t = a.allocate(4 * k_mib);      // served from the 20 MiB segment's free part: no miss, the free 16 MiB stays
+  CHECK(a.reserved_bytes() == 2 * k_mib + 16 * k_mib + 20 * k_mib);
+  CHECK(a.set_release_on_miss(false));
+  a.deallocate(s);
+  a.deallocate(t);
+  a.deallocate(keep);
+  CHECK(a.allocated_bytes() == 0);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 0);
+}
