@@ -647,6 +647,7 @@ def stored_forms_probe():
     m, x, y, g0 = _stored_forms()
     comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
     comp.policy.probe_vectors = 128
+    comp.policy.probe_memory = None  # the whole batch, as measured below (not fewer rows to fit in memory)
     _grad(m, x, y, comp)  # sampled: the probe runs in step()
     tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
     comp.close()
@@ -973,9 +974,10 @@ def test_a_probe_saved_tensor_modified_in_place_is_refused():
 
 # ---- the estimates' share of training time ----------------------------------------------------------
 
-def _drive_schedule(monkeypatch, step_s, cost_s, steps, sampled_extra_s=0.0, **kw):
+def _drive_schedule(monkeypatch, step_s, cost_s, steps, sampled_extra_s=0.0, after_extra_s=0.0, **kw):
     """A policy driven by a fake clock: each user step takes step_s seconds (a sampled one
-    sampled_extra_s more), each estimate cost_s. The steps it samples, and the policy."""
+    sampled_extra_s more, the one after an estimate after_extra_s more), each estimate cost_s.
+    The steps it samples, and the policy."""
     clock = [0.0]
     monkeypatch.setattr(gpol, "_now", lambda: clock[0])
 
@@ -987,8 +989,10 @@ def _drive_schedule(monkeypatch, step_s, cost_s, steps, sampled_extra_s=0.0, **k
     comp = gact.Compressor(torch.nn.Linear(8, 8), bits="auto", estimator="online", **kw)
     pol = comp.policy
     sampled = [0]  # the Compressor samples its first step
+    estimated = False
     for s in range(1, steps + 1):
-        clock[0] += step_s + (sampled_extra_s if pol._sampling else 0.0)
+        clock[0] += step_s + (sampled_extra_s if pol._sampling else 0.0) + (after_extra_s if estimated else 0.0)
+        estimated = pol._sampling  # on_step estimates now
         pol.on_step(s)
         if pol._sampling:
             sampled.append(s)
@@ -1028,6 +1032,19 @@ def test_what_sampling_adds_to_the_step_counts_as_the_estimates_cost(monkeypatch
     assert regular and all(4000 <= g <= 4002 for g in gaps), gaps  # (5 + 5) s at 1 % of 0.25 s
     sched = pol.stats()["schedule"]
     # every estimate but step 0's (no ordinary step measured before it) carries its step's 5 s
+    assert sched["estimate_seconds"] == pytest.approx(5.0 * len(sampled) + 5.0 * (len(sampled) - 1))
+    assert sched["train_seconds"] == pytest.approx(0.25 * 12000 + 5.0)
+
+
+def test_the_step_after_an_estimate_counts_as_its_cost(monkeypatch):
+    """The step after an estimate reserves its memory afresh (the estimate returned the host arena's free
+    segments): what it takes over the median step counts as the estimate's time and spaces the estimates."""
+    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=5.0, after_extra_s=5.0, steps=12000)
+    regular = sampled[8:]
+    gaps = [b - a for a, b in zip([640] + regular, regular)]
+    assert regular and all(4000 <= g <= 4002 for g in gaps), gaps  # (5 + 5) s at 1 % of 0.25 s
+    sched = pol.stats()["schedule"]
+    # the step after step 0's estimate has no ordinary step to compare with: it counts as training
     assert sched["estimate_seconds"] == pytest.approx(5.0 * len(sampled) + 5.0 * (len(sampled) - 1))
     assert sched["train_seconds"] == pytest.approx(0.25 * 12000 + 5.0)
 
@@ -1133,3 +1150,218 @@ def test_probe_estimates_the_same_without_cuts_at_modules_whose_saves_carry_no_d
     assert sorted(a) == sorted(b) and len(a) >= 20
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a[k], b[k])
+
+
+# ---- the probe in passes: one row at a time where the rows are independent --------------------------
+
+class RowWise(torch.nn.Module):
+    """Each row computed on its own; 256 features per saved row, so that a group of 256 never holds two
+    rows (the sum over passes is then exact) and a row's saves are under min_bytes (4096) while the
+    kept rows' are not (a pass must key what the step stored)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256), nn.Tanh(),
+                                 nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_probe_in_passes_estimates_what_one_pass_does(monkeypatch):
+    """Where the rows are independent, the probe replays the kept rows one per pass and adds up the
+    estimates: the same sign vector in every pass, so the sum is the one-pass estimate (float rounding
+    apart), while the probe holds one row's saved tensors at a time instead of all eight."""
+    torch.manual_seed(3)
+    m, x, y = RowWise(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    real = gpol.AutoPolicy._probe_estimates
+    got, held, holding = {}, [], []
+    real_close = gpol._ProbeRecorder.close
+
+    def close(rec):
+        held.append(sum(t.numel() * t.element_size() for t in rec.tensors))
+        real_close(rec)
+
+    def both(self, closure, copy_inputs=False):
+        got["passes"] = len(closure) if isinstance(closure, gpol._Passes) else 1
+        held.clear()
+        got["one"] = real(self, self._replay_closure())
+        holding.append(max(held))
+        held.clear()
+        got["split"] = real(self, closure)
+        holding.append(max(held))
+        return got["split"]
+
+    monkeypatch.setattr(gpol._ProbeRecorder, "close", close)
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", both)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback
+        _grad(m, x, y, comp)
+    assert comp.policy._rows_independent is True and got["passes"] == 8
+    comp.close()
+    a, b = got["one"], got["split"]
+    assert sorted(a) == sorted(b) and len(a) >= 3, (sorted(a), sorted(b))
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-4), (k, a[k], b[k])
+    assert holding[1] * 8 == holding[0], holding  # one row's saves at a time
+
+
+def test_measuring_runs_in_passes_add_up_to_the_whole():
+    """The checks' runs replay the same passes and accumulate the gradients across them: with every tensor
+    kept exact, the gradient of the passes is the one-pass replay's."""
+    torch.manual_seed(4)
+    m, x, y = RowWise(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    pol = comp.policy
+    with comp:
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    passes, whole = pol._replay_passes(), pol._replay_closure()
+    assert isinstance(passes, gpol._Passes) and len(passes) == 8
+    params = [p for p in m.parameters()]
+    with pol._extra_runs(params):
+        a = [g.clone() for g in pol._grads(params, {}, 5, whole)]
+        b = pol._grads(params, {}, 5, passes)
+    for ga, gb in zip(a, b):
+        assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-7)
+    comp.close()
+
+
+class MixesRows(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(x - x.mean(0)))
+
+
+class TimeFirst(torch.nn.Module):
+    """An LSTM with time as the first dimension (batch_first=False): rows of the input are time steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(16, 32)
+        self.fc = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("model", ["batch-norm", "mixes-rows", "time-first"])
+def test_probe_keeps_one_pass_where_rows_interact(model):
+    """Batch norm in training mode joins the rows through its statistics; a model may mix rows itself or
+    have time as its first dimension. The probe then replays the kept rows together, as before."""
+    torch.manual_seed(6)
+    if model == "batch-norm":
+        m, x = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10)), \
+            torch.randn(12, 16)
+    elif model == "mixes-rows":
+        m, x = MixesRows(), torch.randn(12, 16)
+    else:
+        m, x = TimeFirst(), torch.randn(12, 3, 16)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*measured a gradient variance")  # a check may prefer uniform
+        warnings.filterwarnings("error", message=".*online estimator")  # no fallback
+        with comp:
+            out = m(x)
+        out.square().mean().backward()
+        assert not isinstance(comp.policy._replay_passes(), gpol._Passes)
+        comp.step()
+    assert comp.policy._rows_independent is False and comp.policy.decisions == 1
+    assert all(mod.training for mod in m.modules())  # the eval-mode test put every module back
+    comp.close()
+
+
+def test_probe_pass_rows_is_checked_and_obeyed():
+    torch.manual_seed(7)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="probe_pass_rows"):
+            comp.policy.probe_pass_rows = bad
+    comp.policy.probe_pass_rows = 4  # asked for: passes even with batch norm (each normalizes its own rows)
+    with comp:
+        out = m(torch.randn(12, 16))
+    out.square().mean().backward()
+    passes = comp.policy._replay_passes()
+    assert isinstance(passes, gpol._Passes) and len(passes) == 2
+    comp.step()
+    assert comp.policy.decisions == 1
+    comp.close()
+
+
+class ConvBN(torch.nn.Module):
+    """Batch norm in training mode at the input's resolution (side x side values per channel and row)."""
+
+    def __init__(self, pool: bool = False) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1) if pool else None
+        self.bn_last = nn.BatchNorm2d(16) if pool else None
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.pool is not None:
+            return self.fc(self.bn_last(self.pool(h)).flatten(1))
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("batch,pool,memory,rows", [(8, False, 1.0, 2), (32, False, 1.0, 8), (8, False, None, 8),
+                                                    (8, True, 1.0, 8)])
+def test_probe_replays_the_rows_that_fit_when_they_cannot_run_apart(batch, pool, memory, rows):
+    """Under batch norm the kept rows run together, holding about 3x their saved bytes: as many as fit in
+    what compression saved in the step (2 bits: 8 x (1 - 1/13) / 3 -> 2 of 8 rows, all 8 of 32), but
+    never so few that a batch norm normalizes a channel over fewer than 16 values (a 1x1 batch norm:
+    all rows); probe_memory=None replays them all."""
+    torch.manual_seed(8)
+    m = ConvBN(pool)
+    x, y = torch.randn(batch, 3, 16, 16), torch.randint(0, 10, (batch,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    comp.policy.probe_memory = memory
+    with comp:
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    replay = comp.policy._replay_passes()
+    assert not isinstance(replay, gpol._Passes)
+    assert replay.row_share * batch == rows
+    comp.step()
+    assert comp.policy.decisions == 1
+    for bad in (0, -1.0, True, "1", math.inf):
+        with pytest.raises(ValueError, match="probe_memory"):
+            comp.policy.probe_memory = bad
+    comp.close()
+
+
+def test_estimates_run_with_the_host_arena_returning_free_segments(monkeypatch):
+    """While the policy estimates, the host arena returns its whole free segments before it reserves a
+    new one (the estimators request other sizes than the step), and all of them when it ends;
+    afterwards it keeps them again."""
+    torch.manual_seed(9)
+    m, x, y = RowWise(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    seen = []
+    real = gpol.AutoPolicy._probe_or_fallback
+
+    def spy(self):
+        seen.append(_C.host_release_on_miss(True))  # the setting in force (set again, unchanged)
+        return real(self)
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_or_fallback", spy)
+    real_empty = _C.host_empty_cache
+
+    def empty():
+        seen.append("emptied")
+        real_empty()
+
+    monkeypatch.setattr(_C, "host_empty_cache", empty)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    _grad(m, x, y, comp)
+    comp.close()
+    assert seen == [True, "emptied"]  # on while estimating; every whole free segment returned at the end
+    assert _C.host_release_on_miss(False) is False  # off again after the estimate

@@ -349,6 +349,9 @@ class Compressor:
 
         self._policy = policy
         self._probe: Any = None  # a policy's probe recorder: saved tensors kept exact (gact.policy)
+        # the rows an estimator's replayed pass has, as a share of the step's batch: min_bytes scales with it,
+        # so that the pass keys the tensors the step stored and no others (gact.policy)
+        self._row_share = 1.0
         self._own_policy = self.bits == "auto" and self._policy is None  # built here (set_model rebuilds it)
         if self._own_policy:
             self._policy = self._make_auto_policy()
@@ -647,7 +650,7 @@ class Compressor:
             return self._keep(t, "exact")
         if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES and kind != _saved.INDICES:
             return self._keep(t, "dtype")
-        if t.numel() * t.element_size() < self.min_bytes or t.numel() == 0:
+        if t.numel() * t.element_size() < self.min_bytes * self._row_share or t.numel() == 0:
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and _compat.storage_base(t) in self._input_ptrs:
             return self._keep(t, "input")
