@@ -4,8 +4,8 @@ auto policy with each estimator (online, probe, reference), and each estimator's
 percentage of training time, amortized over adapt_interval steps.
 
     gact-bench policy [--model resnet18|mobilenet_v2|encoder] [--size 32] [--batch 32] [--seeds 8]
-                      [--ref-batch 8] [--interval N] [--probe-vectors 1] [--skip-reference]
-                      [--no-fit] [--oracle] [--threads 1]
+                      [--ref-batch 8] [--pass-rows N] [--probe-memory 1.0|none] [--interval N]
+                      [--probe-vectors 1] [--skip-reference] [--no-fit] [--oracle] [--threads 1]
 
 Method (--model, default resnet18, fresh weights, one random batch; "encoder" is three
 transformer encoder layers, width 128, 4 heads, sequence --size):
@@ -27,7 +27,8 @@ transformer encoder layers, width 128, 4 heads, sequence --size):
             each), the widths the policy's solver picks from those measurements at budget 2,
             and that allocation measured (a ceiling up to the measurements' noise).
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
-            included) / (interval x ordinary step time), interval = --interval or the
+            included, and of the step after it, which reserves its memory afresh) / (interval x
+            ordinary step time), interval = --interval or the
             adapt_interval option (GACT_ADAPT_INTERVAL, default 1000); "steps" is that extra
             time in ordinary steps. "default interval" is the spacing the policy itself keeps
             with the default adapt_interval (max_overhead 1 %: the larger of 1000 and
@@ -88,6 +89,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--ref-batch", type=int, default=8)
+    ap.add_argument("--probe-memory", default="1.0",
+                    help="the probe's memory bound, a share of what the step saved, or 'none' (default 1.0)")
+    ap.add_argument("--pass-rows", type=int, default=0,
+                    help="rows per replayed pass of the probe and its checks (default: the policy's choice)")
     ap.add_argument("--interval", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-reference", action="store_true")
@@ -140,6 +145,8 @@ def main() -> int:
 
     g0, _, _ = step()
 
+    first_step = [0.0]  # the time of measure()'s first step (after an estimate: its memory reserved afresh)
+
     def measure(comp):
         errs, nb, ts = [], [], []
         for _ in range(a.seeds):
@@ -147,6 +154,7 @@ def main() -> int:
             errs.append(float((g - g0).pow(2).sum()))
             nb.append(b)
             ts.append(dt)
+        first_step[0] = ts[0]
         return statistics.mean(errs), statistics.stdev(errs) / a.seeds**0.5, max(nb), statistics.median(ts)
 
     res = {}
@@ -159,15 +167,18 @@ def main() -> int:
         comp = gact.Compressor(m, bits="auto", budget=2, estimator=estimator, adapt_interval=10**9)
         comp.policy.probe_vectors = a.probe_vectors
         comp.policy.probe_samples = a.ref_batch  # no closure: the sampled step's first samples are replayed
+        comp.policy.probe_pass_rows = a.pass_rows or None
+        comp.policy.probe_memory = None if a.probe_memory == "none" else float(a.probe_memory)
         _, _, t_sampled = step(comp)  # step 0: sampled, then estimate + decide inside comp.step()
         est_s = comp.policy.estimate_seconds
         var, se, nb, t_step = measure(comp)  # the plain API
+        after = max(first_step[0] - t_step, 0.0)  # the step after the estimate, over an ordinary one
         if not a.no_fit:
             comp.policy.fit_bytes(lambda: m(x), bytes_eq)
             res[name + "@fit"] = measure(comp)
         d = comp.policy.stats()["last_decision"]
         comp.close()
-        extra = max(t_sampled - est_s - t_step, 0.0) + est_s
+        extra = max(t_sampled - est_s - t_step, 0.0) + est_s + after
         res[name] = (var, se, nb, t_step)
         res[name + "_overhead_pct"] = 100.0 * extra / (interval * t_step)
         default_gap = max(1000, gpol.spacing_steps(extra, t_step, 0.01))
