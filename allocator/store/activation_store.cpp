@@ -1147,7 +1147,7 @@ void activation_store::begin_step(std::uint64_t step, owner_id owner) noexcept {
   }
 }
 
-std::size_t activation_store::end_step(owner_id owner) noexcept {
+std::size_t activation_store::end_step(owner_id owner, bool count_step) noexcept {
   std::lock_guard lock(mu_);
   std::size_t n = entries_.size();
   if (owner != 0) {
@@ -1157,6 +1157,7 @@ std::size_t activation_store::end_step(owner_id owner) noexcept {
   for (counters* k : {c_.get(), owner_counters(owner)}) {
     if (k == nullptr) continue;
     k->leaks += n;
+    if (!count_step) continue;
     k->leaks_last_step = n;
     ++k->steps;
   }

@@ -281,8 +281,10 @@ class activation_store {
   /// Start step `step` of `owner` (0: everyone): clears the dedup identities of its entries.
   void begin_step(std::uint64_t step, owner_id owner = 0) noexcept;
   /// End the current step of `owner` (0: everyone): its handles still alive are counted as leaks,
-  /// in its counters and the store's. @returns their number.
-  std::size_t end_step(owner_id owner = 0) noexcept;
+  /// in its counters and the store's. @returns their number. `count_step` false: a pass that is
+  /// not a training step (an estimator's extra forward and backward): leaks are counted, but
+  /// neither `steps` nor `leaks_last_step` moves.
+  std::size_t end_step(owner_id owner = 0, bool count_step = true) noexcept;
 
   /// Number of live handles.
   std::size_t live_handles() const noexcept;

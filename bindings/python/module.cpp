@@ -596,8 +596,11 @@ PYBIND11_MODULE(_gact, m) {
       "store_begin_step", [](std::uint64_t step, gact::store::owner_id o) { rt().store.begin_step(step, o); },
       py::arg("step"), py::arg("owner") = 0);
   m.def(
-      "store_end_step", [](gact::store::owner_id o) { return rt().store.end_step(o); }, py::arg("owner") = 0,
-      "End the step of an owner (0: everyone); returns the number of its handles still alive (counted as leaks).");
+      "store_end_step",
+      [](gact::store::owner_id o, bool count_step) { return rt().store.end_step(o, count_step); },
+      py::arg("owner") = 0, py::arg("count_step") = true,
+      "End the step of an owner (0: everyone); returns the number of its handles still alive (counted as leaks). "
+      "count_step=False: a pass that is not a training step (an estimator's); steps and leaks_last_step stay.");
   m.def("store_live_handles", []() { return rt().store.live_handles(); });
 
   // ---- fault injection (tests only: tests/python/test_faults.py) ------------------------

@@ -113,8 +113,12 @@ def test_script_without_optimizer_steps_at_each_backward(tmp_path):
     assert store["steps"] == 3, store
     assert store["leaks"] == 0, store
     policy = next(iter(doc["processes"].values()))["policy"]
-    # the process totals: the three steps and the policy's own passes on the sampled one
-    per_step = store["tensors_in"] // 3
+    # the tensors of a step, from the same script at uniform bits (the process totals under auto also
+    # count the policy's own passes on the sampled step, a replay in passes of one row each)
+    uniform_stats = tmp_path / "uniform.json"
+    r2 = gact_run(["--bits", "2", "--stats", str(uniform_stats)], [sys.executable, SCRIPT, "by-hand", "--steps", "3"])
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    per_step = load(uniform_stats)["store"]["tensors_in"] // 3
     assert per_step > 0
     # keys reused from step to step (they once grew by a step's worth each step); a sampled step saves
     # a few tensors more under keys of its own

@@ -1023,28 +1023,19 @@ def test_default_interval_holds_each_estimate_to_one_percent_of_the_training_tim
     assert sampled == early + [1000, 2000, 3000, 4000, 5000], sampled
 
 
-def test_what_sampling_adds_to_the_step_counts_as_the_estimates_cost(monkeypatch):
-    """A sampled step slower than the others (the estimators' hooks run in it): the difference to the
-    median step counts as estimate time, not training time, and spaces the estimates too."""
-    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=5.0, sampled_extra_s=5.0, steps=12000)
+@pytest.mark.parametrize("extra", ["sampled_extra_s", "after_extra_s"])
+def test_what_an_estimate_adds_to_the_steps_counts_as_its_cost(monkeypatch, extra):
+    """A sampled step slower than the others (the estimators' hooks run in it), or the step after an
+    estimate (it reserves its memory afresh: the estimate returned the host arena's free segments):
+    the difference to the median step counts as estimate time, not training time, and spaces the
+    estimates too."""
+    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=5.0, steps=12000, **{extra: 5.0})
     regular = sampled[8:]
     gaps = [b - a for a, b in zip([640] + regular, regular)]
     assert regular and all(4000 <= g <= 4002 for g in gaps), gaps  # (5 + 5) s at 1 % of 0.25 s
     sched = pol.stats()["schedule"]
-    # every estimate but step 0's (no ordinary step measured before it) carries its step's 5 s
-    assert sched["estimate_seconds"] == pytest.approx(5.0 * len(sampled) + 5.0 * (len(sampled) - 1))
-    assert sched["train_seconds"] == pytest.approx(0.25 * 12000 + 5.0)
-
-
-def test_the_step_after_an_estimate_counts_as_its_cost(monkeypatch):
-    """The step after an estimate reserves its memory afresh (the estimate returned the host arena's free
-    segments): what it takes over the median step counts as the estimate's time and spaces the estimates."""
-    sampled, pol = _drive_schedule(monkeypatch, step_s=0.25, cost_s=5.0, after_extra_s=5.0, steps=12000)
-    regular = sampled[8:]
-    gaps = [b - a for a, b in zip([640] + regular, regular)]
-    assert regular and all(4000 <= g <= 4002 for g in gaps), gaps  # (5 + 5) s at 1 % of 0.25 s
-    sched = pol.stats()["schedule"]
-    # the step after step 0's estimate has no ordinary step to compare with: it counts as training
+    # every estimate but step 0's carries its 5 s (before step 0's, and after it, no ordinary step
+    # has been measured to compare with: that step counts as training)
     assert sched["estimate_seconds"] == pytest.approx(5.0 * len(sampled) + 5.0 * (len(sampled) - 1))
     assert sched["train_seconds"] == pytest.approx(0.25 * 12000 + 5.0)
 
@@ -1251,9 +1242,11 @@ class TimeFirst(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model", ["batch-norm", "mixes-rows", "time-first"])
-def test_probe_keeps_one_pass_where_rows_interact(model):
+def test_probe_replays_the_rows_together_where_they_interact(model):
     """Batch norm in training mode joins the rows through its statistics; a model may mix rows itself or
-    have time as its first dimension. The probe then replays the kept rows together, as before."""
+    have time as its first dimension. The probe then replays the kept rows (8 of 12) in one pass: all of
+    them where the model mixes rows or runs through time, and under batch norm the rows that fit, here
+    all 8 too (a batch norm over (rows, 64) has one value per channel and row: it needs 16 rows)."""
     torch.manual_seed(6)
     if model == "batch-norm":
         m, x = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10)), \
@@ -1269,10 +1262,58 @@ def test_probe_keeps_one_pass_where_rows_interact(model):
         with comp:
             out = m(x)
         out.square().mean().backward()
-        assert not isinstance(comp.policy._replay_passes(), gpol._Passes)
+        replay = comp.policy._replay_passes()
+        assert not isinstance(replay, gpol._Passes) and replay.row_share * 12 == 8
         comp.step()
-    assert comp.policy._rows_independent is False and comp.policy.decisions == 1
+    # in eval mode, batch norm takes its running statistics: each row on its own but for them
+    assert comp.policy._rows_independent is (model == "batch-norm") and comp.policy.decisions == 1
     assert all(mod.training for mod in m.modules())  # the eval-mode test put every module back
+    comp.close()
+
+
+class ScaledWeight(torch.nn.Module):
+    """A tensor made from parameters alone and saved (x * w.exp() saves w.exp()): every row's derivative
+    reaches it. 1 KiB: under min_bytes at the step, over a one-row pass's share of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 256)
+        self.w = torch.nn.Parameter(torch.randn(256) * 0.1)
+        self.big = torch.nn.Parameter(torch.randn(4, 1024) * 0.1)
+        self.fc = torch.nn.Linear(256, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x) * self.w.exp())
+        h = h + (torch.tanh(self.big.exp()).sum(0)[:256] * h)  # a shared tensor the step stores (16 KiB)
+        return self.fc(h)
+
+
+def test_probe_replays_the_rows_together_when_a_tensor_is_shared_by_them(monkeypatch):
+    """A saved tensor made from parameters alone has the derivatives of every row summed in it, so the sum
+    over one-row passes of its squares is not its estimate: found in the first pass, the probe replays the
+    rows together instead (from then on), with the same estimates as one pass. Keys follow the order of
+    saves whatever their sizes: w.exp(), under min_bytes at the step and over a pass's share of it, does
+    not move the keys after it."""
+    torch.manual_seed(10)
+    m, x, y = ScaledWeight(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    real = gpol.AutoPolicy._probe_estimates
+    got = []
+
+    def spy(self, closure, copy_inputs=False):
+        est = real(self, closure, copy_inputs)
+        got.append((len(closure) if isinstance(closure, gpol._Passes) else 1, est))
+        return est
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", spy)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with comp:
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+    loss.backward()
+    keys = set(comp.policy._saved)
+    comp.step()
+    assert [(n, est is None) for n, est in got] == [(8, True), (1, False)]
+    assert not comp.policy._splittable and not isinstance(comp.policy._replay_passes(), gpol._Passes)
+    assert len(got[1][1]) >= 4 and set(got[1][1]) <= keys, (sorted(got[1][1]), sorted(keys))
     comp.close()
 
 
@@ -1365,3 +1406,27 @@ def test_estimates_run_with_the_host_arena_returning_free_segments(monkeypatch):
     comp.close()
     assert seen == [True, "emptied"]  # on while estimating; every whole free segment returned at the end
     assert _C.host_release_on_miss(False) is False  # off again after the estimate
+
+
+def test_keys_follow_the_order_of_saves_whatever_their_sizes():
+    """A save kept because it is small still takes its key, so every later save of the module has the key
+    it has with min_bytes=0: an estimator's replay of fewer rows (smaller tensors) keys each tensor as the
+    step did (a weight-made tensor under min_bytes at the step but over a pass's share moved the keys)."""
+    torch.manual_seed(11)
+    m, x = ScaledWeight(), torch.randn(8, 64)
+    seen = {}
+    for min_bytes in (0, 4096):
+        got = seen[min_bytes] = {}
+
+        class Spy(gact.policy.FixedWidths):
+            def bits_for(self, key, numel):
+                got[key] = numel
+                return super().bits_for(key, numel)
+
+        comp = gact.Compressor(m, bits=2, min_bytes=min_bytes, policy=Spy({}, default=2))
+        with comp:
+            m(x).sum().backward()
+        comp.close()
+    small = set(seen[0]) - set(seen[4096])
+    assert small and all(seen[0][k] * 4 < 4096 for k in small)  # w.exp() (256 floats) among them
+    assert all(seen[0][k] == n for k, n in seen[4096].items()), (seen[0], seen[4096])

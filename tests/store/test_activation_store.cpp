@@ -449,6 +449,9 @@ TEST_CASE("owners: each counts its own puts, skips and leaks; the process totals
   f.store.note_skip(gact::store::skip_reason::memory, 100, b);
   f.store.release(ha);
   CHECK(f.store.end_step(a) == 0);  // b's live handle is not a's leak
+  CHECK(f.store.end_step(b, false) == 1);  // not a step: the leak counts, the step does not
+  CHECK(f.store.stats_json(b)["steps"] == 0);
+  CHECK(f.store.stats_json(b)["leaks"] == 1);
   CHECK(f.store.end_step(b) == 1);
   auto const sa = f.store.stats_json(a), sb = f.store.stats_json(b), all = f.store.stats_json();
   CHECK(sa["owner"] == a);
@@ -456,7 +459,9 @@ TEST_CASE("owners: each counts its own puts, skips and leaks; the process totals
   CHECK(sb["tensors_in"] == 1);
   CHECK(all["tensors_in"] == 2);
   CHECK(sa["leaks"] == 0);
-  CHECK(sb["leaks"] == 1);
+  CHECK(sb["leaks"] == 2);  // at both ends
+  CHECK(sb["steps"] == 1);
+  CHECK(sb["leaks_last_step"] == 1);
   CHECK(sb["skipped"]["memory"]["bytes"] == 100);
   CHECK(sa["skipped"]["memory"]["bytes"] == 0);
   f.store.release(hb);

@@ -349,9 +349,7 @@ class Compressor:
 
         self._policy = policy
         self._probe: Any = None  # a policy's probe recorder: saved tensors kept exact (gact.policy)
-        # the rows an estimator's replayed pass has, as a share of the step's batch: min_bytes scales with it,
-        # so that the pass keys the tensors the step stored and no others (gact.policy)
-        self._row_share = 1.0
+        self._row_share = 1.0  # an estimator's replay: its rows' share of the step's batch (gact.policy)
         self._own_policy = self.bits == "auto" and self._policy is None  # built here (set_model rebuilds it)
         if self._own_policy:
             self._policy = self._make_auto_policy()
@@ -650,11 +648,15 @@ class Compressor:
             return self._keep(t, "exact")
         if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES and kind != _saved.INDICES:
             return self._keep(t, "dtype")
+        # A key for every save from here on, kept or not: keys then follow the order of saves alone, not
+        # sizes or identities, so that an estimator's replay of fewer rows (smaller tensors; its cut
+        # batch requires grad) keys each tensor as the step did. Such a replay scales min_bytes by its
+        # share of the step's rows, so that it also stores what the step stored.
+        key = self._next_key()
         if t.numel() * t.element_size() < self.min_bytes * self._row_share or t.numel() == 0:
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and _compat.storage_base(t) in self._input_ptrs:
             return self._keep(t, "input")
-        key = self._next_key()
         if self._probe is not None:
             return self._probe_pack(t, key, d, frame)
         if kind == _saved.NORMALIZED:
@@ -840,8 +842,9 @@ class Compressor:
         return z, std
 
     def _discard_step(self) -> None:
-        """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances."""
-        _C.store_end_step(self._owner)
+        """Close a step opened for an estimator's extra pass: its blobs are gone, nothing advances (it
+        is not counted as a step, in its owner's counters or the process's)."""
+        _C.store_end_step(self._owner, count_step=False)
         self._step_open = False
 
     def _unpack(self, obj: Any) -> Any:

@@ -51,11 +51,12 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     ``probe_samples`` (8) rows of the model's positional tensor inputs, and a gradient
     hook the same rows of each output's gradient δ, and the probe's loss is Σ out·δ,
     whose parameter gradients are the step's own on those samples (the noise of a saved
-    tensor does not change δ). Where the model computes each row on its own (no batch
-    norm in training mode, and a test in eval mode), the rows are replayed one per pass
+    tensor does not change δ). Where the model computes each row on its own (a test in
+    eval mode) and no batch norm trains, the rows are replayed one per pass
     (``probe_pass_rows``) and the estimates added up, so the probe holds one row's
-    activations at a time; where they are not, as many rows as fit, at about 3x their
-    saved bytes, in what compression saved in the sampled step (``probe_memory``, 1.0).
+    activations at a time; under batch norm in training mode, as many rows as fit, at
+    about 3x their saved bytes, in what compression saved in the sampled step
+    (``probe_memory``, 1.0); where the model mixes rows otherwise, all kept rows.
     While the policy estimates, the host arena returns its whole free segments before it
     reserves new ones. A closure that returns the loss of one forward pass on a
     few samples can be given instead: ``comp.step(closure)`` or
@@ -203,7 +204,9 @@ class AutoPolicy:
         # the most the probe may hold, as a share of the bytes compression saved in the sampled step
         # (None: no bound); see _rows_that_fit
         self.probe_memory = probe_memory
-        self._rows_independent: bool | None = None  # the model's rows, tested once (see _independent_rows)
+        self._rows_independent: bool | None = None  # the model's rows apart in eval mode, tested once (_rows_apart)
+        self._splittable = True  # no tensor the kept rows share was found in a pass (_scales_with_rows)
+        self._probe_numels: dict[str, int] = {}  # key -> elements of the tensor the last probe pass estimated
         self._signs: dict | None = None  # (parameter, vector) -> the probe's signs, while a closure's passes run
         self._norm_values = math.inf  # the fewest values a batch norm's channel had in one row (_norm_hook)
         self._probe_disabled = False
@@ -320,7 +323,7 @@ class AutoPolicy:
             self._step_seconds = self._step_seconds[-31:] + [took]
         self._after_estimate = None
         if self._sampling:
-            with _lean_host_arena():
+            with _lean_host_arena() as emptied:
                 self._estimate(step)
             self._probe_closure = None
             cost = _now() - t0 + extra
@@ -328,7 +331,7 @@ class AutoPolicy:
             self.train_seconds -= extra
             if self.max_overhead is not None:
                 self._next_regular = max(self._next_regular, step + self.spacing(cost))
-            self._after_estimate = (step, cost)
+            self._after_estimate = (step, cost) if emptied[0] else None
         else:
             self.controller.set_step(step)
         self._by_blob.clear()
@@ -683,7 +686,8 @@ class AutoPolicy:
         whenever it can be replayed and ran forward and backward in the failed probe (it failed in the
         double backward)."""
         if self._probe_disabled:
-            self._probe_closure = (self.closure or self._replay_passes()) if self._fallback_checks else None
+            # the checks replay the kept rows together: no pass of this probe showed that they may run apart
+            self._probe_closure = (self.closure or self._replay_closure()) if self._fallback_checks else None
             return self._online_estimates()
         closure = self.closure or self._replay_passes()
         if closure is None:
@@ -696,6 +700,9 @@ class AutoPolicy:
             return self._fall_back(why)
         try:
             est = self._probe_estimates(closure)
+            if est is None:  # found in its first pass: a tensor the rows share; together, then
+                closure = self._replay_passes()
+                est = self._probe_estimates(closure)
             self._probe_closure = closure
             return est
         except RuntimeError as e:
@@ -767,32 +774,34 @@ class AutoPolicy:
         return replay
 
     def _replay_passes(self) -> Callable[[], Any] | "_Passes" | None:
-        """The replay, in passes of ``probe_pass_rows`` rows each: by default one row per pass where the
-        model's rows are independent of each other (:meth:`_independent_rows`), so that the probe and its
-        checks hold one row's activations at a time, not all the kept rows' (their estimates are the sum
-        over rows: the same, whether the rows run together or apart); else all rows in one pass."""
+        """The replay, in passes of ``probe_pass_rows`` rows each. By default: where the model computes
+        each kept row on its own in eval mode (:meth:`_rows_apart`), one row per pass when no batch norm
+        trains (the probe and its checks then hold one row's activations at a time, and its estimates
+        are the sum over rows), and under batch norm, which joins the rows through its statistics, the
+        rows that fit (:meth:`_rows_that_fit`) in one pass; all kept rows in one pass otherwise (a model
+        that mixes rows, or whose first dimension is time)."""
         rec = self._replay
         if rec is None or any(g is None for g in rec["grads"]):
             return None
         k = rec["k"]
         per = self.probe_pass_rows
         if per is None:
-            if not rec["rows"] or k == 1:
+            if not rec["rows"] or k == 1 or not self._rows_apart():
                 return self._replay_closure()
-            if not self._independent_rows():
+            if _training_norm(self._comp.model):
                 return self._replay_closure(0, self._rows_that_fit(k))
             per = 1
-        if not rec["rows"] or per >= k:
+        if not rec["rows"] or per >= k or not self._splittable:
             return self._replay_closure()
         return _Passes(self._replay_closure(lo, min(lo + per, k)) for lo in range(0, k, per))
 
     def _rows_that_fit(self, k: int) -> int:
-        """How many of the ``k`` kept rows one pass replays when they cannot run apart: all of them, or as
-        many as fit, at about ``_PROBE_HOLDS`` times their saved bytes, in what compression saved in the
-        sampled step (``probe_memory`` times it), so that an estimate does not raise the peak past the
-        uncompressed step's; at least enough rows that each batch norm in training mode normalizes
-        every channel over ``_NORM_VALUES`` values (resnet50 at 96 px, 3x3 at its last: 2 rows), at
-        least 1 without. ``probe_memory=None``: all ``k``."""
+        """How many of the ``k`` kept rows one pass replays under batch norm in training mode: all of them,
+        or as many as fit, at about ``_PROBE_HOLDS`` times their saved bytes, in what compression saved
+        in the sampled step (``probe_memory`` times it), so that an estimate does not raise the peak past
+        the uncompressed step's; at least enough rows that every batch-norm channel normalizes over
+        ``_NORM_VALUES`` values (resnet50 at 96 px, 3x3 at its last: 2 rows). ``probe_memory=None``:
+        all ``k``."""
         if self.probe_memory is None or not self._saved:
             return k
         n = self._replay["n"]
@@ -808,34 +817,36 @@ class AutoPolicy:
         least = 1 if self._norm_values == math.inf else -(-_NORM_VALUES // max(int(self._norm_values), 1))
         return max(min(k, least), min(k, fit))
 
-    def _independent_rows(self) -> bool:
-        """Whether the model computes each kept row of the batch on its own, tested once: no batch norm in
-        training mode (its statistics join the rows), and, in eval mode without autograd, the last kept
-        row's outputs alone equal its outputs among all kept rows (a model whose first dimension is time,
-        or which mixes rows, fails it). The ranks agree on the answer (each pass runs a backward)."""
+    def _rows_apart(self) -> bool:
+        """Whether the model, in eval mode (batch norm on its running statistics) and without autograd,
+        gives the first and the last kept row alone the outputs they have among all kept rows: each row
+        is computed on its own but for batch norm's statistics in training (a model that mixes rows, or
+        whose first dimension is time, fails it). Tested once, with every module's mode set directly
+        and put back (no ``train()`` override runs)."""
         if self._rows_independent is None:
             model, rec = self._comp.model, self._replay
             k = rec["k"]
-            ok = not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
-            if ok:
-                modes = [(m, m.training) for m in model.modules()]
-                last = _map_tensors(rec["args"], lambda t: t[k - 1:] if id(t) in rec["sliced"] else t)
-                try:
-                    model.eval()
-                    with torch.no_grad(), _frozen_norm_stats(model):
-                        full = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor)]
-                        one = [o for o in _compat.flatten(model(*last)) if isinstance(o, torch.Tensor)]
-                    ok = len(full) == len(one) and all(
-                        a.dim() >= 1 and a.shape[0] == k and a[k - 1:].shape == b.shape
-                        and torch.allclose(a[k - 1:].float(), b.float(), rtol=1e-3,
-                                           atol=1e-4 * float(a.abs().max()) if a.numel() else 0.0)
-                        for a, b in zip(full, one))
-                except Exception:  # noqa: BLE001 (a model that cannot run so is not split)
-                    ok = False
-                finally:
-                    for m, t in modes:
-                        m.training = t
-            self._rows_independent = _allreduce_max(0 if ok else 1) == 0
+            modes = [(m, m.training) for m in model.modules()]
+            ok = True
+            try:
+                for m, _ in modes:
+                    m.training = False
+                with torch.no_grad(), _frozen_norm_stats(model):
+                    full = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor)]
+                    for lo in (0, k - 1):
+                        one = _map_tensors(rec["args"], lambda t: t[lo:lo + 1] if id(t) in rec["sliced"] else t)
+                        alone = [o for o in _compat.flatten(model(*one)) if isinstance(o, torch.Tensor)]
+                        ok = ok and len(full) == len(alone) and all(
+                            a.dim() >= 1 and a.shape[0] == k and a[lo:lo + 1].shape == b.shape
+                            and torch.allclose(a[lo:lo + 1].float(), b.float(), rtol=1e-3,
+                                               atol=1e-4 * float(a.abs().max()) if a.numel() else 0.0)
+                            for a, b in zip(full, alone))
+            except Exception:  # noqa: BLE001 (a model that cannot run so is not split)
+                ok = False
+            finally:
+                for m, t in modes:
+                    m.training = t
+            self._rows_independent = ok
         return self._rows_independent
 
     def _probe_estimates(self, closure: Callable[[], Any], copy_inputs: bool = False) -> dict[str, list[float]]:
@@ -851,6 +862,9 @@ class AutoPolicy:
                     est = self._probe_once(pc, copies)
                     if est is None:
                         break
+                    if len(passes) > 1 and not self._scales_with_rows(pc):
+                        self._splittable = False  # the caller replays the rows together (_replay_passes)
+                        return None
                     for key, v in est.items():
                         total[key] = [a + b for a, b in zip(total[key], v)] if key in total else list(v)
                 else:
@@ -858,6 +872,17 @@ class AutoPolicy:
         finally:
             self._signs = None
         raise AssertionError("unreachable: a probe with copies is not run again")
+
+    def _scales_with_rows(self, closure: Callable[[], Any]) -> bool:
+        """Whether every tensor the last probe pass estimated has its rows' share of the step's elements.
+        One that does not (made from parameters alone, such as a weight scaled in forward) collects the
+        derivatives of all rows: the sum over passes of its squares is not the square of its sum."""
+        rows = getattr(closure, "row_share", 1.0) * self._replay["n"]
+        for key, numel in self._probe_numels.items():
+            info = self._saved.get(key)
+            if info is not None and numel * self._replay["n"] != math.prod(info["shape"]) * rows:
+                return False
+        return True
 
     def _probe_once(self, closure: Callable[[], Any], copy_inputs: bool) -> dict[str, list[float]] | None:
         self._probe_stage = "forward"
@@ -976,6 +1001,7 @@ class AutoPolicy:
             if target in want and not k.startswith("<none>:") and rec.tensors[i].requires_grad:
                 blob_of[i] = target
         c = {k: [0.0] * len(_CODE_WIDTHS) for k in blob_of.values()}
+        self._probe_numels = {blob_of[i]: rec.tensors[i].numel() for i in sorted(blob_of, reverse=True)}
         idx = sorted(blob_of)
         if dots[0] is not None and idx:
             self._probe_stage = "double backward"
@@ -1207,13 +1233,20 @@ def _lean_host_arena() -> Any:
     What the estimate leaves behind is returned too: the next step's requests, served from the
     leftovers of both patterns, reserved 538 MiB for 397 in use on the word LM (477 from a clean
     arena, 394 for 354 on its first step); it reserves afresh, once per estimate."""
+    emptied = [False]  # whether the arena was emptied at the end (the next step then reserves afresh)
     was = _C.host_release_on_miss(True)
     try:
-        yield
+        yield emptied
     finally:
         _C.host_release_on_miss(was)
         if not was:
             _C.host_empty_cache()
+            emptied[0] = True
+
+
+def _training_norm(model: torch.nn.Module) -> bool:
+    """Whether a batch norm of ``model`` is in training mode (its statistics join the batch's rows)."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
