@@ -24,10 +24,13 @@ TEST_CASE("concurrent saves, estimates, decisions and stats") {
   o.budget_avg_bits = 2.5;
   controller c(o);
   std::atomic<bool> stop{false};
+  std::atomic<bool> go{false};  // the savers start with the driver: on a loaded machine they once
+                                // finished before it ran, and it stopped with no decision at all
   std::atomic<int> bad_bits{0};
   std::vector<std::thread> savers;
   for (int t = 0; t < 3; ++t) {
     savers.emplace_back([&, t] {
+      while (!go.load()) std::this_thread::yield();
       for (int i = 0; i < 3000; ++i) {
         std::string const key = "t" + std::to_string(t) + ".layer" + std::to_string(i % 20) + "#0";
         int const b = c.on_save(key, 256u * static_cast<unsigned>(1 + i % 7));
@@ -39,7 +42,8 @@ TEST_CASE("concurrent saves, estimates, decisions and stats") {
   }
   int decisions = 0, over_budget = 0;
   std::thread driver([&] {
-    for (int round = 0; round < 200 && !stop.load(); ++round) {
+    go = true;
+    for (int round = 0; round < 200 && (round == 0 || !stop.load()); ++round) {  // at least one decision
       c.set_step(round);
       for (int t = 0; t < 3; ++t) {
         for (int l = 0; l < 20; ++l) {
