@@ -309,11 +309,12 @@ class AutoPolicy:
         t0 = _now()
         took = t0 - self._t_mark  # the user's step since the last comp.step() (no estimate in it)
         self.train_seconds += took
+        over = max(0.0, took - _median(self._step_seconds)) if self._step_seconds else 0.0  # over an ordinary step
         # what sampling added to the step itself (the estimators' hooks) counts as the estimate's
-        extra = max(0.0, took - _median(self._step_seconds)) if self._sampling and self._step_seconds else 0.0
+        extra = over if self._sampling else 0.0
         if self._after_estimate is not None and not self._sampling and self._step_seconds:
             # the step after an estimate reserves its memory afresh (_lean_host_arena): the estimate's too
-            after = max(0.0, took - _median(self._step_seconds))
+            after = over
             self.estimate_seconds += after
             self.train_seconds -= after
             at, cost = self._after_estimate
@@ -331,7 +332,7 @@ class AutoPolicy:
             self.train_seconds -= extra
             if self.max_overhead is not None:
                 self._next_regular = max(self._next_regular, step + self.spacing(cost))
-            self._after_estimate = (step, cost) if emptied[0] else None
+            self._after_estimate = (step, cost) if emptied else None
         else:
             self.controller.set_step(step)
         self._by_blob.clear()
@@ -759,7 +760,7 @@ class AutoPolicy:
         k = rec["k"]
         hi = k if hi is None else hi
         whole = lo == 0 and hi == k
-        args = rec["args"] if whole else _map_tensors(rec["args"], lambda t: t[lo:hi] if id(t) in rec["sliced"] else t)
+        args = rec["args"] if whole else _kept_rows(rec, lo, hi)
         grads = [g if whole or g.dim() == 0 else g[lo:hi] for g in rec["grads"]]
 
         def replay() -> torch.Tensor:
@@ -834,7 +835,7 @@ class AutoPolicy:
                 with torch.no_grad(), _frozen_norm_stats(model):
                     full = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor)]
                     for lo in (0, k - 1):
-                        one = _map_tensors(rec["args"], lambda t: t[lo:lo + 1] if id(t) in rec["sliced"] else t)
+                        one = _kept_rows(rec, lo, lo + 1)
                         alone = [o for o in _compat.flatten(model(*one)) if isinstance(o, torch.Tensor)]
                         ok = ok and len(full) == len(alone) and all(
                             a.dim() >= 1 and a.shape[0] == k and a[lo:lo + 1].shape == b.shape
@@ -1233,15 +1234,13 @@ def _lean_host_arena() -> Any:
     What the estimate leaves behind is returned too: the next step's requests, served from the
     leftovers of both patterns, reserved 538 MiB for 397 in use on the word LM (477 from a clean
     arena, 394 for 354 on its first step); it reserves afresh, once per estimate."""
-    emptied = [False]  # whether the arena was emptied at the end (the next step then reserves afresh)
     was = _C.host_release_on_miss(True)
     try:
-        yield emptied
+        yield not was  # whether the arena is emptied at the end (the next step then reserves afresh)
     finally:
         _C.host_release_on_miss(was)
         if not was:
             _C.host_empty_cache()
-            emptied[0] = True
 
 
 def _training_norm(model: torch.nn.Module) -> bool:
@@ -1259,6 +1258,11 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _kept_rows(rec: dict, lo: int, hi: int) -> Any:
+    """The replay's arguments with rows ``lo:hi`` of each tensor kept as rows of the batch (the others whole)."""
+    return _map_tensors(rec["args"], lambda t: t[lo:hi] if id(t) in rec["sliced"] else t)
 
 
 def _first_rows(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
