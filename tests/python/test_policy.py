@@ -1430,3 +1430,34 @@ def test_keys_follow_the_order_of_saves_whatever_their_sizes():
     small = set(seen[0]) - set(seen[4096])
     assert small and all(seen[0][k] * 4 < 4096 for k in small)  # w.exp() (256 floats) among them
     assert all(seen[0][k] == n for k, n in seen[4096].items()), (seen[0], seen[4096])
+
+
+class CheckpointsItsInput(torch.nn.Module):
+    """A reentrant checkpoint of the model's own input (which requires grad in the user's step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+        h = cp.checkpoint(lambda t: torch.tanh(self.c2(torch.tanh(self.c1(t)))), x, use_reentrant=True)
+        return self.fc(h.flatten(1))
+
+
+def test_the_replay_keeps_an_input_that_requires_grad_so():
+    """The replay's copy of an input that required grad requires grad too: a reentrant checkpoint of it
+    builds no graph otherwise, and torch warns at every pass ("None of the inputs have requires_grad")."""
+    torch.manual_seed(12)
+    m = CheckpointsItsInput()
+    x, y = torch.randn(8, 3, 8, 8, requires_grad=True), torch.randint(0, 10, (8,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*measured a gradient variance")
+        warnings.filterwarnings("error", message=".*requires_grad")
+        warnings.filterwarnings("error", message=".*online estimator")
+        _grad(m, x, y, comp)
+    assert comp.policy.decisions == 1 and comp.policy._rows_independent is True  # replayed in passes
+    comp.close()

@@ -1266,9 +1266,11 @@ def _kept_rows(rec: dict, lo: int, hi: int) -> Any:
 
 
 def _first_rows(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """A detached copy of t's first k rows when its first dimension is the batch (n), else of t."""
-    t = t.detach()
-    return (t[:k] if t.dim() >= 1 and t.shape[0] == n else t).clone()
+    """A detached copy of t's first k rows when its first dimension is the batch (n), else of t; a leaf that
+    requires grad if t did (a reentrant checkpoint of the model's input builds no graph from one that does not)."""
+    c = t.detach()
+    c = (c[:k] if c.dim() >= 1 and c.shape[0] == n else c).clone()
+    return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
 
 
 class _frozen_norm_stats:
