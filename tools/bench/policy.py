@@ -5,7 +5,8 @@ percentage of training time, amortized over adapt_interval steps.
 
     gact-bench policy [--model resnet18|mobilenet_v2|encoder] [--size 32] [--batch 32] [--seeds 8]
                       [--ref-batch 8] [--pass-rows N] [--probe-memory 1.0|none] [--interval N]
-                      [--probe-vectors 1] [--skip-reference] [--no-fit] [--oracle] [--threads 1]
+                      [--probe-vectors 1] [--skip-reference] [--no-fit] [--oracle] [--group-ceiling]
+                      [--threads 1]
 
 Method (--model, default resnet18, fresh weights, one random batch; "encoder" is three
 transformer encoder layers, width 128, 4 heads, sequence --size):
@@ -26,6 +27,15 @@ transformer encoder layers, width 128, 4 heads, sequence --size):
             variance measured alone at 1, 2 and 4 bits (every other tensor exact, --seeds runs
             each), the widths the policy's solver picks from those measurements at budget 2,
             and that allocation measured (a ceiling up to the measurements' noise).
+  group ceiling (--group-ceiling) what any allocation of widths could gain, per tensor or per
+            quantization group, under the rounding-variance model: the probe's 2-bit variance of
+            each tensor, shared among its groups in proportion to their squared ranges (the
+            ranges of the values the store encodes, from a uniform step), each group's variance
+            V(b) = V_t(b) x share; then the least total variance at uniform 2 bits' bytes,
+            by a Lagrange multiplier, per tensor and per group, with the codec's widths (1, 2, 4,
+            8: the probe's V_t) and with every width 1 to 8 (V_t(b >= 2) from V_t(2) by the
+            rounding step). Run it with --ref-batch = --batch and --probe-memory none: the probe
+            then replays the whole batch (fewer rows under batch norm bias the estimates).
   overhead  (extra time of the sampled step over an ordinary auto step, estimate and solve
             included, and of the step after it, which reserves its memory afresh) / (interval x
             ordinary step time), interval = --interval or the
@@ -80,10 +90,99 @@ def oracle(a, m, x, y, step, measure, tensors, bytes_eq):
     return v, se, nb, t
 
 
+def group_ranges(comp, run):
+    """{key: squared range of each group of 256 of the values the store encodes} over one step of `run`
+    under `comp` (a normalization layer's input as the codec sees it: per channel or per row)."""
+    seen = {}
+    store = comp._store
+
+    def spy(t, key, d, norm=None, min_bits=0, normalized=False):
+        if t.is_floating_point():
+            v = t.detach().float()
+            if normalized and norm is not None:
+                if norm[0] == t.shape[1] and t.dim() >= 2:  # batch norm: per channel
+                    dims = [i for i in range(t.dim()) if i != 1]
+                    v = (v - v.mean(dims, keepdim=True)) / v.std(dims, keepdim=True).clamp_min(1e-12)
+                else:  # a layer norm: per block of norm[1] consecutive elements
+                    v = v.reshape(-1, norm[1])
+                    v = (v - v.mean(1, keepdim=True)) / v.std(1, keepdim=True).clamp_min(1e-12)
+            f = v.contiguous().reshape(-1)
+            n = f.numel()
+            pad = (-n) % 256
+            if pad:  # a tail group: its own values only
+                f = torch.cat([f, f[-1:].expand(pad)])
+            g = f.reshape(-1, 256)
+            seen[key] = ((g.amax(1) - g.amin(1)).double() ** 2)
+        return store(t, key, d, norm, min_bits, normalized)
+
+    comp._store = spy
+    try:
+        run()
+    finally:
+        del comp._store
+    return seen
+
+
+def ceilings(tensors, ranges, group_size=256, meta=8):
+    """Variance ratios (uniform 2 bits / the least variance at uniform 2 bits' bytes, a bound: the linear
+    relaxation of the choice) of width allocations per tensor and per group, with the codec's widths (1, 2, 4, 8: the probe's variances)
+    and with every width 1 to 8 (V(1) the probe's; V(b >= 2) = V(2) x (step_b / step_2)^2, the step of
+    2^b - 1 levels, 2^b - 2 for a boundary blob). A tensor's widths start at its ``min_bits``, where
+    uniform 2 bits stores it too."""
+    def cells(mode, every):
+        out = []  # per group: ({width: variance}, uniform's width)
+        for k, r in tensors.items():
+            if k not in ranges or r.get("variance") is None:
+                continue
+            v = [float(x) for x in r["variance"]]
+            boundary = v[0] == v[1] and v[1] > 0  # 1 bit stored as 2 (a boundary blob's floor)
+            first = max(1, int(r.get("min_bits") or 1))
+            if every:
+                levels = (lambda b: 2**b - 2) if boundary else (lambda b: 2**b - 1)
+                vb = {b: v[0] if b == 1 else v[1] * (levels(2) / levels(b)) ** 2 for b in range(1, 9)}
+            else:
+                vb = dict(zip((1, 2, 4, 8), v))
+            vb = {b: x for b, x in vb.items() if b >= first}
+            uni = min(b for b in vb if b >= 2)
+            r2 = ranges[k]
+            tot, n = float(r2.sum()), r2.numel()
+            shares = (r2 / tot).tolist() if mode == "group" and tot > 0 else [1.0 / n] * n
+            out.extend(({b: x * s for b, x in vb.items()}, uni) for s in shares)
+        return out
+
+    def best(cs):
+        cost = lambda b: b * group_size / 8 + meta  # noqa: E731
+        uni = sum(c[u] for c, u in cs)
+        budget = sum(cost(u) for _, u in cs)
+
+        def solve(lam):
+            tv = tb = 0.0
+            for c, _ in cs:
+                b = min(c, key=lambda b: c[b] + lam * cost(b))
+                tv, tb = tv + c[b], tb + cost(b)
+            return tv, tb
+
+        lo, hi = 0.0, max(max(c.values()) for c, _ in cs) / cost(1) + 1e-30
+        for _ in range(100):  # the least multiplier whose choice fits uniform's bytes
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if solve(mid)[1] > budget else (lo, mid)
+        # the two choices either side of that multiplier, mixed to spend exactly the budget: the linear
+        # relaxation's optimum, a bound no choice of whole widths beats (it equals the best choice up to
+        # one group's worth, among thousands)
+        (v_hi, b_hi), (v_lo, b_lo) = solve(hi), solve(lo)
+        v = v_hi if b_lo <= b_hi else v_hi + (v_lo - v_hi) * (budget - b_hi) / (b_lo - b_hi)
+        return uni / v if v > 0 else float("inf")
+
+    return {f"{mode}, widths {'1-8' if every else '1/2/4/8'}": best(cells(mode, every))
+            for every in (False, True) for mode in ("tensor", "group")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="gact-bench policy")
     ap.add_argument("--model", default="resnet18", choices=("resnet18", "mobilenet_v2", "encoder"))
     ap.add_argument("--oracle", action="store_true", help="also the best per-tensor allocation from measured variances")
+    ap.add_argument("--group-ceiling", action="store_true",
+                    help="also the ceilings of per-tensor and per-group widths under the variance model")
     ap.add_argument("--no-fit", action="store_true", help="only the plain-API arms (no re-solve at equal bytes)")
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--batch", type=int, default=32)
@@ -189,6 +288,11 @@ def main() -> int:
         res[name + "_decision"] = {k: d[k] for k in ("solved", "unestimated", "stored_bytes", "achieved_avg_bits")}
         res[name + "_verified"] = getattr(comp.policy, "verified", 0)
         res[name + "_check"] = comp.policy.stats().get("last_check")
+        if name == "probe" and a.group_ceiling:
+            cu2 = gact.Compressor(m, bits=2)
+            rng = group_ranges(cu2, lambda: step(cu2))
+            cu2.close()
+            res["group_ceiling"] = ceilings(comp.policy.stats()["tensors"], rng)
         if name == "probe":
             res["_tensors"] = {k: r for k, r in comp.policy.stats()["tensors"].items() if r.get("variance")}
 
@@ -215,6 +319,9 @@ def main() -> int:
         tail = "" if ov is None else (f"{steps:7.2f} {ov:11.3f} {res[name + '_default_interval']:17d} "
                                       f"{res[name + '_default_overhead_pct']:13.3f}")
         print(f"{name:<10} {v:14.4g} {se:10.3g} {nb:9d} {vu / v:12.3f} {tail}")
+    if "group_ceiling" in res:
+        print("ceilings under the variance model (uniform 2 bits / the best at its bytes): " +
+              ", ".join(f"per {k} {v:.3f}x" for k, v in res["group_ceiling"].items()))
     print(f"ordinary auto step {res['online'][3]:.3f} s; probe estimate {res['probe_estimate_s']:.2f} s; "
           f"reference estimate {res.get('reference_estimate_s', float('nan')):.1f} s; "
           f"online estimate+solve {res['online_estimate_s'] * 1e3:.1f} ms")
