@@ -695,18 +695,24 @@ class _Attention(torch.nn.Module):
     """A projection, one multi-head attention (its projections, products and softmax run as functional
     calls inside the one module) and a head."""
 
-    def __init__(self):
+    def __init__(self, weights=False):
         super().__init__()
         self.inp = torch.nn.Linear(32, 32)
         self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
         self.head = torch.nn.Linear(32, 10)
+        self.weights = weights
 
     def forward(self, t):
         h = self.inp(t)
-        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+        o, w = self.attn(h, h, h, need_weights=self.weights)
+        out = self.head(o.mean(1))
+        if w is not None:  # the returned weights read outside any module
+            out = out + 3.0 * (w * w).sum((1, 2))[:, None] * torch.linspace(-1, 1, 10)
+        return out
 
 
-def test_probe_variance_of_attention_internals_matches_their_measured_variance():
+@pytest.mark.parametrize("weights", [False, True], ids=["output", "output-and-weights"])
+def test_probe_variance_of_attention_internals_matches_their_measured_variance(weights):
     """Inside torch.nn.MultiheadAttention the probe cuts at the inputs of its products and softmax, so
     that q, k, v, the attention matrix and the output projection's input each get their own derivative.
     Without those cuts each collected the derivatives of the tensors saved after it through the forward
@@ -714,9 +720,11 @@ def test_probe_variance_of_attention_internals_matches_their_measured_variance()
     (32) is not a multiple of the group size, so its time-first tensors put several rows in a group and
     the rows are replayed together (in one-row passes the output projection's input measured 0.56-0.77
     of its variance over seeds 5-7). Bounds as in the test above ([0.7, 1.45], > 5 combined standard
-    errors); and the functions the probe wraps are torch's own again once it ends."""
+    errors); and the functions the probe wraps are torch's own again once it ends. With the attention
+    weights returned and read outside any module, the attention's outputs are cut too (uncut, the
+    softmax output's estimate was 2.5x its variance)."""
     torch.manual_seed(5)
-    m = _Attention()
+    m = _Attention(weights)
     x = torch.randn(8, 16, 32)
     y = torch.randint(0, 10, (8,))
     g0, _ = _grad(m, x, y)

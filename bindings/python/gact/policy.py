@@ -1428,12 +1428,17 @@ class _InnerCuts:
         if threading.get_ident() == self.thread:
             self.depth += 1
 
-    def _leave_call(self, *_: Any) -> None:
+    def _leave_call(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
         if threading.get_ident() != self.thread or not self.depth:
-            return
+            return None
         self.depth -= 1
-        if not self.depth:
-            self.leaf_of.clear()  # the originals stay referenced by ``cuts``: ids are not reused meanwhile
+        if self.depth:
+            return None
+        self.leaf_of.clear()  # the originals stay referenced by ``cuts``: ids are not reused meanwhile
+        # its outputs cut too: the attention weights it returns (need_weights) are its softmax's saved
+        # output, and code outside any module that reads them would otherwise pull the derivatives of what
+        # it saves into that tensor's (2.5x on a model adding the squared weights to its loss)
+        return _map_tensors(output, self.cut)
 
     def __enter__(self) -> "_InnerCuts":
         if not self.mods:
