@@ -909,7 +909,7 @@ class AutoPolicy:
         try:
             try:
                 with torch.enable_grad(), self._scratch_counters(), comp, _frozen_norm_stats(comp.model), \
-                        _InnerCuts(cuts, rec, comp.model):
+                        _InnerCuts(cuts, rec, comp.model, copy_inputs):
                     loss = closure()
             except RuntimeError as e:
                 if copy_inputs or "leaf Variable that requires grad" not in str(e):
@@ -1361,25 +1361,33 @@ def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.
     return tuple(out)
 
 
-# Inside torch.nn.MultiheadAttention the probe also cuts at the inputs of these functions (looked up by
-# the attention's code at call time): its projections, products and softmax run as functional calls
-# within one module, so that without these cuts a saved q, k, v or attention matrix collected the
-# derivatives of the tensors saved after it through the forward graph (measured on a 3-layer encoder:
-# v 30-60x its variance, q and k 2-4x, the projection's input 3x).
-_INNER_CUT_FUNCS = (("torch", "bmm"), ("torch", "baddbmm"), ("torch", "matmul"),
+# While a probe's forward runs it also cuts at the inputs of these functions and tensor methods (looked up
+# at call time by the code that calls them). Products, projections and softmax written as functional
+# calls inside one module (torch.nn.MultiheadAttention's forward; an attention block written with
+# torch.matmul or @ and softmax, as many model libraries write it) are not cut by the module cuts, so
+# that a saved q, k, v or attention matrix collected the derivatives of the tensors saved after it
+# through the forward graph (measured: v 30-60x its variance in torch's attention on a 3-layer
+# encoder, q and k 2-4x; in a hand-written attention block its softmax output 3.8x, q and k 2.2x).
+_INNER_CUT_FUNCS = (("torch", "bmm"), ("torch", "baddbmm"), ("torch", "matmul"), ("torch", "softmax"),
                     ("torch.nn.functional", "linear"), ("torch.nn.functional", "softmax"),
-                    ("torch.nn.functional", "scaled_dot_product_attention"))
+                    ("torch.nn.functional", "scaled_dot_product_attention"),
+                    ("torch.Tensor", "__matmul__"), ("torch.Tensor", "matmul"), ("torch.Tensor", "bmm"),
+                    ("torch.Tensor", "softmax"))
 _inner = threading.local()  # per thread: the stack of _InnerCuts active in it
 _inner_lock = threading.Lock()
-_inner_installed: list = []  # [(module, name, original)] while any thread runs a probe's forward
+_inner_installed: list = []  # [(owner, name, original, whether the owner held it itself)] while any probe runs
 _inner_users = [0]
+
+
+def _inner_owner(name: str) -> Any:
+    return {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor}[name]
 
 
 def _inner_cut_wrapper(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def cutting(*args: Any, **kwargs: Any) -> Any:
         stack = getattr(_inner, "stack", None)
-        if not stack or not stack[-1].depth:
+        if not stack:
             return orig(*args, **kwargs)
         ic = stack[-1]
         return orig(*[ic.cut(a) for a in args], **{k: ic.cut(v) for k, v in kwargs.items()})
@@ -1388,22 +1396,24 @@ def _inner_cut_wrapper(orig: Callable) -> Callable:
 
 
 class _InnerCuts:
-    """While a probe's forward runs: inside each ``torch.nn.MultiheadAttention`` call (``depth`` > 0, set by
-    the module's hooks), every float input with a forward graph that a function of ``_INNER_CUT_FUNCS``
-    receives (not a parameter's view) is replaced by a fresh leaf sharing its storage, appended to
-    ``cuts`` like a module's cut (the probe chains them back in reverse order). The functions are wrapped
-    only while a probe's forward runs in some thread, and act only in the thread that runs it; others
-    pass straight through. (Meanwhile ``torch.matmul`` and the others are Python functions: a
-    TorchScript compilation started then, or a mode comparing ``func is torch.matmul``, sees the
-    wrapper.)"""
+    """While a probe's forward runs (in the thread that runs it): every float argument with a forward graph
+    that a function of ``_INNER_CUT_FUNCS`` receives (not a parameter's view) is replaced by a fresh leaf
+    sharing its storage (a copy of it with ``copy``: the probe's retry after an in-place write), appended
+    to ``cuts`` like a module's cut (the probe chains them back in reverse order); and each
+    ``torch.nn.MultiheadAttention``'s outputs are cut too (the attention weights it returns are its
+    softmax's saved output: read by code outside any module, that code's saves leaked into its
+    estimate, 2.5x). The functions are wrapped only while some thread runs a probe's forward, and act
+    only in that thread; others pass straight through. (Meanwhile ``torch.matmul`` and the others are
+    Python functions: a TorchScript compilation started then, or a mode comparing ``func is
+    torch.matmul``, sees the wrapper.)"""
 
-    def __init__(self, cuts: list, rec: "_ProbeRecorder", model: torch.nn.Module) -> None:
-        self.cuts, self.rec, self.depth = cuts, rec, 0
-        self.leaf_of: dict[int, torch.Tensor] = {}
+    def __init__(self, cuts: list, rec: "_ProbeRecorder", model: torch.nn.Module, copy: bool = False) -> None:
+        self.cuts, self.rec, self.copy = cuts, rec, copy
+        self.made: dict[int, torch.Tensor] = {}  # original's id -> its cut (the originals stay referenced)
         self.mods = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
         # a parameter's views (cross-attention splits its packed projection weight) are not activations:
         # cut, they would be saved and keyed as one, and every later key of the module would move
-        self.params = {_compat.storage_base(p) for p in model.parameters()} if self.mods else set()
+        self.params = {_compat.storage_base(p) for p in model.parameters()}
         self.hooks: list = []
         self.thread = threading.get_ident()
 
@@ -1411,50 +1421,31 @@ class _InnerCuts:
         if not isinstance(a, torch.Tensor) or not a.is_floating_point() or not a.requires_grad or a.grad_fn is None \
                 or _compat.storage_base(a) in self.params:
             return a  # a parameter or a view of one, a cut already, or nothing to differentiate
-        leaf = self.leaf_of.get(id(a))
-        if leaf is None:
+        c = self.made.get(id(a))
+        if c is None:
             leaf = a.detach().requires_grad_()
             self.cuts.append((leaf, a))
             self.rec.leaves.add(id(leaf))
-            self.rec.copy_clamp(a, leaf)
-            self.leaf_of[id(a)] = leaf
-        return leaf
+            c = leaf.clone() if self.copy else leaf
+            self.rec.copy_clamp(a, c)
+            self.made[id(a)] = c
+        return c
 
-    # (the module hooks are the model's, for every thread: another thread running the same attention
-    # meanwhile must not move this probe's depth. An exception inside the attention that the model
-    # catches leaves the depth raised for the rest of this forward, as it leaves the Compressor's
-    # module stack; the functions are restored when the probe's forward ends either way.)
-    def _enter_call(self, *_: Any) -> None:
-        if threading.get_ident() == self.thread:
-            self.depth += 1
-
-    def _leave_call(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-        if threading.get_ident() != self.thread or not self.depth:
-            return None
-        self.depth -= 1
-        if self.depth:
-            return None
-        self.leaf_of.clear()  # the originals stay referenced by ``cuts``: ids are not reused meanwhile
-        # its outputs cut too: the attention weights it returns (need_weights) are its softmax's saved
-        # output, and code outside any module that reads them would otherwise pull the derivatives of what
-        # it saves into that tensor's (2.5x on a model adding the squared weights to its loss)
-        return _map_tensors(output, self.cut)
+    def _outputs(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        # (the module hooks are the model's, for every thread: another thread's call is left alone)
+        return _map_tensors(output, self.cut) if threading.get_ident() == self.thread else None
 
     def __enter__(self) -> "_InnerCuts":
-        if not self.mods:
-            return self
         for m in self.mods:
-            self.hooks.append(m.register_forward_pre_hook(self._enter_call))
-            self.hooks.append(m.register_forward_hook(self._leave_call))
+            self.hooks.append(m.register_forward_hook(self._outputs))
         with _inner_lock:
             if not _inner_users[0]:
-                import importlib
-                for mod_name, name in _INNER_CUT_FUNCS:
-                    mod = importlib.import_module(mod_name)
-                    orig = getattr(mod, name, None)
+                for owner_name, name in _INNER_CUT_FUNCS:
+                    owner = _inner_owner(owner_name)
+                    orig = getattr(owner, name, None)
                     if orig is not None:
-                        _inner_installed.append((mod, name, orig))
-                        setattr(mod, name, _inner_cut_wrapper(orig))
+                        _inner_installed.append((owner, name, orig, name in vars(owner)))
+                        setattr(owner, name, _inner_cut_wrapper(orig))
             _inner_users[0] += 1
         if not hasattr(_inner, "stack"):
             _inner.stack = []
@@ -1462,18 +1453,19 @@ class _InnerCuts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self.mods:
-            return
         _inner.stack.remove(self)
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
-        self.leaf_of.clear()
+        self.made.clear()
         with _inner_lock:
             _inner_users[0] -= 1
             if not _inner_users[0]:
-                for mod, name, orig in reversed(_inner_installed):
-                    setattr(mod, name, orig)
+                for owner, name, orig, own in reversed(_inner_installed):
+                    if own:
+                        setattr(owner, name, orig)
+                    else:
+                        delattr(owner, name)  # inherited: the class's own again
                 _inner_installed.clear()
 
 
