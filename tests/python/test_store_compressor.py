@@ -374,6 +374,33 @@ def test_log_softmax_output_keeps_at_least_4_bits():
     assert cos > 0.95, float(cos)
 
 
+def test_attention_input_that_needs_no_gradient_is_stored_as_values():
+    """An attention kernel's log-sum-exp (no gradient, one value per head and query position) is stored
+    with at least 4 bits; the batch fed straight into an attention layer, which its input projection
+    saves as a flattened copy that needs no gradient either, is stored at the bits asked for (it took 4
+    bits as if it were a log-sum-exp)."""
+    from gact import saved
+
+    q = torch.randn(2, 4, 16, 8)
+    lse = torch.randn(2, 4, 16)
+    assert saved._attention(lse, (q, q, q), {}, None).kind == saved.LOG
+    assert saved._attention(q, (q, q, q), {}, None).kind == saved.VALUES
+    assert saved._attention(q.reshape(-1, 8).clone(), (q, q, q), {}, None).kind == saved.VALUES
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(64, 4, batch_first=True)
+    x = torch.randn(8, 32, 64)  # the model's first layer: no gradient into its input
+    comp = gact.Compressor(bits=2)
+    before = C.stats_document()["store"]
+    with comp:
+        out = attn(x, x, x, need_weights=False)[0]
+    out.square().sum().backward()
+    comp.step()
+    comp.close()
+    after = C.stats_document()["store"]
+    widths = {b: after["quant_bits"][b] - before["quant_bits"][b] for b in after["quant_bits"]}
+    assert widths["4"] == 0 and widths["2"] >= 5, widths
+
+
 def test_batch_norm_input_is_stored_channel_normalized():
     """A 1x1-spatial batch-norm input whose channels differ in scale by 10^3: a group of 256
     consecutive elements spans 256 channels, so without normalization a narrow channel's noise is

@@ -270,8 +270,12 @@ def _log_result(t, args, kwargs, frame) -> Decision:
 
 
 def _attention(t, args, kwargs, frame) -> Decision:
-    # An attention kernel's log-sum-exp (a float that needs no gradient) is read through exp.
-    if _is_float(t) and not t.requires_grad and t.grad_fn is None:
+    # An attention kernel's log-sum-exp (a float that needs no gradient, one value per head and query
+    # position: at least 3 dimensions) is read through exp. Not the call's own inputs, nor the flattened
+    # copy of an input that needs no gradient (the batch fed straight into an attention layer, which its
+    # input projection saves in 2 dimensions): those are values.
+    if _is_float(t) and not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
+            not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _LOG
     return _VALUES
 
