@@ -691,6 +691,38 @@ def test_probe_variance_of_each_tensor_matches_its_measured_variance(stored_form
         assert 0.7 < ratio < 1.45, (key, bits, predicted, measured, ratio)
 
 
+def _probed_sequences(m, vectors=128):
+    """A sampled auto step of ``m`` on 8 random sequences of 16 x 32 (the probe on the whole batch with
+    ``vectors`` sign vectors): (m, x, y, g0, the estimated tensors, {key: size} of the step's saves, {key:
+    size} of the probe's)."""
+    x = torch.randn(8, 16, 32)
+    y = torch.randint(0, 10, (8,))
+    g0, _ = _grad(m, x, y)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    comp.policy.probe_vectors = vectors
+    comp.policy.probe_memory = None
+    probed = {}
+    real = gpol.AutoPolicy._probe_estimates
+
+    def spy(self, closure, copy_inputs=False):
+        est = real(self, closure, copy_inputs)
+        probed.update(self._probe_numels)
+        return est
+
+    gpol.AutoPolicy._probe_estimates = spy
+    try:
+        with comp:
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        saved = {k: math.prod(r["shape"]) for k, r in comp.policy._saved.items()}
+        comp.step()
+    finally:
+        gpol.AutoPolicy._probe_estimates = real
+    tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
+    comp.close()
+    return m, x, y, g0, tensors, saved, probed
+
+
 class _Attention(torch.nn.Module):
     """A projection, one multi-head attention (its projections, products and softmax run as functional
     calls inside the one module) and a head."""
@@ -724,17 +756,8 @@ def test_probe_variance_of_attention_internals_matches_their_measured_variance(w
     weights returned and read outside any module, the attention's outputs are cut too (uncut, the
     softmax output's estimate was 2.5x its variance)."""
     torch.manual_seed(5)
-    m = _Attention(weights)
-    x = torch.randn(8, 16, 32)
-    y = torch.randint(0, 10, (8,))
-    g0, _ = _grad(m, x, y)
     originals = (torch.bmm, torch.baddbmm, torch.matmul, torch.nn.functional.linear, torch.nn.functional.softmax)
-    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
-    comp.policy.probe_vectors = 128
-    comp.policy.probe_memory = None
-    _grad(m, x, y, comp)
-    tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
-    comp.close()
+    m, x, y, g0, tensors, _, _ = _probed_sequences(_Attention(weights))
     assert (torch.bmm, torch.baddbmm, torch.matmul, torch.nn.functional.linear,
             torch.nn.functional.softmax) == originals
     inner = sorted(k for k in tensors if k.startswith("attn:"))
@@ -771,32 +794,7 @@ def test_probe_keys_of_cross_attention_are_the_steps():
     cross-attention's tensors is within [0.6, 1.6] of its measured variance (32 sign vectors: a looser
     bound than the tests above, which use 128)."""
     torch.manual_seed(2)
-    m = _CrossAttention()
-    x = torch.randn(8, 16, 32)
-    y = torch.randint(0, 10, (8,))
-    g0, _ = _grad(m, x, y)
-    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
-    comp.policy.probe_vectors = 32
-    comp.policy.probe_memory = None
-    sizes = {}
-    real = gpol.AutoPolicy._probe_estimates
-
-    def spy(self, closure, copy_inputs=False):
-        est = real(self, closure, copy_inputs)
-        sizes.update(self._probe_numels)
-        return est
-
-    gpol.AutoPolicy._probe_estimates = spy
-    try:
-        with comp:
-            loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        saved = {k: math.prod(r["shape"]) for k, r in comp.policy._saved.items()}
-        comp.step()
-    finally:
-        gpol.AutoPolicy._probe_estimates = real
-    tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
-    comp.close()
+    m, x, y, g0, tensors, saved, sizes = _probed_sequences(_CrossAttention(), vectors=32)
     cross = sorted(k for k in tensors if k.startswith("cross:"))
     assert len(cross) >= 4 and any(k.startswith("dec.multihead_attn:") for k in tensors), sorted(tensors)
     assert sizes and all(saved.get(k) == n for k, n in sizes.items()), \
@@ -868,16 +866,7 @@ def test_probe_variance_of_a_written_attention_block_matches_its_measured_varian
     attention: in a block written with @ and .softmax, uncut, the softmax output's estimate was 3.8x its
     measured variance, q's and k's 2.2x, the projections' shared input 4.3x. Bounds as above."""
     torch.manual_seed(5)
-    m = _WrittenAttentionModel()
-    x = torch.randn(8, 16, 32)
-    y = torch.randint(0, 10, (8,))
-    g0, _ = _grad(m, x, y)
-    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
-    comp.policy.probe_vectors = 128
-    comp.policy.probe_memory = None
-    _grad(m, x, y, comp)
-    tensors = {k: r for k, r in comp.policy.stats()["tensors"].items() if r["variance"] is not None}
-    comp.close()
+    m, x, y, g0, tensors, _, _ = _probed_sequences(_WrittenAttentionModel())
     keys = sorted(k for k in tensors if k.startswith("att"))
     assert len(keys) >= 5, sorted(tensors)
     for key, bits, predicted, measured, ratio in _probe_against_measured((m, x, y, g0, tensors), keys,
