@@ -1349,7 +1349,7 @@ def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.
             c = copies.get(id(a))
             if c is None:
                 leaf = a.detach().requires_grad_()
-                cuts.append((leaf, a))
+                cuts.append((leaf, _Anchor.apply(a) if a.requires_grad else a))  # (its edge now: see _Anchor)
                 rec.leaves.add(id(leaf))
                 c = leaf
                 if copy:  # a module that writes its input (ReLU(inplace=True)) writes a copy: a leaf refuses it
@@ -1361,33 +1361,32 @@ def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.
     return tuple(out)
 
 
-# While a probe's forward runs it also cuts at the inputs of these functions and tensor methods (looked up
-# at call time by the code that calls them). Products, projections and softmax written as functional
-# calls inside one module (torch.nn.MultiheadAttention's forward; an attention block written with
-# torch.matmul or @ and softmax, as many model libraries write it) are not cut by the module cuts, so
-# that a saved q, k, v or attention matrix collected the derivatives of the tensors saved after it
-# through the forward graph (measured: v 30-60x its variance in torch's attention on a 3-layer
-# encoder, q and k 2-4x; in a hand-written attention block its softmax output 3.8x, q and k 2.2x).
-_INNER_CUT_FUNCS = (("torch", "bmm"), ("torch", "baddbmm"), ("torch", "matmul"), ("torch", "softmax"),
+# Inside torch.nn.MultiheadAttention the probe also cuts at the inputs of these functions (looked up by
+# the attention's code at call time): its projections, products and softmax run as functional calls
+# within one module, so that without these cuts a saved q, k, v or attention matrix collected the
+# derivatives of the tensors saved after it through the forward graph (measured on a 3-layer encoder:
+# v 30-60x its variance, q and k 2-4x, the projection's input 3x). Only there: cut everywhere, a 3-d
+# matmul's saved view of its cut input, an in-place write after a cut, or a batch that requires grad
+# each misdirected derivatives (a review measured 0.05-8.8x), and attention blocks written by hand
+# with @ and softmax stay attributed jointly (see policy/README.md).
+_INNER_CUT_FUNCS = (("torch", "bmm"), ("torch", "baddbmm"), ("torch", "matmul"),
                     ("torch.nn.functional", "linear"), ("torch.nn.functional", "softmax"),
-                    ("torch.nn.functional", "scaled_dot_product_attention"),
-                    ("torch.Tensor", "__matmul__"), ("torch.Tensor", "matmul"), ("torch.Tensor", "bmm"),
-                    ("torch.Tensor", "softmax"))
+                    ("torch.nn.functional", "scaled_dot_product_attention"))
 _inner = threading.local()  # per thread: the stack of _InnerCuts active in it
 _inner_lock = threading.Lock()
-_inner_installed: list = []  # [(owner, name, original, whether the owner held it itself)] while any probe runs
+_inner_installed: list = []  # [(owner, name, original)] while any thread runs a probe's forward
 _inner_users = [0]
 
 
 def _inner_owner(name: str) -> Any:
-    return {"torch": torch, "torch.nn.functional": torch.nn.functional, "torch.Tensor": torch.Tensor}[name]
+    return {"torch": torch, "torch.nn.functional": torch.nn.functional}[name]
 
 
 def _inner_cut_wrapper(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def cutting(*args: Any, **kwargs: Any) -> Any:
         stack = getattr(_inner, "stack", None)
-        if not stack:
+        if not stack or not stack[-1].depth:
             return orig(*args, **kwargs)
         ic = stack[-1]
         return orig(*[ic.cut(a) for a in args], **{k: ic.cut(v) for k, v in kwargs.items()})
@@ -1395,56 +1394,97 @@ def _inner_cut_wrapper(orig: Callable) -> Callable:
     return cutting
 
 
+class _Anchor(torch.autograd.Function):
+    """An alias of a tensor with the tensor's graph edge as it is now: a cut chained back through it is
+    unaffected by a later in-place write to the tensor, and an in-place write to the alias is allowed."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return a.detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g
+
+
 class _InnerCuts:
-    """While a probe's forward runs (in the thread that runs it): every float argument with a forward graph
-    that a function of ``_INNER_CUT_FUNCS`` receives (not a parameter's view) is replaced by a fresh leaf
-    sharing its storage (a copy of it with ``copy``: the probe's retry after an in-place write), appended
-    to ``cuts`` like a module's cut (the probe chains them back in reverse order); and each
-    ``torch.nn.MultiheadAttention``'s outputs are cut too (the attention weights it returns are its
-    softmax's saved output: read by code outside any module, that code's saves leaked into its
-    estimate, 2.5x). The functions are wrapped only while some thread runs a probe's forward, and act
-    only in that thread; others pass straight through. (Meanwhile ``torch.matmul`` and the others are
-    Python functions: a TorchScript compilation started then, or a mode comparing ``func is
-    torch.matmul``, sees the wrapper.)"""
+    """While a probe's forward runs: inside each ``torch.nn.MultiheadAttention`` call (``depth`` > 0, counted
+    by the module's hooks in the probing thread only), every plain float tensor argument with a forward
+    graph that a function of ``_INNER_CUT_FUNCS`` receives (not a parameter's view) is replaced by a
+    fresh leaf sharing its storage (a copy of it with ``copy``: the probe's retry after an in-place
+    write), appended to ``cuts`` with an anchor of the original; and the attention's outputs are cut too
+    (the weights it returns are its softmax's saved output: read by code outside any module, that code's
+    saves leaked into its estimate, 2.5x), returned as aliases that accept in-place writes. The
+    functions are wrapped only while some thread runs a probe's forward, and act only in that thread;
+    others pass straight through. (Meanwhile ``torch.matmul`` and the others are Python functions: a
+    TorchScript compilation started then, or a mode comparing ``func is torch.matmul``, sees the
+    wrapper. An exception inside the attention that the model catches leaves the depth raised for the
+    rest of this forward, as it leaves the Compressor's module stack.)"""
 
     def __init__(self, cuts: list, rec: "_ProbeRecorder", model: torch.nn.Module, copy: bool = False) -> None:
-        self.cuts, self.rec, self.copy = cuts, rec, copy
-        self.made: dict[int, torch.Tensor] = {}  # original's id -> its cut (the originals stay referenced)
+        self.cuts, self.rec, self.copy, self.depth = cuts, rec, copy, 0
+        self.made: dict[int, tuple] = {}  # original's id -> (original, its version, its cut)
         self.mods = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
         # a parameter's views (cross-attention splits its packed projection weight) are not activations:
         # cut, they would be saved and keyed as one, and every later key of the module would move
-        self.params = {_compat.storage_base(p) for p in model.parameters()}
+        self.params = {_compat.storage_base(p) for p in model.parameters()} if self.mods else set()
         self.hooks: list = []
         self.thread = threading.get_ident()
 
     def cut(self, a: Any) -> Any:
-        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or not a.requires_grad or a.grad_fn is None \
-                or _compat.storage_base(a) in self.params:
-            return a  # a parameter or a view of one, a cut already, or nothing to differentiate
-        c = self.made.get(id(a))
-        if c is None:
-            leaf = a.detach().requires_grad_()
-            self.cuts.append((leaf, a))
-            self.rec.leaves.add(id(leaf))
-            c = leaf.clone() if self.copy else leaf
-            self.rec.copy_clamp(a, c)
-            self.made[id(a)] = c
+        if type(a) is not torch.Tensor or not a.is_floating_point() or not a.requires_grad or a.grad_fn is None \
+                or _compat.storage_base(a) in self.params \
+                or (a._base is not None and a._base.is_leaf and a._base.requires_grad
+                    and id(a._base) not in self.rec.leaves):
+            # a parameter or a view of one (or of a batch that requires grad, which the Compressor keeps
+            # as it keeps parameters), a cut already, a tensor subclass, or nothing to differentiate
+            return a
+        hit = self.made.get(id(a))
+        if hit is not None and hit[0] is a and hit[1] == a._version:
+            return hit[2]
+        leaf = a.detach().requires_grad_()
+        self.cuts.append((leaf, _Anchor.apply(a)))
+        self.rec.leaves.add(id(leaf))
+        c = leaf.clone() if self.copy else leaf
+        self.rec.copy_clamp(a, c)
+        self.made[id(a)] = (a, a._version, c)
         return c
 
-    def _outputs(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-        # (the module hooks are the model's, for every thread: another thread's call is left alone)
-        return _map_tensors(output, self.cut) if threading.get_ident() == self.thread else None
+    def _enter_call(self, *_: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self.depth += 1
+
+    def _leave_call(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if threading.get_ident() != self.thread or not self.depth:
+            return None
+        self.depth -= 1
+        if self.depth:
+            return None
+
+        def out(t: Any) -> Any:
+            c = self.cut(t)
+            if c is t or self.copy:
+                return c
+            alias = _Anchor.apply(c)  # not the leaf itself: the caller may write it in place
+            self.rec.leaves.add(id(alias))
+            self.made[id(t)] = (t, t._version, alias)
+            return alias
+
+        return _map_tensors(output, out)
 
     def __enter__(self) -> "_InnerCuts":
+        if not self.mods:
+            return self
         for m in self.mods:
-            self.hooks.append(m.register_forward_hook(self._outputs))
+            self.hooks.append(m.register_forward_pre_hook(self._enter_call))
+            self.hooks.append(m.register_forward_hook(self._leave_call))
         with _inner_lock:
             if not _inner_users[0]:
                 for owner_name, name in _INNER_CUT_FUNCS:
                     owner = _inner_owner(owner_name)
                     orig = getattr(owner, name, None)
                     if orig is not None:
-                        _inner_installed.append((owner, name, orig, name in vars(owner)))
+                        _inner_installed.append((owner, name, orig))
                         setattr(owner, name, _inner_cut_wrapper(orig))
             _inner_users[0] += 1
         if not hasattr(_inner, "stack"):
@@ -1453,6 +1493,8 @@ class _InnerCuts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self.mods:
+            return
         _inner.stack.remove(self)
         for h in self.hooks:
             h.remove()
@@ -1461,11 +1503,8 @@ class _InnerCuts:
         with _inner_lock:
             _inner_users[0] -= 1
             if not _inner_users[0]:
-                for owner, name, orig, own in reversed(_inner_installed):
-                    if own:
-                        setattr(owner, name, orig)
-                    else:
-                        delattr(owner, name)  # inherited: the class's own again
+                for owner, name, orig in reversed(_inner_installed):
+                    setattr(owner, name, orig)
                 _inner_installed.clear()
 
 
