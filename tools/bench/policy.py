@@ -91,10 +91,13 @@ def oracle(a, m, x, y, step, measure, tensors, bytes_eq):
 
 
 def group_ranges(comp, run):
-    """{key: squared range of each group of 256 of the values the store encodes} over one step of `run`
-    under `comp` (a normalization layer's input as the codec sees it: per channel or per row)."""
+    """{key: squared range of each quantization group of the values the store encodes} over one step of
+    `run` under `comp` (in memory order, as the store groups them; a normalization layer's input as the
+    codec sees it: per channel or per row)."""
+    from gact import policy as gpol
+
     seen = {}
-    store = comp._store
+    store, gs = comp._store, comp.group_size
 
     def spy(t, key, d, norm=None, min_bits=0, normalized=False):
         if t.is_floating_point():
@@ -106,12 +109,11 @@ def group_ranges(comp, run):
                 else:  # a layer norm: per block of norm[1] consecutive elements
                     v = v.reshape(-1, norm[1])
                     v = (v - v.mean(1, keepdim=True)) / v.std(1, keepdim=True).clamp_min(1e-12)
-            f = v.contiguous().reshape(-1)
-            n = f.numel()
-            pad = (-n) % 256
+            f = gpol._memory_order(v)[0]
+            pad = (-f.numel()) % gs
             if pad:  # a tail group: its own values only
                 f = torch.cat([f, f[-1:].expand(pad)])
-            g = f.reshape(-1, 256)
+            g = f.reshape(-1, gs)
             seen[key] = ((g.amax(1) - g.amin(1)).double() ** 2)
         return store(t, key, d, norm, min_bits, normalized)
 
@@ -125,8 +127,8 @@ def group_ranges(comp, run):
 
 def ceilings(tensors, ranges, group_size=256, meta=8):
     """Variance ratios (uniform 2 bits / the least variance at uniform 2 bits' bytes, a bound: the linear
-    relaxation of the choice) of width allocations per tensor and per group, with the codec's widths (1, 2, 4, 8: the probe's variances)
-    and with every width 1 to 8 (V(1) the probe's; V(b >= 2) = V(2) x (step_b / step_2)^2, the step of
+    relaxation of the choice) of width allocations per tensor and per group, with the codec's widths
+    (1, 2, 4, 8: the probe's variances) and with every width 1 to 8 (V(1) the probe's; V(b >= 2) = V(2) x (step_b / step_2)^2, the step of
     2^b - 1 levels, 2^b - 2 for a boundary blob). A tensor's widths start at its ``min_bits``, where
     uniform 2 bits stores it too."""
     def cells(mode, every):

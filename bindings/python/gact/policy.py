@@ -1367,19 +1367,14 @@ def _cut_inputs(cuts: list, rec: "_ProbeRecorder", copy: bool, module: torch.nn.
 # derivatives of the tensors saved after it through the forward graph (measured on a 3-layer encoder:
 # v 30-60x its variance, q and k 2-4x, the projection's input 3x). Only there: cut everywhere, a 3-d
 # matmul's saved view of its cut input, an in-place write after a cut, or a batch that requires grad
-# each misdirected derivatives (a review measured 0.05-8.8x), and attention blocks written by hand
-# with @ and softmax stay attributed jointly (see policy/README.md).
-_INNER_CUT_FUNCS = (("torch", "bmm"), ("torch", "baddbmm"), ("torch", "matmul"),
-                    ("torch.nn.functional", "linear"), ("torch.nn.functional", "softmax"),
-                    ("torch.nn.functional", "scaled_dot_product_attention"))
+# each misdirected derivatives (measured 0.05-8.8x), and attention blocks written by hand with @ and
+# softmax stay attributed jointly (see policy/README.md).
+_INNER_CUT_FUNCS = ((torch, "bmm"), (torch, "baddbmm"), (torch, "matmul"), (torch.nn.functional, "linear"),
+                    (torch.nn.functional, "softmax"), (torch.nn.functional, "scaled_dot_product_attention"))
 _inner = threading.local()  # per thread: the stack of _InnerCuts active in it
 _inner_lock = threading.Lock()
 _inner_installed: list = []  # [(owner, name, original)] while any thread runs a probe's forward
 _inner_users = [0]
-
-
-def _inner_owner(name: str) -> Any:
-    return {"torch": torch, "torch.nn.functional": torch.nn.functional}[name]
 
 
 def _inner_cut_wrapper(orig: Callable) -> Callable:
@@ -1390,7 +1385,6 @@ def _inner_cut_wrapper(orig: Callable) -> Callable:
             return orig(*args, **kwargs)
         ic = stack[-1]
         return orig(*[ic.cut(a) for a in args], **{k: ic.cut(v) for k, v in kwargs.items()})
-    cutting.__gact_inner_cut__ = orig  # type: ignore[attr-defined]
     return cutting
 
 
@@ -1480,8 +1474,7 @@ class _InnerCuts:
             self.hooks.append(m.register_forward_hook(self._leave_call))
         with _inner_lock:
             if not _inner_users[0]:
-                for owner_name, name in _INNER_CUT_FUNCS:
-                    owner = _inner_owner(owner_name)
+                for owner, name in _INNER_CUT_FUNCS:
                     orig = getattr(owner, name, None)
                     if orig is not None:
                         _inner_installed.append((owner, name, orig))
