@@ -879,6 +879,74 @@ def test_a_decision_measured_worse_than_uniform_is_not_used(monkeypatch):
     comp.close()
 
 
+class _Normalize(torch.nn.Module):
+    def forward(self, k):
+        return torch.nn.functional.normalize(k, dim=-1)
+
+
+class _PaddedCosine(torch.nn.Module):
+    """Zero tokens padded onto a sequence and normalized, as a padded window's keys are in cosine attention:
+    a norm of a zero vector, whose second derivative is not finite (NaN in the probe's double backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(32, 64)
+        self.key = torch.nn.Linear(64, 64, bias=False)
+        self.norm = _Normalize()
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        k = self.key(torch.nn.functional.pad(h, (0, 0, 0, 8)))  # 8 zero tokens: their keys are zero vectors
+        return self.head(self.norm(k)[:, :-8].mean(1))
+
+
+def test_a_tensor_whose_estimate_is_not_finite_keeps_the_default_width():
+    """The probe's variance of the normalized keys is NaN (the norm's second derivative at the zero keys). It
+    is left without an estimate: the step goes on, with one warning naming it, and it keeps default_bits while
+    the other tensors are decided."""
+    torch.manual_seed(0)
+    m = _PaddedCosine()
+    x, y = torch.randn(8, 24, 32), torch.randint(0, 10, (8,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with pytest.warns(RuntimeWarning, match=r"estimate of 1 tensor\(s\) is not finite \(the first: 'norm:0'\)"):
+        _grad(m, x, y, comp)
+    pol = comp.policy
+    assert pol.stats()["nonfinite_estimates"] == 1
+    tensors = pol.stats()["tensors"]
+    assert not tensors["norm:0"]["decided"] and pol.bits_for("norm:0", 1) == 2, tensors
+    assert pol.stats()["last_decision"]["unestimated"] >= 1
+    assert [k for k, r in tensors.items() if r["decided"]], tensors  # the others are decided
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # said once
+        g, _ = _grad(m, x, y, comp)
+    assert torch.isfinite(g).all()
+    comp.close()
+
+
+def test_a_check_measured_as_not_finite_uses_uniform(monkeypatch):
+    """The decision's gradient variance measured as NaN (a gradient that overflowed in the check's runs) is
+    not taken for better than uniform's."""
+    m, x, y, g0 = _stored_forms()
+    real = gpol.AutoPolicy._pair_variance
+    calls = []
+
+    def nan_for_the_decision(self, params, widths, seeds, closure):
+        v = real(self, params, widths, seeds, closure)
+        if len(widths) == 1:
+            return v  # a 1-bit check
+        calls.append(dict(widths))
+        return float("nan") if set(widths.values()) != {2} else v  # the decision's, not uniform's
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_pair_variance", nan_for_the_decision)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    with pytest.warns(RuntimeWarning, match="using uniform 2 bits"):
+        _grad(m, x, y, comp)
+    assert comp.policy.stats()["last_check"]["used"] == "uniform"
+    assert len(calls) == 2 and calls[0] != calls[1]
+    comp.close()
+
+
 def test_a_normalization_input_at_one_bit_is_measured_first(monkeypatch):
     """A batch-norm input made to look insensitive goes to 1 bit in the first solve; its 1-bit variance is
     then measured (the probe's first-order model misses the second-order term of the normalization's

@@ -253,6 +253,8 @@ class AutoPolicy:
         self._checked_widths: dict[str, int] | None = None  # the widths last_check measured
         self._scratch_owner = 0  # the store owner the estimators' passes count under (_scratch_counters)
         self.verified = 0  # 1-bit widths checked by direct measurement (see _verify_one_bit)
+        self.nonfinite_estimates = 0  # estimates left out for not being finite (see _finite)
+        self._warned_nonfinite = False
         self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
         self._skip_step = False  # record nothing until the step ends (defer_first_sample)
         self._set_sampling(True)  # the Compressor is built at step 0: sample it
@@ -353,7 +355,7 @@ class AutoPolicy:
             est = self._probe_or_fallback()
         else:
             est = self._reference_estimates()
-        est = _allreduce_mean(est)
+        est = self._finite(_allreduce_mean(est))
         for k in sorted(est):
             if isinstance(est[k], (list, tuple)):  # the probe: the variance at 1, 2, 4, 8 bits
                 self.controller.add_estimate_widths(k, list(est[k]))
@@ -366,6 +368,22 @@ class AutoPolicy:
             if self.estimator == "probe" and self._probe_closure is not None:
                 self._checks(self._probe_closure)
             self.decisions += 1
+
+    def _finite(self, est: dict[str, Any]) -> dict[str, Any]:
+        """The estimates that are finite. A tensor whose estimate is not (a derivative that is infinite or
+        undefined there: the probe's second derivative through a norm of a zero vector, a gradient that
+        overflowed) is left without one and keeps ``default_bits``, as the tensors no estimator reaches do
+        (counted as ``unestimated`` in the decision); said once per policy."""
+        bad = sorted(k for k, v in est.items()
+                     if not all(math.isfinite(x) for x in (v if isinstance(v, (list, tuple)) else (v,))))
+        if not bad:
+            return est
+        self.nonfinite_estimates += len(bad)
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(f"gact policy: the {self.estimator} estimate of {len(bad)} tensor(s) is not finite (the first: "
+                          f"{bad[0]!r}); they keep {self.default_bits} bits", RuntimeWarning, stacklevel=4)
+        return {k: v for k, v in est.items() if k not in bad}
 
     def spacing(self, cost: float) -> int:
         """The fewest steps after an estimate that cost ``cost`` seconds before the next regular one
@@ -405,6 +423,7 @@ class AutoPolicy:
         doc = self.controller.stats()
         if self.last_check is not None:
             doc["last_check"] = dict(self.last_check)
+        doc["nonfinite_estimates"] = self.nonfinite_estimates
         doc["schedule"] = {"adapt_interval": self.adapt_interval, "max_overhead": self.max_overhead,
                            "next_regular_step": self._next_regular if self.max_overhead is not None else None,
                            "estimate_seconds": self.estimate_seconds, "train_seconds": self.train_seconds,
@@ -612,7 +631,9 @@ class AutoPolicy:
                 var[name] = sum(self._pair_variance(params, widths, (seed0 + 211 + 2 * i, seed0 + 212 + 2 * i), closure)
                                 for i in range(pairs)) / pairs
         var = _allreduce_mean(var)  # with several ranks: one verdict for all
-        self._uniform = var["auto"] > var["uniform"]
+        # (a measurement that is not finite loses: NaN compares false)
+        self._uniform = not (var["auto"] <= var["uniform"] or
+                             (math.isfinite(var["auto"]) and not math.isfinite(var["uniform"])))
         self._checked_widths = auto
         self.last_check = {"step": self.controller.step(), "variance_auto": var["auto"],
                            "variance_uniform": var["uniform"], "used": "uniform" if self._uniform else "auto"}
