@@ -286,6 +286,28 @@ def _divisor(t, args, kwargs, frame) -> Decision:
     return _EXACT if isinstance(other, torch.Tensor) and t is other else _VALUES
 
 
+def _normalize(t, args, kwargs, frame) -> Decision:
+    # F.normalize, x / max(||x||, eps), runs its ops inside one call: x as values; the norm and its clamped,
+    # expanded copy (the norm's backward divides by the one, div's by the other) exact. They hold one value
+    # per row.
+    return _VALUES if t is _arg(args, kwargs, 0, "input") else _EXACT
+
+
+def _reduction_result(t, args, kwargs, frame) -> Decision:
+    # A norm, a standard deviation, a distance: the backward divides by the result (x / ||x||, (x - mean) /
+    # std). A float tensor with fewer elements than the call's largest tensor argument is such a result
+    # (kept exact; one value per reduced row); the inputs and full-size differences are values.
+    if not _is_float(t):
+        return _VALUES
+    largest = max((a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), default=0)
+    return _EXACT if t.numel() < largest else _VALUES
+
+
+def _distance_result(t, args, kwargs, frame) -> Decision:
+    # cdist's backward divides by the distances it returned: those exact, the points as values.
+    return _VALUES if any(t is a for a in args[:2]) or not _is_float(t) else _EXACT
+
+
 def _normalization(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
@@ -334,6 +356,13 @@ for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max
     TABLE[_n] = _EXACT_ROW
 _add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
+_add("normalize", "input; its norm through a division", "input as values; the norm (one value per row) exact",
+     _normalize)
+_add("norm linalg_vector_norm linalg_norm frobenius_norm std std_mean pairwise_distance cosine_similarity",
+     "input; the norm or deviation through a division", "input as values; the reduced result exact", _reduction_result)
+_add("cdist", "points; the distances through a division", "points as values; the distances exact", _distance_result)
+_add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
+     lambda *a: _EXACT)
 _add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
      "input or result in a division", "exact: a rounded value near zero makes 1/x explode", lambda *a: _EXACT)
 _add("max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices",
