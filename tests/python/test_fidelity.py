@@ -320,6 +320,61 @@ def test_a_reduction_the_backward_divides_by_is_kept_exact(op):
         assert floor is None or sum(cos) / 2 >= floor, (op, bits, cos)
 
 
+def _positions_case(op):
+    """(inputs that require grad, the call) for a call whose backward reads a float tensor as positions."""
+    tvops = pytest.importorskip("torchvision.ops")
+    g = torch.Generator().manual_seed(0)
+    if op in ("roi_align", "roi_pool", "ps_roi_align"):
+        x = torch.randn(2, 16, 32, 32, generator=g, requires_grad=True)
+        n = 600  # 12 KB of boxes: stored unless kept
+        lo = torch.rand(n, 2, generator=g) * 20
+        rois = torch.cat([torch.randint(0, 2, (n, 1), generator=g).float(), lo, lo + 2 + torch.rand(n, 2, generator=g) * 10], 1)
+        call = {"roi_align": lambda x: tvops.roi_align(x * 1.0, rois, (4, 4), 0.5, 2, True),
+                "roi_pool": lambda x: tvops.roi_pool(x * 1.0, rois, (4, 4), 0.5),
+                "ps_roi_align": lambda x: tvops.ps_roi_align(x * 1.0, rois, (2, 2), 0.5, 2)}[op]
+        return [x], call
+    x = torch.randn(2, 4, 24, 24, generator=g, requires_grad=True)
+    if op == "grid_sample":
+        theta = torch.randn(2, 24, 24, 2, generator=g, requires_grad=True)
+        return [x, theta], lambda x, theta: F.grid_sample(x * 1.0, torch.tanh(theta), align_corners=False)
+    offset = (torch.randn(2, 18, 24, 24, generator=g) * 2).requires_grad_()
+    weight = torch.randn(8, 4, 3, 3, generator=g, requires_grad=True)
+    return [x, offset, weight], lambda x, o, w: tvops.deform_conv2d(x * 1.0, o * 1.0, w, padding=1)
+
+
+@pytest.mark.parametrize("op", ["roi_align", "roi_pool", "ps_roi_align", "grid_sample", "deform_conv2d"])
+def test_positions_a_backward_reads_are_kept_exact(op):
+    """Boxes, sampling grids and deformable offsets place the backward's reads and writes: the input's
+    gradient is a function of them alone, not linear in them, and a rounded box's image index can point
+    past the batch (torchvision's backward then wrote out of bounds: a detection model's training crashed).
+    Kept exact, the input's gradient at 1 bit equals fp32's."""
+    inputs, call = _positions_case(op)
+    out_w = None
+
+    def grads(comp=None):
+        nonlocal out_w
+        for t in inputs:
+            t.grad = None
+        if comp is None:
+            y = call(*inputs)
+        else:
+            with comp:
+                y = call(*inputs)
+        y = y[0] if isinstance(y, tuple) else y
+        if out_w is None:
+            out_w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        (y * out_w).sum().backward()
+        return [t.grad.clone() for t in inputs]
+
+    g0 = grads()
+    comp = gact.Compressor(None, bits=1)
+    g1 = grads(comp)
+    assert comp.stats()["store"]["skipped"]["exact"]["tensors"] >= 1
+    comp.close()
+    assert torch.equal(g1[0], g0[0]), (op, (g1[0] - g0[0]).abs().max())
+    assert all(torch.isfinite(a).all() for a in g1[1:]), op  # (the positions' own gradient reads x at 1 bit)
+
+
 def test_mobilenet_v2_relu6_reads_an_exact_predicate():
     """Regression: ReLU6 is hardtanh(0, 6); rounding flipped its in-range test near 0 and 6 (cosine 0.93
     at 8 bits). Now its predicate is a mask: 8 bits >= 0.999, 4 bits >= 0.97."""

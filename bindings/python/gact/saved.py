@@ -308,6 +308,15 @@ def _distance_result(t, args, kwargs, frame) -> Decision:
     return _VALUES if any(t is a for a in args[:2]) or not _is_float(t) else _EXACT
 
 
+def _positions(index: int, name: str):
+    """A rule for a call whose backward reads a float tensor as positions (argument `index`, `name`): where
+    to sample, which image a box is in. Its gradient is not linear in them, and a rounded box's image index
+    can point past the batch (the backward then writes out of bounds): exact. Its other tensors: values."""
+    def rule(t, args, kwargs, frame) -> Decision:
+        return _EXACT if t is _arg(args, kwargs, index, name) else _VALUES
+    return rule
+
+
 def _normalization(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
@@ -363,6 +372,10 @@ _add("norm linalg_vector_norm linalg_norm frobenius_norm std std_mean pairwise_d
 _add("cdist", "points; the distances through a division", "points as values; the distances exact", _distance_result)
 _add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
      lambda *a: _EXACT)
+_add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners) as positions",
+     "boxes exact", _positions(1, "rois"))
+_add("grid_sample", "the grid as positions", "grid exact; input as values", _positions(1, "grid"))
+_add("deform_conv2d", "the offsets as positions", "offsets exact; input and mask as values", _positions(2, "offset"))
 _add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
      "input or result in a division", "exact: a rounded value near zero makes 1/x explode", lambda *a: _EXACT)
 _add("max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices",
