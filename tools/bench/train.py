@@ -4,7 +4,7 @@ uncompressed baseline, gact at 8/4/2 bits and torch.utils.checkpoint, same model
 
     gact-bench train [--model resnet50|resnet18|mobilenet_v2|vit|transformer|word_lm]
                      [--size 96] [--batch 8] [--steps 6] [--rounds 3] [--threads 1]
-                     [--peak | --no-peak] [--profile] [--accuracy] [--zoo] [--json-only]
+                     [--peak | --no-peak] [--profile] [--accuracy] [--zoo] [--wild] [--json-only]
 
 Peak memory (the headline): each arm runs --peak-steps training steps in a fresh process with glibc's
 default malloc settings, and reports its peak RSS (VmHWM), beside what the store's counters say it
@@ -33,6 +33,11 @@ calls), store (comp.step()), and the rest (torch's own work and its dispatch to 
 --zoo runs only the fidelity zoo of tests/python/test_fidelity.py (batch 4, two seeds): each model's gradient
 cosine to fp32 and whole-step saved-bytes ratio at 8/4/2 bits.
 
+--wild runs only the models of tools/bench/wild.py, which no test was written around (torchvision's
+convnext, swin, efficientnet, detection, segmentation and video models, a GRU LM, a hand-written causal
+attention, torch's transformer decoder): each one's gradient cosine to fp32 and store ratio at 8/4/2 bits
+and auto, through the plain API, with the warnings gact gave.
+
 --accuracy also runs the end-to-end comparison of tests/python/test_training.py with all three seeds
 for every model (digits CNN, GCN, char LM): minutes, not seconds.
 """
@@ -40,6 +45,7 @@ for every model (digits CNN, GCN, char LM): minutes, not seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -404,6 +410,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-child", help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="print the per-step breakdown of the gact arms")
     ap.add_argument("--accuracy", action="store_true", help="also run the 3-seed end-to-end accuracy comparison")
+    ap.add_argument("--wild", action="store_true",
+                    help="only models no test was written around (tools/bench/wild.py): cosine and ratio at 8/4/2/auto")
     ap.add_argument("--zoo", action="store_true",
                     help="only the fidelity zoo: gradient cosine and whole-step ratio at 8/4/2 bits per model")
     ap.add_argument("--json-only", action="store_true", help="print only the JSON line")
@@ -417,6 +425,9 @@ def main(argv=None) -> int:
                  "inside `meson devenv -C <builddir>`")
     if args.peak_child:
         return peak_child(args)
+    if args.wild:
+        print(json.dumps({"bench": "train --wild", "wild": run_wild(args)}))
+        return 0
     if args.zoo:
         print(json.dumps({"bench": "train --zoo", "zoo": run_zoo(args)}))
         return 0
@@ -568,6 +579,56 @@ def run_zoo(args) -> dict:
         if not args.json_only:
             print(f"{name:24} " + " ".join(f"{row[f'{b}bit']['cosine']:9.5f} ({row[f'{b}bit']['ratio']:5.1f}x)"
                                            for b in BITS), flush=True)
+    return out
+
+
+def run_wild(args) -> dict:
+    """Models no test was written around (tools/bench/wild.py) through the plain API at 8/4/2 bits and auto:
+    gradient cosine to fp32 (mean of two seeds; auto: its second step, after the sampled one) and the
+    store's ratio, with the warnings gact gave."""
+    import warnings
+    import torch
+    import gact
+    import wild
+
+    torch.set_num_threads(args.threads)
+    out = {}
+    for name, build in wild.MODELS.items():
+        torch.manual_seed(0)
+        m, forward = build()
+        m.train()
+
+        def grad(comp=None):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(123)  # the same dropout masks and sampled boxes in every arm
+            with comp if comp is not None else contextlib.nullcontext():
+                out_ = forward()
+            wild.loss_of(out_).backward()
+            if comp is not None:
+                comp.step()
+            return torch.cat([p.grad.reshape(-1).double() for p in m.parameters() if p.grad is not None])
+
+        g0 = grad()
+        row: dict = {}
+        for bits in BITS + ("auto",):
+            cos, said = [], set()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for seed in (0, 1):
+                    comp = gact.Compressor(m, bits=bits, seed=seed)
+                    for _ in range(2 if bits == "auto" else 1):
+                        g = grad(comp)
+                    cos.append(float(g @ g0 / (g.norm() * g0.norm())) if torch.isfinite(g).all() else float("nan"))
+                    ratio = comp.stats()["store"]["ratio"]
+                    comp.close()
+            said = sorted({str(w.message).split(";")[0] for w in caught})
+            row[str(bits)] = {"cosine": sum(cos) / 2, "ratio": ratio, "warnings": said}
+        out[name] = row
+        if not args.json_only:
+            cells = "  ".join(f"{b}: {row[str(b)]['cosine']:.4f} ({row[str(b)]['ratio']:.1f}x)" for b in BITS + ("auto",))
+            print(f"{name:42} {cells}", flush=True)
+            for w in sorted({w for r in row.values() for w in r["warnings"]}):
+                print(f"{'':42} warned: {w}")
     return out
 
 
