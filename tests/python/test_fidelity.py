@@ -276,6 +276,14 @@ _DIVIDING_REDUCTIONS = {
     "cosine_similarity": lambda h, c: F.cosine_similarity(h.unsqueeze(-2), c, dim=-1),
     "pairwise_distance": lambda h, c: F.pairwise_distance(h, c[0].expand_as(h)).unsqueeze(-1),
     "cdist": lambda h, c: torch.cdist(h, c.expand(h.shape[0], *c.shape)),
+    # the batched matrix-product path, which saves copies of the points
+    "cdist_mm": lambda h, c: torch.cdist(h, c.expand(h.shape[0], *c.shape), compute_mode="use_mm_for_euclid_dist"),
+    # more results (64 x 24 x 10) than either input has elements (64 x 24 x 4, 10 x 4)
+    "cosine_similarity_broadcast": lambda h, c: F.cosine_similarity(h[..., :4].unsqueeze(-2), c[:, :4], dim=-1),
+    # orders whose backward reads signs or the maximum's place: everything exact
+    "norm_p1": lambda h, c: h / h.norm(p=1, dim=-1, keepdim=True).clamp_min(1e-6),
+    "linalg_vector_norm_inf": lambda h, c: h / torch.linalg.vector_norm(h, ord=math.inf, dim=-1, keepdim=True),
+    "normalize_inf": lambda h, c: F.normalize(h, p=math.inf, dim=-1),
 }
 
 
@@ -301,19 +309,27 @@ class _Reduced(nn.Module):
 def test_a_reduction_the_backward_divides_by_is_kept_exact(op):
     """A norm, a standard deviation or a distance that the backward divides by, saved by the call that
     computes it: rounded, a row's result can decode far below its value. Kept exact (the bytes kept for
-    being exact cover the result: one value per row, per row and center for the distances to 10 centers):
+    being exact cover the result: one value per row, per row and center for the distances to 10 centers;
+    at orders 1 and inf, whose backward reads signs or the maximum's place, everything is kept):
     at 2 bits the gradient cosine to fp32 is >= 0.9 and at 1 bit the gradient is finite (mean of two
     seeds)."""
     torch.manual_seed(0)
     m, x = _Reduced(op), torch.randn(64, 24, 32)
     g0 = _grad_of(m, x)
-    result_bytes = 64 * 24 * (10 if op in ("cdist", "cosine_similarity") else 1) * 4
-    for bits, floor in ((2, 0.9), (1, None)):
+    result_bytes = 64 * 24 * (10 if op.startswith(("cdist", "cosine_similarity")) else 1) * 4
+    points_bytes = 64 * 24 * 64 * 4
+    # (4 coordinates a row in the broadcast case: a row of norm 1e-4 shares its group with rows 20x larger,
+    # and the rounding of its values, not of its norm, dominates its gradient there)
+    floor2 = None if op == "cosine_similarity_broadcast" else 0.9
+    for bits, floor in ((2, floor2), (1, None)):
         cos = []
         for seed in (0, 1):
             comp = gact.Compressor(m, bits=bits, seed=seed)
             g = _grad_of(m, x, comp)
-            assert comp.stats()["store"]["skipped"]["exact"]["bytes"] >= result_bytes, (op, comp.stats()["store"])
+            exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+            assert exact >= result_bytes, (op, comp.stats()["store"])
+            if op.startswith("cdist"):
+                assert exact < points_bytes, (op, exact)  # the points (and their copies) are stored
             comp.close()
             assert torch.isfinite(g).all(), (op, bits)
             cos.append(_cos(g, g0))

@@ -902,9 +902,9 @@ class _PaddedCosine(torch.nn.Module):
 
 
 def test_a_tensor_whose_estimate_is_not_finite_keeps_the_default_width():
-    """The probe's variance of the normalized keys is NaN (the norm's second derivative at the zero keys). It
-    is left without an estimate: the step goes on, with one warning naming it, and it keeps default_bits while
-    the other tensors are decided."""
+    """The probe's variance of the keys fed to F.normalize is NaN (the norm's second derivative at the zero
+    keys). It is left without an estimate: the step goes on, with one warning naming it, and it keeps
+    default_bits while the other tensors are decided."""
     torch.manual_seed(0)
     m = _PaddedCosine()
     x, y = torch.randn(8, 24, 32), torch.randint(0, 10, (8,))
@@ -974,6 +974,27 @@ def test_a_normalization_input_at_one_bit_is_measured_first(monkeypatch):
     measured = sum(errs) / len(errs)
     assert rec["variance"][0] > 0.3 * measured, (rec, measured)
 
+
+
+def test_a_one_bit_measurement_that_is_not_finite_leaves_the_decision_to_the_check(monkeypatch):
+    """The 1-bit verification measures an infinite variance (a gradient that overflowed): the step goes on
+    (no finite variance to raise the record to), it is counted, and the check against uniform decides."""
+    m, x, y, g0 = _stored_forms()
+    real = gpol.AutoPolicy._probe_estimates
+    target = "b2:0"
+
+    def hide(self, closure):
+        est = real(self, closure)
+        est[target] = [v * 1e-6 for v in est[target]]
+        return est
+
+    monkeypatch.setattr(gpol.AutoPolicy, "_probe_estimates", hide)
+    monkeypatch.setattr(gpol.AutoPolicy, "_measure", lambda self, params, key, closure: math.inf)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
+    _grad(m, x, y, comp)
+    assert comp.policy.verified >= 1 and comp.policy.stats()["nonfinite_estimates"] >= 1
+    assert comp.policy.stats()["last_check"] is not None
+    comp.close()
 
 
 def test_fixed_widths_pins_each_key_and_rejects_bad_widths():

@@ -372,8 +372,9 @@ class AutoPolicy:
     def _finite(self, est: dict[str, Any]) -> dict[str, Any]:
         """The estimates that are finite. A tensor whose estimate is not (a derivative that is infinite or
         undefined there: the probe's second derivative through a norm of a zero vector, a gradient that
-        overflowed) is left without one and keeps ``default_bits``, as the tensors no estimator reaches do
-        (counted as ``unestimated`` in the decision); said once per policy."""
+        overflowed) gets none this time: it keeps its earlier estimates, or with none ``default_bits``, as
+        the tensors no estimator reaches do (counted as ``unestimated`` in the decision); said once per
+        policy."""
         bad = sorted(k for k, v in est.items()
                      if not all(math.isfinite(x) for x in (v if isinstance(v, (list, tuple)) else (v,))))
         if not bad:
@@ -382,7 +383,8 @@ class AutoPolicy:
         if not self._warned_nonfinite:
             self._warned_nonfinite = True
             warnings.warn(f"gact policy: the {self.estimator} estimate of {len(bad)} tensor(s) is not finite (the first: "
-                          f"{bad[0]!r}); they keep {self.default_bits} bits", RuntimeWarning, stacklevel=4)
+                          f"{bad[0]!r}); they keep their earlier estimates, or {self.default_bits} bits",
+                          RuntimeWarning, stacklevel=5)
         return {k: v for k, v in est.items() if k not in bad}
 
     def spacing(self, cost: float) -> int:
@@ -566,7 +568,7 @@ class AutoPolicy:
             self._fallback_checks = False
             self._uniform = False
             warnings.warn(f"gact policy: the online estimator's decision cannot be measured against uniform ({e}); "
-                          "using it unchecked from now on", RuntimeWarning, stacklevel=4)
+                          "using it unchecked from now on", RuntimeWarning, stacklevel=5)
 
     def _verify_one_bit(self, closure: Callable[[], Any], rounds: int = 3) -> None:
         """Measure, rather than trust, the variance of each normalization input the solver put at 1 bit.
@@ -594,6 +596,10 @@ class AutoPolicy:
             for key in todo:
                 record = tensors.get(key) or {}
                 predicted = (record.get("variance") or [record.get("C") or 0.0])[0]
+                if not math.isfinite(measured[key]):
+                    # (no finite variance to raise it to: the check against uniform measures the decision)
+                    self.nonfinite_estimates += 1
+                    continue
                 if measured[key] > predicted:
                     self.controller.raise_variance(key, 1, measured[key])
                     raised = True
@@ -641,7 +647,7 @@ class AutoPolicy:
             warnings.warn(f"gact policy: the decision at step {self.controller.step()} measured a gradient variance "
                           f"{var['auto']:.4g} against uniform {self.default_bits} bits' {var['uniform']:.4g} on the "
                           f"sampled batch; using uniform {self.default_bits} bits until the next estimate",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=6)
 
     def _measure(self, params: list[torch.Tensor], key: str, closure: Callable[[], Any]) -> float:
         """One tensor's 1-bit gradient variance, measured: two runs with only it quantized."""
@@ -738,7 +744,7 @@ class AutoPolicy:
             return est
 
     def _fall_back(self, why: str) -> dict[str, Any]:
-        warnings.warn(f"gact policy: {why}; using the online estimator from now on", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gact policy: {why}; using the online estimator from now on", RuntimeWarning, stacklevel=6)
         self._probe_disabled = True
         return self._online_estimates()
 

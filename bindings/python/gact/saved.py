@@ -286,34 +286,72 @@ def _divisor(t, args, kwargs, frame) -> Decision:
     return _EXACT if isinstance(other, torch.Tensor) and t is other else _VALUES
 
 
+#: where a norm-like call takes its order: (position, keyword); calls not listed have none (a 2-norm)
+_ORDER_ARG = {"norm": (1, "p"), "normalize": (1, "p"), "linalg_vector_norm": (1, "ord"), "linalg_norm": (1, "ord"),
+              "dist": (2, "p"), "pairwise_distance": (2, "p"), "cdist": (2, "p"), "pdist": (1, "p")}
+
+
+def _divides(args, kwargs, frame) -> bool:
+    """Whether a norm-like call's backward divides by its result: an order 1 < p < inf (x |x|^(p-2) /
+    ||x||^(p-1)). At p = 1, +-inf or 0 (and the nuclear norm) it reads signs, or which element reached
+    the result: a test that rounding moves elements across, so everything it saves is kept exact."""
+    where = _ORDER_ARG.get(frame.name)
+    p = _arg(args, kwargs, where[0], where[1]) if where is not None else None
+    if p is None or p == "fro":
+        return True
+    return isinstance(p, (int, float)) and 1 < p < math.inf
+
+
 def _normalize(t, args, kwargs, frame) -> Decision:
     # F.normalize, x / max(||x||, eps), runs its ops inside one call: x as values; the norm and its clamped,
     # expanded copy (the norm's backward divides by the one, div's by the other) exact. They hold one value
     # per row.
+    if not _divides(args, kwargs, frame):
+        return _EXACT
     return _VALUES if t is _arg(args, kwargs, 0, "input") else _EXACT
 
 
 def _reduction_result(t, args, kwargs, frame) -> Decision:
     # A norm, a standard deviation, a distance: the backward divides by the result (x / ||x||, (x - mean) /
-    # std). A float tensor with fewer elements than the call's largest tensor argument is such a result
+    # std). A float tensor with fewer elements than the call's broadcast tensor arguments is such a result
     # (kept exact; one value per reduced row); the inputs and full-size differences are values.
     if not _is_float(t):
         return _VALUES
-    largest = max((a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), default=0)
+    if not _divides(args, kwargs, frame):
+        return _EXACT
+    shapes = [a.shape for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    try:
+        largest = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 0
+    except RuntimeError:  # shapes the call does not broadcast (it reduces them first)
+        largest = max(math.prod(sh) for sh in shapes)
     return _EXACT if t.numel() < largest else _VALUES
 
 
 def _distance_result(t, args, kwargs, frame) -> Decision:
-    # cdist's backward divides by the distances it returned: those exact, the points as values.
-    return _VALUES if any(t is a for a in args[:2]) or not _is_float(t) else _EXACT
+    # cdist's and pdist's backward divides by the distances: those exact (cdist's are (..., r1, r2) for points
+    # (..., r1, m) and (..., r2, m); pdist's one row of pairs), the points and their copies as values.
+    if not _is_float(t):
+        return _VALUES
+    if not _divides(args, kwargs, frame):
+        return _EXACT
+    x1 = _arg(args, kwargs, 0, "x1" if frame.name == "cdist" else "input")
+    if frame.name == "pdist":
+        return _EXACT if t.dim() == 1 else _VALUES
+    x2 = _arg(args, kwargs, 1, "x2")
+    if not (isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor)) or x1.dim() < 2 or x2.dim() < 2:
+        return _EXACT
+    return _EXACT if t.dim() >= 2 and tuple(t.shape[-2:]) == (x1.shape[-2], x2.shape[-2]) else _VALUES
 
 
 def _positions(index: int, name: str):
     """A rule for a call whose backward reads a float tensor as positions (argument `index`, `name`): where
     to sample, which image a box is in. Its gradient is not linear in them, and a rounded box's image index
-    can point past the batch (the backward then writes out of bounds): exact. Its other tensors: values."""
+    can point past the batch (the backward then writes out of bounds): exact, and so is a copy of them in
+    another dtype (CUDA autocast casts them first). Its other tensors: values."""
     def rule(t, args, kwargs, frame) -> Decision:
-        return _EXACT if t is _arg(args, kwargs, index, name) else _VALUES
+        a = _arg(args, kwargs, index, name)
+        cast = isinstance(a, torch.Tensor) and t.shape == a.shape and t.dtype != a.dtype
+        return _EXACT if t is a or cast else _VALUES
     return rule
 
 
@@ -367,9 +405,15 @@ _add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a
      _divisor)
 _add("normalize", "input; its norm through a division", "input as values; the norm (one value per row) exact",
      _normalize)
-_add("norm linalg_vector_norm linalg_norm frobenius_norm std std_mean pairwise_distance cosine_similarity",
-     "input; the norm or deviation through a division", "input as values; the reduced result exact", _reduction_result)
-_add("cdist", "points; the distances through a division", "points as values; the distances exact", _distance_result)
+_add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean pairwise_distance "
+     "cosine_similarity", "input; the norm or deviation through a division",
+     "input as values; the reduced result exact (all exact at order 1, inf or 0)", _reduction_result)
+_add("cdist pdist", "points; the distances through a division",
+     "points as values; the distances exact (all exact at order 1, inf or 0)", _distance_result)
+_add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
+     "triplet_margin_with_distance_loss atan2 atan2_ logit logit_ renorm renorm_",
+     "input through a division by a function of it", "exact: p(1-p), a variance, a norm or x^2 + y^2 divides",
+     lambda *a: _EXACT)
 _add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
      lambda *a: _EXACT)
 _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners) as positions",
