@@ -611,7 +611,7 @@ def run_wild(args) -> dict:
         g0 = grad()
         row: dict = {}
         for bits in BITS + ("auto",):
-            cos, said = [], set()
+            cos = []
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for seed in (0, 1):

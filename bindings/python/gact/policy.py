@@ -253,7 +253,7 @@ class AutoPolicy:
         self._checked_widths: dict[str, int] | None = None  # the widths last_check measured
         self._scratch_owner = 0  # the store owner the estimators' passes count under (_scratch_counters)
         self.verified = 0  # 1-bit widths checked by direct measurement (see _verify_one_bit)
-        self.nonfinite_estimates = 0  # estimates left out for not being finite (see _finite)
+        self.nonfinite_estimates = 0  # estimates and 1-bit measurements left out for not being finite
         self._warned_nonfinite = False
         self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
         self._skip_step = False  # record nothing until the step ends (defer_first_sample)
