@@ -81,6 +81,30 @@ def test_parameters_views_inputs_small_and_integers_are_skipped():
     assert after["tensors_in"] - before["tensors_in"] == 2
 
 
+def test_a_kept_expanded_tensor_counts_the_bytes_its_elements_occupy():
+    """A tensor kept as it is counts its memory: an expanded one (stride 0) its storage's 256 floats, not the
+    64 x 256 it shows; a dense one and a slice with gaps their elements; a window view (overlapping) its span."""
+    from gact import _compat
+    comp = gact.Compressor(None, bits=4, min_bytes=0)
+    x = torch.randn(64, 256, requires_grad=True) * 1.0
+    c = (torch.randn(1, 256, requires_grad=True) * 1.0)
+    before = store()
+    with comp:
+        y = torch.maximum(x, c.expand(64, 256))  # maximum keeps both exact: x, and c expanded
+    after = store()
+    y.sum().backward()
+    comp.step()
+    comp.close()
+    kept = after["skipped"]["exact"]["bytes"] - before["skipped"]["exact"]["bytes"]
+    assert after["skipped"]["exact"]["tensors"] - before["skipped"]["exact"]["tensors"] == 2
+    assert kept == (64 * 256 + 256) * 4, kept  # was 2 x 64 x 256 x 4
+    base = torch.zeros(64, 256)
+    assert _compat.held_bytes(base) == _compat.held_bytes(base.t()) == 64 * 256 * 4
+    assert _compat.held_bytes(base[:, ::2]) == 64 * 128 * 4
+    assert _compat.held_bytes(torch.zeros(100).unfold(0, 10, 1)) == 100 * 4  # 91 windows of 10 over 100 floats
+    assert _compat.held_bytes(torch.zeros(0, 3).expand(0, 3)) == 0
+
+
 def test_parameters_recognised_after_the_model_changes_storage():
     model = nn.Linear(128, 128)
     comp = gact.Compressor(model, bits=4, min_bytes=0)

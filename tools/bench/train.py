@@ -412,10 +412,14 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", action="store_true", help="also run the 3-seed end-to-end accuracy comparison")
     ap.add_argument("--wild", action="store_true",
                     help="only models no test was written around (tools/bench/wild.py): cosine and ratio at 8/4/2/auto")
+    ap.add_argument("--only", metavar="TEXT",
+                    help="with --wild: only the models whose name contains TEXT (e.g. mobilenet_v3)")
     ap.add_argument("--zoo", action="store_true",
                     help="only the fidelity zoo: gradient cosine and whole-step ratio at 8/4/2 bits per model")
     ap.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
+    if args.only is not None and not args.wild:
+        ap.error("--only selects models of --wild")
     if min(args.size, args.batch, args.steps, args.rounds, args.threads, args.peak_steps) < 1:
         ap.error("--size, --batch, --steps, --rounds, --threads and --peak-steps must be at least 1")
     try:
@@ -593,7 +597,11 @@ def run_wild(args) -> dict:
 
     torch.set_num_threads(args.threads)
     out = {}
-    for name, build in wild.MODELS.items():
+    models = {k: v for k, v in wild.MODELS.items() if args.only is None or args.only in k}
+    if not models:
+        raise SystemExit(f"gact-bench train --wild: no model's name contains {args.only!r}; the models: "
+                         + "; ".join(wild.MODELS))
+    for name, build in models.items():
         torch.manual_seed(0)
         m, forward = build()
         m.train()

@@ -62,6 +62,16 @@ def storage_base(t: torch.Tensor) -> int:
     return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """The bytes of memory ``t``'s elements occupy: ``numel * element_size``, less for a view that reaches
+    some element more than once (an expanded tensor: its stride-0 dimensions take no memory)."""
+    n = t.numel()
+    if n == 0 or t.is_contiguous():
+        return n * t.element_size()
+    span = 1 + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride()))
+    return min(n, span) * t.element_size()
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is non-overlapping and dense (its elements fill its span): contiguous,
     channels-last, transposed, ..."""

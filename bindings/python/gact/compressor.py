@@ -141,7 +141,7 @@ class _Packed:
                 # Still held by the program and unchanged: use it, and drop the blob. A detached alias
                 # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
                 self.alias = t.detach()
-                _C.store_note_unstored("held", t.numel() * t.element_size(), self.owner)
+                _C.store_note_unstored("held", _compat.held_bytes(t), self.owner)
                 self.release()
                 return self.alias
         if self.handle == 0:
@@ -611,7 +611,7 @@ class Compressor:
         return None
 
     def _keep(self, t: torch.Tensor, reason: str) -> torch.Tensor:
-        _C.store_note_skip(reason, t.numel() * t.element_size(), self._owner)
+        _C.store_note_skip(reason, _compat.held_bytes(t), self._owner)
         # A non-leaf may be the output of the very node saving it: handing autograd the tensor itself
         # would make tensor -> grad_fn -> saved tensor a cycle that Python's GC cannot see, and the
         # graph (with every blob in it) would never be freed if backward never runs. A detached alias

@@ -95,6 +95,7 @@ import torch
 import _gact as _C
 
 from . import _compat
+from . import saved as _saved
 
 WARMUP_FIRST = 10  # the first early re-estimate (then 20, 40, ... below adapt_interval)
 _CODE_WIDTHS = (1, 2, 4, 8)
@@ -935,8 +936,8 @@ class AutoPolicy:
         retry = False
         try:
             try:
-                with torch.enable_grad(), self._scratch_counters(), comp, _frozen_norm_stats(comp.model), \
-                        _InnerCuts(cuts, rec, comp.model, copy_inputs):
+                with torch.enable_grad(), self._scratch_counters(), comp, _double_backward_ops(comp), \
+                        _frozen_norm_stats(comp.model), _InnerCuts(cuts, rec, comp.model, copy_inputs):
                     loss = closure()
             except RuntimeError as e:
                 if copy_inputs or "leaf Variable that requires grad" not in str(e):
@@ -1255,6 +1256,22 @@ class _ProbeRecorder:
         self.clamps.clear()
         self.leaves.clear()
         self.uses.clear()
+
+
+@contextlib.contextmanager
+def _double_backward_ops(comp: Any) -> Any:
+    """Inside ``with comp`` on this thread: its op tracker runs the stand-ins of gact.saved.DOUBLE_BACKWARD for
+    functions whose backward autograd cannot differentiate (hardsigmoid in torch 1.13: the probe of the
+    mobilenet_v3 family fell back to the online estimator), with the same values and saved tensors."""
+    tracker = getattr(comp._local, "tracker", None)
+    if tracker is None:
+        yield
+        return
+    was, tracker.substitutes = tracker.substitutes, _saved.DOUBLE_BACKWARD
+    try:
+        yield
+    finally:
+        tracker.substitutes = was
 
 
 @contextlib.contextmanager

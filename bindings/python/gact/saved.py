@@ -483,12 +483,18 @@ class OpTracker(TorchFunctionMode):
         super().__init__()
         self.stack: list[Frame] = []
         self._on_exit = on_exit
+        # {function: stand-in} run in its place (the frame still names the function), or None; the policy's
+        # probe sets DOUBLE_BACKWARD for its passes
+        self.substitutes: dict | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         frame = Frame(func, args, kwargs or {})
         stack = self.stack
         stack.append(frame)
         try:
+            subs = self.substitutes
+            if subs is not None:
+                func = subs.get(func, func)
             return func(*args, **frame.kwargs)
         finally:
             stack.pop()
@@ -497,6 +503,33 @@ class OpTracker(TorchFunctionMode):
 
     def current(self) -> Frame | None:
         return self.stack[-1] if self.stack else None
+
+
+class _HardsigmoidFunction(torch.autograd.Function):
+    """hardsigmoid with a backward autograd can differentiate again (torch 1.13's hardsigmoid_backward has no
+    derivative): the same values, the same saved input, the gradient grad * [-3 < x < 3] * (1/6) from
+    differentiable ops."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.nn.functional.hardsigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * ((x > -3) & (x < 3)).to(grad.dtype) * (1.0 / 6.0)  # as torch: times a sixth
+
+
+def _hardsigmoid_twice_differentiable(input, inplace=False):
+    if inplace or not input.requires_grad:
+        return torch.nn.functional.hardsigmoid(input, inplace)
+    return _HardsigmoidFunction.apply(input)
+
+
+#: stand-ins for functions whose backward autograd cannot differentiate, for passes that need a double
+#: backward (the policy's probe): same values, same saved tensors, so the storage table reads them alike
+DOUBLE_BACKWARD = {torch.nn.functional.hardsigmoid: _hardsigmoid_twice_differentiable}
 
 
 def _checkpoint_codes() -> frozenset:
