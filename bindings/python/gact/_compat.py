@@ -62,6 +62,10 @@ def storage_base(t: torch.Tensor) -> int:
     return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
+#: the lower precisions autocast computes in
+AUTOCAST_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
 def held_bytes(t: torch.Tensor) -> int:
     """The bytes of memory ``t``'s elements occupy: ``numel * element_size``, less for a view that reaches
     some element more than once (an expanded tensor: its stride-0 dimensions take no memory)."""

@@ -78,6 +78,12 @@ NORM_SMALL_BLOCK = 64
 NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 
+# autograd nodes of views, through which a cast copy can still be a parameter's (a split of a packed
+# projection weight, its transpose)
+_VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "ViewBackward0",
+                         "UnsafeViewBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+                         "SliceBackward0", "SelectBackward0", "UnbindBackward0", "AsStridedBackward0",
+                         "ExpandBackward0", "ReshapeAliasBackward0"})
 _from_dlpack = _dlpack.from_dlpack
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
 
@@ -358,6 +364,7 @@ class Compressor:
         self._step_open = False
         self._global_depth = 0  # install_global: hooks for the whole process
         self._param_ptrs: frozenset[int] = frozenset()
+        self._param_shapes: frozenset[tuple] = frozenset()  # of parameters that do not require grad
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
@@ -523,13 +530,17 @@ class Compressor:
 
     def _open_step(self) -> None:
         ptrs = set()
+        frozen = set()
         if self.model is not None:
             for p in self.model.parameters():
                 ptrs.add(_compat.storage_base(p))
+                if not p.requires_grad:
+                    frozen.add(tuple(p.shape))
             for b in self.model.buffers():
                 ptrs.add(_compat.storage_base(b))
         ptrs.discard(0)
         self._param_ptrs = frozenset(ptrs)
+        self._param_shapes = frozenset(frozen)
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
@@ -582,7 +593,38 @@ class Compressor:
         b = t._base
         if b is not None and b.requires_grad and b.is_leaf:
             return self._probe is None or id(b) not in self._probe.leaves
-        return bool(self._param_ptrs) and _compat.storage_base(t) in self._param_ptrs
+        if bool(self._param_ptrs) and _compat.storage_base(t) in self._param_ptrs:
+            return True
+        return self._is_cast_parameter(t)
+
+    def _is_cast_parameter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is autocast's copy of a parameter in its lower precision (a convolution or linear
+        layer saves the copy it computed with): its grad_fn copies a parameter (a view of one), or, for a
+        parameter that does not require grad, it is a float16/bfloat16 tensor (or a view of one) of such a
+        parameter's shape with no graph. Rounded, it would be the weight the input's gradient is computed
+        with."""
+        g = t.grad_fn
+        if g is not None:
+            cast = False
+            for _ in range(6):  # a copy, and views around it (a split of a packed projection, a transpose)
+                name = type(g).__name__
+                if name == "ToCopyBackward0":
+                    cast = True
+                elif name not in _VIEW_NODES:
+                    return False
+                nxt = g.next_functions
+                g = nxt[0][0] if nxt else None
+                if g is None:
+                    return False
+                var = getattr(g, "variable", None)  # an AccumulateGrad's leaf
+                if var is not None:
+                    return cast and (self._probe is None or id(var) not in self._probe.leaves)
+            return False
+        if not self._param_shapes or t.requires_grad or t.dtype not in _compat.AUTOCAST_DTYPES:
+            return False
+        # (autocast is off inside a pack hook: the shape, low precision and no graph must tell)
+        b = t._base if t._base is not None else t  # a linear layer saves the copy's transpose
+        return tuple(b.shape) in self._param_shapes and b.grad_fn is None
 
     def _is_excluded(self, t: torch.Tensor) -> bool:
         s = self._stack()
