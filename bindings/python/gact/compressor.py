@@ -78,12 +78,6 @@ NORM_SMALL_BLOCK = 64
 NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 
-# autograd nodes of views, through which a cast copy can still be a parameter's (a split of a packed
-# projection weight, its transpose)
-_VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "ViewBackward0",
-                         "UnsafeViewBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
-                         "SliceBackward0", "SelectBackward0", "UnbindBackward0", "AsStridedBackward0",
-                         "ExpandBackward0", "ReshapeAliasBackward0"})
 _from_dlpack = _dlpack.from_dlpack
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
 
@@ -610,7 +604,7 @@ class Compressor:
                 name = type(g).__name__
                 if name == "ToCopyBackward0":
                     cast = True
-                elif name not in _VIEW_NODES:
+                elif name not in _saved.VIEW_NODES:
                     return False
                 nxt = g.next_functions
                 g = nxt[0][0] if nxt else None

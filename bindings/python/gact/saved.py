@@ -355,6 +355,47 @@ def _positions(index: int, name: str):
     return rule
 
 
+#: autograd nodes of views: through them a tensor is still the one it views (a split of a packed projection
+#: weight, a transpose)
+VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0", "ViewBackward0",
+                        "UnsafeViewBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+                        "SliceBackward0", "SelectBackward0", "UnbindBackward0", "AsStridedBackward0",
+                        "ExpandBackward0", "ReshapeAliasBackward0"})
+
+
+def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``t`` is ``a``, a view of it, or a copy of it in another dtype (and views of that): what a
+    layer saves of the weight it is given (a linear layer its transpose; under autocast the copy it
+    computed with)."""
+    if t is a or t._base is a:
+        return True
+    g, target = t.grad_fn, a.grad_fn
+    if g is None or target is None:
+        return False  # (a parameter's copies are the Compressor's parameter check)
+    for _ in range(6):
+        if g is target:
+            return True
+        name = type(g).__name__
+        if name != "ToCopyBackward0" and name not in VIEW_NODES:
+            return False
+        nxt = g.next_functions
+        g = nxt[0][0] if nxt else None
+        if g is None:
+            return False
+    return False
+
+
+def _weight(index: int, name: str):
+    """A rule for a layer given its weight (argument `index`, `name`): a weight computed in the forward (weight
+    or spectral norm, a parametrization, a low-rank update, fake quantization) is not a parameter but is read
+    like one, the same for every sample, so its rounding would not average out over the batch: exact. The
+    input: values."""
+    def rule(t, args, kwargs, frame) -> Decision:
+        w = _arg(args, kwargs, index, name)
+        return _EXACT if isinstance(w, torch.Tensor) and _is_float(t) and _derived_from(t, w) else _VALUES
+    return rule
+
+
 def _normalization(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
@@ -418,6 +459,10 @@ _add("local_response_norm", "input and a divisor computed inside the call", "exa
      lambda *a: _EXACT)
 _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners) as positions",
      "boxes exact", _positions(1, "rois"))
+_add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d linear",
+     "input; the weight it is given", "input as values; a weight computed in the forward exact", _weight(1, "weight"))
+_add("bilinear", "inputs; the weight it is given", "inputs as values; a weight computed in the forward exact",
+     _weight(2, "weight"))
 _add("grid_sample", "the grid as positions", "grid exact; input as values", _positions(1, "grid"))
 _add("deform_conv2d", "the offsets as positions", "offsets exact; input and mask as values", _positions(2, "offset"))
 _add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
