@@ -24,6 +24,7 @@ import torch
 import _gact as _C
 import gact
 from gact import policy as gpol
+from gact import saved as gsaved
 
 
 def test_online_formula_matches_controller():
@@ -1316,13 +1317,9 @@ class _GateBackward(torch.autograd.Function):
         raise RuntimeError("derivative for gate_backward is not implemented")
 
 
-class _GateWithoutSecondDerivative(torch.autograd.Function):
-    """hardsigmoid as a user's autograd.Function whose backward autograd cannot differentiate."""
-
-    @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return torch.nn.functional.hardsigmoid(h)
+class _GateWithoutSecondDerivative(gsaved._HardsigmoidFunction):
+    """hardsigmoid as a user's autograd.Function (the probe's stand-in's forward) whose backward autograd
+    cannot differentiate."""
 
     @staticmethod
     def backward(ctx, grad):
