@@ -13,7 +13,8 @@ that matches names it):
 ``layout``    not a plain strided CPU/CUDA tensor (sparse, quantized, nested, meta, subclasses)
 ``parameter`` a parameter or a view of one: a leaf that requires grad, a view whose
               ``_base`` is one, or a tensor sharing storage with the model's parameters
-              or buffers (recomputed at the start of every step)
+              or buffers (recomputed at the start of every step); or autocast's
+              float16/bfloat16 copy of one, which a layer saves to compute with
 ``excluded``  saved while a module given in ``exclude`` (or one of its submodules)
               runs, or sharing storage with a tensor given in ``exclude``
 ``stats``     a normalization layer's per-channel mean and 1/std (read exactly)
@@ -22,7 +23,8 @@ that matches names it):
 ``dtype``     an integer tensor that is not a max-pool's indices
 ``small``     fewer than ``min_bytes`` bytes
 ``input``     a float tensor passed to the model's forward that does not require grad (the
-              input batch): the caller keeps it alive anyway
+              input batch): the caller keeps it alive anyway; and autocast's copy of it,
+              which the first layer saves for its weight's gradient
 
 A tensor whose reader uses only its shape (a pooling input, a loss's log-probabilities) is
 not stored at all (``unstored.shape``).
@@ -362,6 +364,7 @@ class Compressor:
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
+        self._input_shapes: set[tuple] = set()  # of float inputs in a precision autocast casts from
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
@@ -462,6 +465,13 @@ class Compressor:
         for a in _compat.flatten(inputs):
             if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
                 self._input_ptrs.add(_compat.storage_base(a))
+                if a.dtype not in _compat.AUTOCAST_DTYPES and a.is_floating_point():
+                    self._input_shapes.add(tuple(a.shape))
+
+    def _is_cast_input(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is autocast's float16/bfloat16 copy of a float input of the model (the first layer
+        saves it for its weight's gradient): no graph, and the shape of such an input."""
+        return t.grad_fn is None and t.dtype in _compat.AUTOCAST_DTYPES and tuple(t.shape) in self._input_shapes
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
         if self._depth == 0:
@@ -538,6 +548,7 @@ class Compressor:
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
+        self._input_shapes = set()
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
 
@@ -691,7 +702,8 @@ class Compressor:
         key = self._next_key()
         if t.numel() * t.element_size() < self.min_bytes * self._row_share or t.numel() == 0:
             return self._keep(t, "small")
-        if self._input_ptrs and not t.requires_grad and _compat.storage_base(t) in self._input_ptrs:
+        if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
+                                                         or self._is_cast_input(t)):
             return self._keep(t, "input")
         if self._probe is not None:
             return self._probe_pack(t, key, d, frame)
