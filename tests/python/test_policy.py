@@ -1405,6 +1405,71 @@ def test_the_hardsigmoid_stand_in_equals_hardsigmoid_and_differentiates_twice():
     assert stand_in(x.clone(), inplace=True).grad_fn is None and stand_in(x).grad_fn is None
 
 
+def test_the_roi_align_stand_in_equals_roi_align_and_differentiates_twice():
+    """torchvision's roi_align has no double backward; the probe's stand-in gives its values and input gradient
+    bit for bit, and the gradient's derivative by the output's gradient is roi_align itself (the backward is
+    its adjoint: <roi_align(v), w> = <v, backward(w)>)."""
+    tv = pytest.importorskip("torchvision")
+    stand_in = gsaved.double_backward_substitutes()[torch.ops.torchvision.roi_align]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=gen, requires_grad=True)
+    lo = torch.rand(40, 2, generator=gen) * 10
+    rois = torch.cat([torch.randint(0, 2, (40, 1), generator=gen).float(), lo, lo + 1 + torch.rand(40, 2, generator=gen) * 5], 1)
+    for aligned in (False, True):
+        y0 = tv.ops.roi_align(x, rois, (3, 3), 0.5, 2, aligned)
+        y1 = stand_in(x, rois, 0.5, 3, 3, 2, aligned)
+        assert torch.equal(y0, y1)
+        w = torch.randn(y0.shape, generator=gen)
+        g0, = torch.autograd.grad(y0, x, w)
+        wg = w.clone().requires_grad_()
+        g1, = torch.autograd.grad(y1, x, wg, create_graph=True)
+        assert torch.equal(g0, g1)
+        v = torch.randn(x.shape, generator=gen)
+        dw, = torch.autograd.grad((g1 * v).sum(), wg)
+        assert torch.equal(dw, tv.ops.roi_align(v, rois, (3, 3), 0.5, 2, aligned))
+    assert stand_in(x.detach(), rois, 0.5, 3, 3, 2, True).grad_fn is None
+
+
+class _BoxHead(torch.nn.Module):
+    """A convolution, roi_align over fixed boxes in a module of its own (as torchvision's MultiScaleRoIAlign), a
+    GELU and a linear head: a detection model's second stage. The GELU's saved input depends on the pooling,
+    which puts roi_align's backward on the probe's double backward's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchvision
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.pool = torchvision.ops.RoIAlign((4, 4), 1.0, 2, True)
+        self.fc = torch.nn.Linear(16 * 4 * 4, 10)
+        gen = torch.Generator().manual_seed(0)
+        lo = torch.rand(64, 2, generator=gen) * 8
+        self.register_buffer("rois", torch.cat([torch.randint(0, 8, (64, 1), generator=gen).float(), lo,
+                                                lo + 2 + torch.rand(64, 2, generator=gen) * 4], 1))
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        return self.fc(torch.nn.functional.gelu(self.pool(h, self.rois).flatten(1))).mean(0, keepdim=True)
+
+
+def test_the_probe_runs_through_roi_align():
+    """A model with roi_align: the probe's double backward runs through the stand-in (it fell back to the online
+    estimator, as Faster R-CNN's did), and its estimates cover the stored tensors."""
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m = _BoxHead()
+    x = torch.randn(8, 3, 16, 16)
+    y = torch.randint(0, 10, (1,))
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*online estimator")
+        _grad(m, x, y, comp)
+    st = comp.policy.stats()
+    assert comp.policy.decisions == 1, st
+    assert all((v["C"] is not None) != k.startswith("<none>:") for k, v in st["tensors"].items()), st["tensors"]
+    assert st["tensors"]["fc:0"]["C"] > 0, st["tensors"]  # the pooled features: through roi_align's adjoint
+    comp.close()
+
+
 def test_online_decisions_after_a_failed_probe_are_measured_against_uniform(monkeypatch):
     """When the probe cannot run (an op without a double backward) and the online estimator stands in,
     its decisions are measured against uniform on the replayed step as the probe's are: estimates made

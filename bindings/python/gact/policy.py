@@ -1260,14 +1260,15 @@ class _ProbeRecorder:
 
 @contextlib.contextmanager
 def _double_backward_ops(comp: Any) -> Any:
-    """Inside ``with comp`` on this thread: its op tracker runs the stand-ins of gact.saved.DOUBLE_BACKWARD for
-    functions whose backward autograd cannot differentiate (hardsigmoid in torch 1.13: the probe of the
-    mobilenet_v3 family fell back to the online estimator), with the same values and saved tensors."""
+    """Inside ``with comp`` on this thread: its op tracker runs the stand-ins of
+    gact.saved.double_backward_substitutes() for functions whose backward autograd cannot differentiate
+    (hardsigmoid in torch 1.13: the probe of the mobilenet_v3 family fell back to the online estimator;
+    torchvision's roi_align: detection models'), with the same values and saved tensors."""
     tracker = getattr(comp._local, "tracker", None)
     if tracker is None:
         yield
         return
-    was, tracker.substitutes = tracker.substitutes, _saved.DOUBLE_BACKWARD
+    was, tracker.substitutes = tracker.substitutes, _saved.double_backward_substitutes()
     try:
         yield
     finally:

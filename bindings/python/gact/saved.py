@@ -572,9 +572,63 @@ def _hardsigmoid_twice_differentiable(input, inplace=False):
     return _HardsigmoidFunction.apply(input)
 
 
+class _RoIAlignFunction(torch.autograd.Function):
+    """torchvision's roi_align, whose backward autograd cannot differentiate ("double backwards on roi_align not
+    supported"): the same values, the same saved boxes; its input gradient is _RoIAlignAdjoint's."""
+
+    @staticmethod
+    def forward(ctx, input, rois, *meta):
+        ctx.save_for_backward(rois)
+        ctx.meta, ctx.shape = meta, tuple(input.shape)
+        return torch.ops.torchvision.roi_align(input, rois, *meta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rois,) = ctx.saved_tensors
+        return (_RoIAlignAdjoint.apply(grad, rois, ctx.shape, *ctx.meta), None) + (None,) * len(ctx.meta)
+
+
+class _RoIAlignAdjoint(torch.autograd.Function):
+    """roi_align's input gradient (torchvision's own backward kernel): linear in the output's gradient, so its
+    derivative is roi_align itself."""
+
+    @staticmethod
+    def forward(ctx, grad, rois, shape, spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned):
+        ctx.save_for_backward(rois)
+        ctx.meta = (spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+        n, c, h, w = shape
+        return torch.ops.torchvision._roi_align_backward(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                                         n, c, h, w, sampling_ratio, aligned)
+
+    @staticmethod
+    def backward(ctx, gg):
+        (rois,) = ctx.saved_tensors
+        return (torch.ops.torchvision.roi_align(gg, rois, *ctx.meta),) + (None,) * 7
+
+
+def _roi_align_twice_differentiable(input, rois, spatial_scale, pooled_height, pooled_width, sampling_ratio,
+                                    aligned):
+    meta = (spatial_scale, pooled_height, pooled_width, sampling_ratio, aligned)
+    if not input.requires_grad or input.dim() != 4:
+        return torch.ops.torchvision.roi_align(input, rois, *meta)
+    return _RoIAlignFunction.apply(input, rois, *meta)
+
+
 #: stand-ins for functions whose backward autograd cannot differentiate, for passes that need a double
 #: backward (the policy's probe): same values, same saved tensors, so the storage table reads them alike
 DOUBLE_BACKWARD = {torch.nn.functional.hardsigmoid: _hardsigmoid_twice_differentiable}
+
+
+def double_backward_substitutes() -> dict:
+    """DOUBLE_BACKWARD, and torchvision's roi_align where torchvision's ops are loaded."""
+    subs = dict(DOUBLE_BACKWARD)
+    try:
+        op = torch.ops.torchvision.roi_align
+        torch.ops.torchvision._roi_align_backward  # noqa: B018 (both must exist)
+    except (AttributeError, RuntimeError):
+        return subs
+    subs[op] = _roi_align_twice_differentiable
+    return subs
 
 
 def _checkpoint_codes() -> frozenset:
