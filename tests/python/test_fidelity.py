@@ -497,9 +497,9 @@ def test_autocast_weight_copies_are_kept_as_parameters(case):
     """Under autocast a convolution or linear layer saves the copy of its weight it computed with (bfloat16 on
     the CPU, float16 on CUDA): a new tensor, not the parameter's storage. Stored rounded, it is the weight the
     input's gradient is computed with. Copies are recognised through their graph (a copy, and views, of a
-    parameter: the attention's split projection too) and, for a parameter that does not require grad, by its
-    shape; each is kept as a `parameter`. So is the copy of the model's input the first layer saves for its
-    weight's gradient kept, as the input itself is (`input`). Gradient cosine to the autocast run without
+    parameter: the attention's split projection too) and kept as a `parameter`; the graph-less copy of a
+    parameter that does not require grad through the layer's row (`exact`). So is the copy of the model's
+    input the first layer saves for its weight's gradient kept, as the input itself is (`input`). Gradient cosine to the autocast run without
     gact, measured with the copies kept (stored rounded): resnet18 0.997 (0.88) at 4 bits, 0.895 (0.04) at 2;
     the conv/attention model 0.9995 (0.9985) and 0.983-0.985 (0.953-0.966), with frozen layers 0.9999 and
     0.998 (0.955-0.966 at 2). Asserted, mean of two seeds: >= 0.99 / 0.85 and >= 0.99 / 0.975."""
@@ -528,9 +528,11 @@ def test_autocast_weight_copies_are_kept_as_parameters(case):
                 g = _grad_of(m, x, comp, loss_fn)
             st = comp.stats()["store"]
             comp.close()
-            # every conv/linear weight's copy (the attention's in-projection as three views: >= one per weight)
-            assert st["skipped"]["parameter"]["tensors"] >= len(weights), st["skipped"]
-            assert st["skipped"]["parameter"]["bytes"] >= sum(w.numel() * 2 for w in weights), st["skipped"]
+            # every conv/linear weight's copy (the attention's in-projection as three views: >= one per weight;
+            # a frozen weight's copy, graph-less, through the layer's row: `exact`)
+            sk = st["skipped"]
+            assert sk["parameter"]["tensors"] + sk["exact"]["tensors"] >= len(weights), sk
+            assert sk["parameter"]["bytes"] + sk["exact"]["bytes"] >= sum(w.numel() * 2 for w in weights), sk
             assert st["bytes_stored"] > 0 and st["ratio"] > 2, st  # the activations (bfloat16 casts too): stored
             # the model input's copy, which the first convolution saves for its weight's gradient: kept
             assert st["skipped"]["input"]["tensors"] == 1, st["skipped"]
@@ -610,6 +612,29 @@ def test_a_weight_computed_in_the_forward_is_kept_exact(case):
             assert st["skipped"]["exact"]["bytes"] >= sum(mod.weight.numel() * 4 for mod in layers), st["skipped"]
             cos.append(_cos(g, g0))
         assert sum(cos) / 2 >= floor, (bits, case, cos)
+
+
+def test_under_autocast_only_the_inputs_copy_is_kept_as_the_input():
+    """A linear layer on a 3-D input saves a 2-D view of autocast's copy of it: kept as the input. Dropout's
+    masks (graph-less, low precision, of the input's shape) and a frozen layer's input (of its weight's
+    shape) are not the input, nor a parameter: stored."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Dropout(0.1), nn.ReLU(), nn.Linear(256, 256), nn.Dropout(0.1),
+                      nn.Linear(256, 256))
+    m[3].requires_grad_(False)
+    x = torch.randn(4, 64, 256)  # a (4, 64, 256) input; the frozen weight is (256, 256) like a 2-D activation
+    comp = gact.Compressor(m, bits=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = _grad_of(m, x, comp)
+    st = comp.stats()["store"]
+    comp.close()
+    assert torch.isfinite(g).all()
+    sk = st["skipped"]
+    assert sk["input"]["tensors"] == 1 and sk["input"]["bytes"] == 4 * 64 * 256 * 2, sk  # the copy of x
+    # the frozen layer's weight copy (exact); the parameters' copies (parameter); masks and activations stored
+    assert sk["exact"]["tensors"] == 1 and sk["exact"]["bytes"] == 256 * 256 * 2, sk
+    # two dropout masks and the ReLU's (1 bit each), the two later layers' inputs (values)
+    assert st["codecs"]["mask"]["tensors"] == 3 and st["codecs"]["quant"]["tensors"] == 2, st["codecs"]
 
 
 def test_a_cast_of_an_activation_is_stored():

@@ -103,6 +103,9 @@ def test_a_kept_expanded_tensor_counts_the_bytes_its_elements_occupy():
     assert _compat.held_bytes(base[:, ::2]) == 64 * 128 * 4
     assert _compat.held_bytes(torch.zeros(100).unfold(0, 10, 1)) == 100 * 4  # 91 windows of 10 over 100 floats
     assert _compat.held_bytes(torch.zeros(0, 3).expand(0, 3)) == 0
+    assert _compat.held_bytes(base[:, :1].expand(64, 256)) == 64 * 4  # a column, repeated
+    h = torch.zeros(8, 64, 32)
+    assert _compat.held_bytes(h[:, :1].expand(-1, 64, -1)) == 8 * 32 * 4  # a class token's row per sample
 
 
 def test_parameters_recognised_after_the_model_changes_storage():

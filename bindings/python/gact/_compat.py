@@ -72,8 +72,13 @@ def held_bytes(t: torch.Tensor) -> int:
     n = t.numel()
     if n == 0 or t.is_contiguous():
         return n * t.element_size()
-    span = 1 + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride()))
-    return min(n, span) * t.element_size()
+    distinct = 1  # elements along the dimensions that move (a stride-0 dimension repeats them)
+    span = 1  # the elements between the first and the last one reached
+    for d, s in zip(t.shape, t.stride()):
+        if s != 0:
+            distinct *= d
+            span += (d - 1) * abs(s)
+    return min(distinct, span) * t.element_size()
 
 
 def is_dense(t: torch.Tensor) -> bool:

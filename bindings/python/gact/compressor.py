@@ -360,11 +360,9 @@ class Compressor:
         self._step_open = False
         self._global_depth = 0  # install_global: hooks for the whole process
         self._param_ptrs: frozenset[int] = frozenset()
-        self._param_shapes: frozenset[tuple] = frozenset()  # of parameters that do not require grad
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
-        self._input_shapes: set[tuple] = set()  # of float inputs in a precision autocast casts from
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
@@ -465,13 +463,14 @@ class Compressor:
         for a in _compat.flatten(inputs):
             if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
                 self._input_ptrs.add(_compat.storage_base(a))
-                if a.dtype not in _compat.AUTOCAST_DTYPES and a.is_floating_point():
-                    self._input_shapes.add(tuple(a.shape))
 
-    def _is_cast_input(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is autocast's float16/bfloat16 copy of a float input of the model (the first layer
-        saves it for its weight's gradient): no graph, and the shape of such an input."""
-        return t.grad_fn is None and t.dtype in _compat.AUTOCAST_DTYPES and tuple(t.shape) in self._input_shapes
+    def _is_cast_input(self, t: torch.Tensor, frame: Any) -> bool:
+        """Whether ``t`` is autocast's float16/bfloat16 copy (or a view of it) of a model input that the call
+        saving it was given: the first layer saves it for its weight's gradient."""
+        if frame is None or t.grad_fn is not None or t.dtype not in _compat.AUTOCAST_DTYPES:
+            return False
+        return any(isinstance(a, torch.Tensor) and _compat.storage_base(a) in self._input_ptrs
+                   and _saved.cast_copy_of(t, a) for a in list(frame.args) + list(frame.kwargs.values()))
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
         if self._depth == 0:
@@ -534,21 +533,16 @@ class Compressor:
 
     def _open_step(self) -> None:
         ptrs = set()
-        frozen = set()
         if self.model is not None:
             for p in self.model.parameters():
                 ptrs.add(_compat.storage_base(p))
-                if not p.requires_grad:
-                    frozen.add(tuple(p.shape))
             for b in self.model.buffers():
                 ptrs.add(_compat.storage_base(b))
         ptrs.discard(0)
         self._param_ptrs = frozenset(ptrs)
-        self._param_shapes = frozenset(frozen)
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
-        self._input_shapes = set()
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
 
@@ -604,10 +598,10 @@ class Compressor:
 
     def _is_cast_parameter(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is autocast's copy of a parameter in its lower precision (a convolution or linear
-        layer saves the copy it computed with): its grad_fn copies a parameter (a view of one), or, for a
-        parameter that does not require grad, it is a float16/bfloat16 tensor (or a view of one) of such a
-        parameter's shape with no graph. Rounded, it would be the weight the input's gradient is computed
-        with."""
+        layer saves the copy it computed with): its grad_fn copies a parameter (a view of one). Rounded, it
+        would be the weight the input's gradient is computed with. (A copy of a parameter that does not
+        require grad has no graph: the storage table's rows for the layers keep the copy of the weight
+        they are given exact.)"""
         g = t.grad_fn
         if g is not None:
             cast = False
@@ -625,11 +619,7 @@ class Compressor:
                 if var is not None:
                     return cast and (self._probe is None or id(var) not in self._probe.leaves)
             return False
-        if not self._param_shapes or t.requires_grad or t.dtype not in _compat.AUTOCAST_DTYPES:
-            return False
-        # (autocast is off inside a pack hook: the shape, low precision and no graph must tell)
-        b = t._base if t._base is not None else t  # a linear layer saves the copy's transpose
-        return tuple(b.shape) in self._param_shapes and b.grad_fn is None
+        return False
 
     def _is_excluded(self, t: torch.Tensor) -> bool:
         s = self._stack()
@@ -703,7 +693,7 @@ class Compressor:
         if t.numel() * t.element_size() < self.min_bytes * self._row_share or t.numel() == 0:
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
-                                                         or self._is_cast_input(t)):
+                                                         or self._is_cast_input(t, frame)):
             return self._keep(t, "input")
         if self._probe is not None:
             return self._probe_pack(t, key, d, frame)

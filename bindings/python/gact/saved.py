@@ -363,6 +363,16 @@ VIEW_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSpli
                         "ExpandBackward0", "ReshapeAliasBackward0"})
 
 
+def cast_copy_of(t: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``t``, without a graph, is a copy of ``a`` in another dtype or a view of such a copy (what
+    autocast makes of a tensor that does not require grad; autocast is off inside a pack hook, so the
+    call's own argument must tell): its base has ``a``'s shape and another dtype."""
+    if t.grad_fn is not None or t.dtype == a.dtype:
+        return False
+    b = t._base if t._base is not None else t  # (a linear layer saves a transpose or a 2-D view)
+    return b.shape == a.shape
+
+
 def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether ``t`` is ``a``, a view of it, or a copy of it in another dtype (and views of that): what a
     layer saves of the weight it is given (a linear layer its transpose; under autocast the copy it
@@ -370,7 +380,9 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     if t is a or t._base is a:
         return True
     g, target = t.grad_fn, a.grad_fn
-    if g is None or target is None:
+    if g is None:
+        return target is None and cast_copy_of(t, a)  # the copy of a weight that does not require grad
+    if target is None:
         return False  # (a parameter's copies are the Compressor's parameter check)
     for _ in range(6):
         if g is target:
@@ -388,8 +400,9 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
 def _weight(index: int, name: str):
     """A rule for a layer given its weight (argument `index`, `name`): a weight computed in the forward (weight
     or spectral norm, a parametrization, a low-rank update, fake quantization) is not a parameter but is read
-    like one, the same for every sample, so its rounding would not average out over the batch: exact. The
-    input: values."""
+    like one, usually the same for every sample, so its rounding would not average out over the batch: exact
+    (a kernel computed per sample is kept too: memory, not fidelity). So is autocast's copy of a weight that
+    does not require grad. The input: values."""
     def rule(t, args, kwargs, frame) -> Decision:
         w = _arg(args, kwargs, index, name)
         return _EXACT if isinstance(w, torch.Tensor) and _is_float(t) and _derived_from(t, w) else _VALUES
