@@ -1347,6 +1347,20 @@ class NoDoubleBackward(torch.nn.Module):
         return self.fc2(self.fc((h * g).flatten(1)))
 
 
+def _probe_without_fallback(m, x, y):
+    """One sampled step of bits="auto" whose probe must run (a fallback to the online estimator raises): the
+    Compressor and its policy's stats; every tensor the model saved has the probe's estimate (only the
+    loss's, outside the model, has none)."""
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*online estimator")
+        _grad(m, x, y, comp)
+    st = comp.policy.stats()
+    assert comp.policy.decisions == 1, st
+    assert all((v["C"] is not None) != k.startswith("<none>:") for k, v in st["tensors"].items()), st["tensors"]
+    return comp, st
+
+
 def test_the_probe_runs_through_hardsigmoid():
     """torch 1.13 has no derivative of hardsigmoid's backward, so the probe's double backward failed on the
     mobilenet_v3 family and the online estimator decided. The probe's passes run a stand-in with the same
@@ -1356,14 +1370,7 @@ def test_the_probe_runs_through_hardsigmoid():
     m = NoDoubleBackward(gate="hardsigmoid")
     x = torch.randn(8, 3, 8, 8)
     y = torch.randint(0, 10, (8,))
-    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*online estimator")
-        _grad(m, x, y, comp)
-    st = comp.policy.stats()
-    assert comp.policy.decisions == 1, st
-    # every tensor the model saved has the probe's estimate (only the loss's, outside the model, has none)
-    assert all((v["C"] is not None) != k.startswith("<none>:") for k, v in st["tensors"].items()), st["tensors"]
+    comp, st = _probe_without_fallback(m, x, y)
     assert st["last_check"] is not None, st
     # the Linear's input, the product h * hardsigmoid(h): its estimate went through the stand-in's backward
     assert st["tensors"]["fc:0"]["C"] > 0 and math.isfinite(st["tensors"]["fc:0"]["C"]), st["tensors"]["fc:0"]
@@ -1451,13 +1458,7 @@ def test_the_probe_runs_through_roi_align():
     m = _BoxHead()
     x = torch.randn(8, 3, 16, 16)
     y = torch.randint(0, 10, (1,))
-    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6, min_bytes=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*online estimator")
-        _grad(m, x, y, comp)
-    st = comp.policy.stats()
-    assert comp.policy.decisions == 1, st
-    assert all((v["C"] is not None) != k.startswith("<none>:") for k, v in st["tensors"].items()), st["tensors"]
+    comp, st = _probe_without_fallback(m, x, y)
     assert st["tensors"]["fc:0"]["C"] > 0, st["tensors"]  # the pooled features: through roi_align's adjoint
     comp.close()
 
