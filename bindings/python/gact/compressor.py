@@ -603,22 +603,20 @@ class Compressor:
         require grad has no graph: the storage table's rows for the layers keep the copy of the weight
         they are given exact.)"""
         g = t.grad_fn
-        if g is not None:
-            cast = False
-            for _ in range(6):  # a copy, and views around it (a split of a packed projection, a transpose)
-                name = type(g).__name__
-                if name == "ToCopyBackward0":
-                    cast = True
-                elif name not in _saved.VIEW_NODES:
-                    return False
-                nxt = g.next_functions
-                g = nxt[0][0] if nxt else None
-                if g is None:
-                    return False
-                var = getattr(g, "variable", None)  # an AccumulateGrad's leaf
-                if var is not None:
-                    return cast and (self._probe is None or id(var) not in self._probe.leaves)
-            return False
+        cast = False
+        for _ in range(6):  # a copy, and views around it (a split of a packed projection, a transpose)
+            if g is None:
+                return False
+            name = type(g).__name__
+            if name == "ToCopyBackward0":
+                cast = True
+            elif name not in _saved.VIEW_NODES:
+                return False
+            nxt = g.next_functions
+            g = nxt[0][0] if nxt else None
+            var = getattr(g, "variable", None)  # an AccumulateGrad's leaf
+            if var is not None:
+                return cast and (self._probe is None or id(var) not in self._probe.leaves)
         return False
 
     def _is_excluded(self, t: torch.Tensor) -> bool:

@@ -542,7 +542,7 @@ class OpTracker(TorchFunctionMode):
         self.stack: list[Frame] = []
         self._on_exit = on_exit
         # {function: stand-in} run in its place (the frame still names the function), or None; the policy's
-        # probe sets DOUBLE_BACKWARD for its passes
+        # probe sets double_backward_substitutes() for its passes
         self.substitutes: dict | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
