@@ -54,9 +54,9 @@ def torch_own_allocator():
     gact.use_cpu_allocator(was)
 
 
-def _net(wide=8192):
+def _net(wide=8192, act=torch.nn.ReLU):
     # the hidden activation (64 x 8192 floats) is large enough for a 2-thread encode
-    return torch.nn.Sequential(torch.nn.Linear(256, wide), torch.nn.ReLU(), torch.nn.Linear(wide, 10))
+    return torch.nn.Sequential(torch.nn.Linear(256, wide), act(), torch.nn.Linear(wide, 10))
 
 
 def _batch(seed=1):
@@ -182,8 +182,10 @@ def test_thread_fallback_changes_no_byte():
         torch.set_num_threads(1)
 
 
-def test_arena_out_of_memory_keeps_the_tensor_warns_once_and_counts_it(torch_own_allocator):
-    model = _net(wide=1024)
+@pytest.mark.parametrize("act", [torch.nn.ReLU, torch.nn.SiLU])
+def test_arena_out_of_memory_keeps_the_tensor_warns_once_and_counts_it(torch_own_allocator, act):
+    """(SiLU: its input, stored as the derivative when there is room, is kept as the input itself)"""
+    model = _net(wide=1024, act=act)
     x, y = _batch()
     ref = _grad(model, x, y)
     comp = gact.Compressor(model, bits=4)
@@ -228,10 +230,12 @@ def test_swap_pool_out_of_memory_keeps_blobs_in_place_with_identical_gradients()
 # ---- Compressors and threads -------------------------------------------------------------------
 
 
-def test_two_threads_in_one_compressor_each_compress_their_own_forward():
+@pytest.mark.parametrize("act", [torch.nn.ReLU, torch.nn.SiLU])
+def test_two_threads_in_one_compressor_each_compress_their_own_forward(act):
     """`with comp:` is per thread: both threads' forwards are compressed while they are inside, one
-    thread leaving does not end the other's, and the thread that left saves nothing into gact."""
-    models = [_net(wide=512), _net(wide=512)]
+    thread leaving does not end the other's, and the thread that left saves nothing into gact (SiLU:
+    nor stores a derivative for a forward outside)."""
+    models = [_net(wide=512, act=act), _net(wide=512, act=act)]
     models[1].load_state_dict(models[0].state_dict())
     x, y = _batch()
     ref = _grad(models[0], x, y)

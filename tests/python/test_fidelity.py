@@ -15,6 +15,8 @@ so that every gradient but dW2 flows through OP's backward alone, reading only w
 
 * exact readers: dx and dW1 equal fp32's bit for bit;
 * log-space (log_softmax, read through exp): |d dx| <= |sum_j g_j| exp(y) (e^s - 1) per row;
+* derivative (silu, gelu, mish, softplus: the input stored as f'(a), step s_d): |d da| <= |g| s_d, and
+  outside the context or inside a checkpoint (their saves are not gact's) exactly fp32's;
 * normalized (batch/group/layer norm, x^ quantized with the layer's exact statistics, error
   |d| <= s in x^ units): |d dx| <= r (s |mean(g' x^)| + |x^| mean|g'| s + s^2 mean|g'|) per
   statistics block, and |d dgamma| <= sum |g| s;
@@ -44,7 +46,7 @@ N, C, H = 2, 8, 8
 
 
 def _rows():
-    """(name, op(a) -> y, kind). kind: 'exact', 'log' or 'norm'."""
+    """(name, op(a) -> y, kind). kind: 'exact', 'log', 'norm' or 'deriv'."""
     return [
         ("relu", lambda a: F.relu(a), "exact"),
         ("relu_", lambda a: torch.relu_(a * 1), "exact"),
@@ -64,6 +66,13 @@ def _rows():
         ("batch_norm", lambda a: F.batch_norm(a, None, None, training=True), "norm"),
         ("group_norm", lambda a: F.group_norm(a, 2), "norm"),
         ("layer_norm", lambda a: F.layer_norm(a, a.shape[-1:]), "norm"),
+        ("silu", lambda a: F.silu(a), "deriv"),
+        ("silu_", lambda a: nn.SiLU(inplace=True)(a * 1), "deriv"),
+        ("gelu", lambda a: F.gelu(a), "deriv"),
+        ("gelu_tanh", lambda a: F.gelu(a, approximate="tanh"), "deriv"),
+        ("mish", lambda a: F.mish(a), "deriv"),
+        ("mish_", lambda a: F.mish(a * 1, inplace=True), "deriv"),
+        ("softplus", lambda a: F.softplus(a, beta=2.0, threshold=1.0), "deriv"),
     ]
 
 
@@ -179,6 +188,15 @@ def test_fidelity_matrix(name, bits, layout, composition):
         assert torch.equal(got["dw1"], ref["dw1"]), name
         return
     ga, ga0, gy = got["ga"], ref["ga"], ref["gy"]
+    if kind == "deriv":
+        # the activation's input stored as its derivative f'(a), quantized with step s_d <= range(f') / (2^b - 1):
+        # da = g * f'^(a), so |d da| <= |g| s_d
+        a = ref["a"].clone().requires_grad_()
+        d, = torch.autograd.grad(ROWS[name][0](a).sum(), a)
+        s = (d.max() - d.min()).item() / (2 ** bits - 1)
+        bound = gy.abs() * s * (1 + 1e-4) + 1e-6
+        assert _close(ga, ga0, bound), (name, (ga - ga0).abs().max().item())
+        return
     if kind == "log":
         # dx = g - exp(y) sum(g) over dim 1; y stored with at least 4 bits: step s_y <= range / 15
         y = ref["y"]
@@ -714,6 +732,142 @@ def test_channels_last_gelu_gets_its_layout_back():
     g = _grad_of(m, x, comp)
     comp.close()
     assert _cos(g, g0) > 0.999
+
+
+# ---- activations stored as their derivative ----------------------------------------------------------
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "mish": F.mish, "softplus": lambda a: F.softplus(a, beta=2.0)}
+
+
+def _activation_input_grads(act, seeds, **kw):
+    """d loss / d a for a = lin1(x), y = act(a), loss = (lin2(y) * c).sum(): fp32's, d loss / d y, a, and those
+    of `seeds` compressed runs at 2 bits (min_bytes 0), stacked."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
+    net = nn.Sequential(lin1, lin2)
+    x = torch.randn(32, 16) * 2
+    c = torch.randn(32, 16)
+    out = []
+    for seed in [None] + list(seeds):
+        comp = _Null() if seed is None else gact.Compressor(net, bits=2, min_bytes=0, seed=seed, **kw)
+        got = {}
+        a = lin1(x)  # outside the context: the saves under test are the activation's and lin2's
+        a.register_hook(lambda g: got.__setitem__("ga", g))
+        with comp:
+            y = act(a)
+            y.register_hook(lambda g: got.__setitem__("gy", g))
+            loss = (lin2(y) * c).sum()
+        got["a"] = a.detach().clone()
+        del a, y  # (a tensor the program still holds is read as it is)
+        loss.backward()
+        out.append(got)
+        if seed is not None:
+            comp.close()
+    ref = out[0]
+    return ref["ga"], ref["gy"], ref["a"], torch.stack([o["ga"] for o in out[1:]])
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+def test_an_activation_stored_as_its_derivative_has_an_unbiased_gradient(name):
+    """da = g * f'^(a) with f'(a) stochastically rounded: E[da] = g f'(a) exactly. Each element's error has a
+    standard deviation <= |g| s_d / 2 (s_d: the largest quantization step of f'(a) at 2 bits), so the mean of
+    K runs lies within 5 |g| s_d / (2 sqrt K) of fp32's. The input's rounded values read through f' (the
+    option off) are biased by about f'''(a) Var / 2: their mean lands outside that bound."""
+    act, k = _ACTIVATIONS[name], 400
+    ga0, gy, a, runs = _activation_input_grads(act, range(1, k + 1))
+    a = a.clone().requires_grad_()
+    d, = torch.autograd.grad(act(a).sum(), a)
+    s_d = (d.max() - d.min()).item() / 3
+    sigma = gy.abs() * s_d / 2
+    z = (runs.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
+    assert z.max().item() < 5, (name, z.max().item())
+    _, _, _, runs_v = _activation_input_grads(act, range(1, k + 1), derivatives=False)
+    z_v = (runs_v.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
+    assert z_v.max().item() > 5, (name, "values: no bias seen", z_v.max().item())
+
+
+def _penalty_grads(act, comp, inplace=False):
+    """A gradient penalty through the activation: d/dW of |d out / d x|^2 (a backward with create_graph)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 512), nn.Linear(512, 1))
+    x = torch.randn(16, 8, requires_grad=True)
+    with comp:
+        h = net[0](x)
+        h = act(h * 1, inplace=True) if inplace else act(h)
+        out = net[1](h).sum()
+    gx, = torch.autograd.grad(out, x, create_graph=True)
+    gx.square().sum().backward()
+    return torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_double_backward_through_a_stored_derivative_raises_and_otherwise_is_torchs(inplace):
+    act = F.silu
+    ref = _penalty_grads(act, _Null(), inplace)
+    # stored as the derivative: the second derivative is gone, and said so (never a silent zero)
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*derivatives=False"):
+        _penalty_grads(act, gact.Compressor(bits=8, min_bytes=0), inplace)
+    # the input kept (under min_bytes): the stand-in's double backward is the activation's own
+    kept = _penalty_grads(act, gact.Compressor(bits=8, min_bytes=1 << 30), inplace)
+    assert torch.allclose(kept, ref, rtol=1e-5, atol=1e-7), (kept - ref).abs().max().item()
+    # the option off: torch's own node, its input stored as values
+    off = _penalty_grads(act, gact.Compressor(bits=8, min_bytes=0, derivatives=False), inplace)
+    assert _cos(off, ref) > 0.999
+
+
+def _node_types(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        n = todo.pop()
+        if n is not None and n not in seen:
+            seen.add(n)
+            todo.extend(f for f, _ in n.next_functions)
+    return {type(n).__name__ for n in seen}
+
+
+def test_derivatives_follow_the_option_and_not_under_auto():
+    m = nn.Sequential(nn.Linear(16, 256), nn.SiLU(), nn.Linear(256, 4))
+    x = torch.randn(8, 16)
+    for kw, stand_in in [({}, True), ({"derivatives": False}, False), ({"bits": "auto"}, False)]:
+        comp = gact.Compressor(m, **{"bits": 4, **kw})
+        with comp:
+            y = m(x)
+        assert ("ActivationFunctionBackward" in _node_types(y)) == stand_in, kw
+        assert ("SiluBackward0" in _node_types(y)) != stand_in, kw
+        comp.close()
+    assert "SiluBackward0" in _node_types(m(x))  # outside any Compressor: torch's own
+    gact.configure(derivatives=False)
+    try:
+        assert gact.Compressor(m).derivatives is False
+    finally:
+        gact.configure(derivatives=True)
+    with pytest.raises(ValueError, match="derivatives"):
+        gact.Compressor(m, derivatives="yes")
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
+def test_derivatives_under_other_hooks_are_torchs_gradient(where):
+    """A save that goes to other hooks (a checkpoint's, save_on_cpu's) comes back as the input: the stand-in's
+    backward is then torch's, bit for bit (a non-reentrant checkpoint recomputes with torch's own node)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.SiLU(), nn.Mish(), nn.Linear(256, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def run(comp):
+        m.zero_grad()
+        with comp:
+            if where == "checkpoint":
+                y = cp.checkpoint(m, x, use_reentrant=False)
+            elif where == "checkpoint_reentrant":
+                y = cp.checkpoint(m, x, use_reentrant=True)
+            else:
+                with torch.autograd.graph.save_on_cpu():
+                    y = m(x)
+        y.square().sum().backward()
+        return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+    ref = run(_Null())
+    assert torch.equal(run(gact.Compressor(m, bits=2, min_bytes=0)), ref)
 
 
 @pytest.mark.parametrize("loss", ["nll_loss", "nll_loss_2d", "cross_entropy", "cross_entropy_weighted"])

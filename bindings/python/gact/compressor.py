@@ -246,6 +246,11 @@ class Compressor:
             closure given to :meth:`step` or as ``gact.policy.Probe(closure)``.
         adapt_interval: with ``bits="auto"``, steps between re-estimations. Default: the
             ``adapt_interval`` option (GACT_ADAPT_INTERVAL).
+        derivatives: with fixed bits, store the input of ``silu``, ``gelu``, ``mish`` and
+            ``softplus`` as the activation's derivative (their backward is then linear in what
+            is stored: an unbiased gradient, less noise); a backward with
+            ``create_graph=True`` through them raises. Default: the ``derivatives`` option
+            (GACT_DERIVATIVES, true).
 
     Raises:
         ValueError: for a bad setting, naming it and the accepted values.
@@ -265,6 +270,7 @@ class Compressor:
         swap: bool | None = None,
         estimator: Any = None,
         adapt_interval: int | None = None,
+        derivatives: bool | None = None,
         policy: Any = None,
     ) -> None:
         opts = _options()
@@ -336,6 +342,11 @@ class Compressor:
         ):
             raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
         self.adapt_interval = adapt_interval
+        if derivatives is None:
+            derivatives = bool(opts["derivatives"])
+        if not isinstance(derivatives, bool):
+            raise ValueError(f"gact.Compressor: derivatives={derivatives!r} must be True or False")
+        self.derivatives = derivatives
 
         self._excluded_modules: set[int] = set()
         self._excluded_tensors: list[torch.Tensor] = []
@@ -503,6 +514,7 @@ class Compressor:
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
             tracker = _saved.OpTracker(self._flush)
+            tracker.substitutes = self._substitutes()
             try:
                 tracker.__enter__()
             except BaseException:
@@ -512,6 +524,11 @@ class Compressor:
             local.tracker = tracker
         local.depth = depth + 1
         return self
+
+    def _substitutes(self) -> dict | None:
+        """The op tracker's stand-ins: the activations whose input is stored as their derivative, with fixed
+        bits (a policy's estimates model the input's values)."""
+        return _saved.DERIVATIVE_SUBSTITUTES if self.derivatives and self._policy is None else None
 
     def __exit__(self, *exc: Any) -> None:
         local = self._local
@@ -706,12 +723,20 @@ class Compressor:
                     frame.pending, frame.stats = [], []
                 frame.pending.append(p)
                 return p
+        if kind == _saved.DERIVATIVE:
+            call = _saved.activation_call()
+            # f'(x) in place of x (a temporary of x's size, stored at once); the arena full: x kept as it is
+            q = self._store(call.derivative(t), key, _saved._VALUES, keep=t)
+            if isinstance(q, _Packed):
+                call.stored = True
+            return q
         return self._store(t, key, d if kind != _saved.NORMALIZED else _saved._VALUES)
 
     def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
-               normalized: bool = False) -> Any:
-        """Store `t` as `d` says; a _Packed, or `t` itself when the arena could not hold it. `min_bits`: the
-        fewest bits it is stored with; `normalized`: a normalization layer's input (told to the policy)."""
+               normalized: bool = False, keep: torch.Tensor | None = None) -> Any:
+        """Store `t` as `d` says; a _Packed, or `t` itself (`keep`, when given) when the arena could not hold
+        it. `min_bits`: the fewest bits it is stored with; `normalized`: a normalization layer's input (told to
+        the policy)."""
         kind = d.kind
         role, pred, window, decode = "values", None, None, None
         if kind == _saved.PREDICATE:
@@ -741,7 +766,7 @@ class Compressor:
                 self.group_size, self.seed, stream, role, torch.get_num_threads(), norm, pred, d.clamped, window,
                 self._owner)
         except _C.OutOfMemoryError as e:
-            return self._out_of_memory(t, e)
+            return self._out_of_memory(t if keep is None else keep, e)
         p = _Packed(h, t, key, decode, self._owner)
         p.offset = offset
         p.stride = strides
@@ -901,6 +926,7 @@ class Compressor:
         self._global_depth += 1
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush)
+        tracker.substitutes = self._substitutes()
         tracker.__enter__()
         self._local.tracker = tracker
         self._global_tracker = tracker

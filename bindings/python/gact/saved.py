@@ -14,6 +14,10 @@ A saved tensor is stored the way its reader needs it, decided by the op that sav
 ``shape``       nothing: the backward reads only the tensor's shape (a pooling input, a loss's
                 log-probabilities)
 ``indices``     max-pool indices, lossless as offsets inside their pooling window
+``derivative``  an activation's input (SiLU, GELU, Mish, Softplus) stored as the activation's
+                derivative f'(x), quantized: its backward, grad * f'(x), is linear in what is stored,
+                so the gradient stays unbiased (f'(x^) of rounded values is not) and its noise is
+                smaller at the same bits
 ``exact``       kept as it is: the gradient is discontinuous in the value (a sign with a zero, an
                 equality with a reduction's result, a division by it)
 ``stats``       kept as it is: a normalization layer's per-channel statistics
@@ -31,6 +35,7 @@ An op the table does not know, or a save outside any function the mode sees (a c
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -40,8 +45,8 @@ from torch.overrides import TorchFunctionMode
 # exponentiates: at 2 bits a character LM lost 0.38 nats/char, at 4 bits 0.02.
 LOG_MIN_BITS = 4
 
-VALUES, LOG, PREDICATE, NORMALIZED, SHAPE, INDICES, EXACT, STATS = (
-    "values", "log", "predicate", "normalized", "shape", "indices", "exact", "stats")
+VALUES, LOG, PREDICATE, NORMALIZED, SHAPE, INDICES, EXACT, STATS, DERIVATIVE = (
+    "values", "log", "predicate", "normalized", "shape", "indices", "exact", "stats", "derivative")
 
 
 class Decision(NamedTuple):
@@ -59,12 +64,22 @@ _LOG = Decision(LOG)
 _SHAPE = Decision(SHAPE)
 _EXACT = Decision(EXACT)
 _STATS = Decision(STATS)
+_DERIVATIVE = Decision(DERIVATIVE)
 
 
 class Row(NamedTuple):
     reads: str  # what the backward reads, for the README
     reason: str
     rule: Callable[[torch.Tensor, tuple, dict, "Frame"], Decision]
+
+
+# The activation call whose input autograd is saving (an _ActivationCall), while its stand-in saves it: the
+# storage table's rows for the activations answer `derivative` then (see ActivationFunction).
+class _DerivativeLocal(threading.local):
+    cell: Any = None
+
+
+_DERIVATIVE_LOCAL = _DerivativeLocal()
 
 
 # ---- argument access ------------------------------------------------------------------------
@@ -449,6 +464,9 @@ _add("leaky_relu leaky_relu_", "sign of input", "predicate `x > 0`", _leaky_relu
 _add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes as values", _rrelu)
 _add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropout feature_alpha_dropout",
      "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
+_add("silu gelu mish softplus", "input through the activation's derivative",
+     "the derivative f'(x) as values, computed when saved (`derivatives` option; with "
+     "`bits=\"auto\"`: the input as values)", lambda *a: _DERIVATIVE if _DERIVATIVE_LOCAL.cell is not None else _VALUES)
 _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
@@ -642,6 +660,138 @@ def double_backward_substitutes() -> dict:
         return subs
     subs[op] = _roi_align_twice_differentiable
     return subs
+
+
+# ---- activations whose input is stored as their derivative ----------------------------------------
+
+class _Activation(NamedTuple):
+    """An elementwise activation f whose backward is grad * f'(x), by torch's own kernels."""
+
+    forward: Callable  # f(x, *extra)
+    backward: Callable  # grad * f'(x) from (grad, x, *extra); once differentiable at most
+    derivative: Callable  # f'(x) from (x, *extra), one new tensor of x's size
+    inplace: Callable | None = None  # f(x) written into x
+
+
+def _derivative_by(backward_out: Callable) -> Callable:
+    """f'(x) by a backward kernel's out= form given a unit gradient, written over that gradient (one tensor of
+    x's size and layout; a stride-0 unit gradient is slower: gelu's kernel takes 3x as long)."""
+    def derivative(x, *extra):
+        d = torch.ones_like(x)
+        return backward_out(d, x, *extra, grad_input=d)
+    return derivative
+
+
+class _ActivationCall:
+    """One call of an activation stand-in: which activation, its extra arguments, and whether the pack hook
+    stored the derivative in place of the input (set after the forward, when autograd packs the save)."""
+
+    __slots__ = ("act", "extra", "stored")
+
+    def __init__(self, act: _Activation, extra: tuple) -> None:
+        self.act, self.extra, self.stored = act, extra, False
+
+    def derivative(self, x: torch.Tensor) -> torch.Tensor:
+        """f'(x): torch's backward kernel given a unit gradient."""
+        return self.act.derivative(x, *self.extra)
+
+
+class ActivationFunction(torch.autograd.Function):
+    """An activation with torch's values, saving its input; a Compressor's pack hook may store f'(x) for it
+    instead (marking the call), and the backward then multiplies by what it gets back. Where the save went
+    to other hooks (a non-reentrant checkpoint's, save_on_cpu's) or was kept, the input comes back and the
+    backward is torch's."""
+
+    @staticmethod
+    def forward(ctx, x, copy, call):
+        if copy is not None:  # in place, as torch's own: the input saved as a copy made first (with its graph)
+            saved = copy
+            call.act.inplace(x, *call.extra)
+            ctx.mark_dirty(x)
+            y = x
+        else:
+            saved = x
+            y = call.act.forward(x, *call.extra)
+        ctx.save_for_backward(saved)
+        ctx.call = call
+        _DERIVATIVE_LOCAL.cell = call  # read by the pack hook, which runs after this returns
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        call = ctx.call
+        if call.stored:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "gact: a backward with create_graph=True through an activation whose input gact stored as "
+                    "its derivative (silu, gelu, mish, softplus): the derivative cannot be differentiated "
+                    "again. Run that forward with gact.Compressor(..., derivatives=False) (or exclude the "
+                    "module).")
+            return grad * saved, None, None
+        if torch.is_grad_enabled():  # a double backward: through the activation itself
+            with torch.enable_grad():
+                y = call.act.forward(saved, *call.extra)
+            return torch.autograd.grad(y, saved, grad, create_graph=True)[0], None, None
+        return call.act.backward(grad, saved, *call.extra), None, None
+
+
+def _activation_stand_in(act: _Activation, function: Callable, inplace_at: int | None,
+                         extra: Callable[[tuple, dict], tuple]) -> Callable:
+    def stand_in(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input")
+        if type(x) is not torch.Tensor or not x.requires_grad or not torch.is_grad_enabled() or \
+                not x.is_floating_point():
+            return function(*args, **kwargs)
+        inplace = inplace_at is not None and bool(_arg(args, kwargs, inplace_at, "inplace", False))
+        call = _ActivationCall(act, extra(args, kwargs))
+        try:
+            return ActivationFunction.apply(x, x.clone() if inplace else None, call)
+        finally:
+            _DERIVATIVE_LOCAL.cell = None
+    return stand_in
+
+
+def _gelu_extra(args: tuple, kwargs: dict) -> tuple:
+    return (_arg(args, kwargs, 1, "approximate", "none"),)
+
+
+def _softplus_extra(args: tuple, kwargs: dict) -> tuple:
+    return (_arg(args, kwargs, 1, "beta", 1), _arg(args, kwargs, 2, "threshold", 20))
+
+
+_F = torch.nn.functional
+_aten = torch.ops.aten
+
+
+def _mish_derivative(x):  # (mish_backward has no out= form)
+    return _aten.mish_backward(torch.ones((), dtype=x.dtype, device=x.device).expand(x.shape), x)
+
+
+#: {function: stand-in}: the activations whose saved input a Compressor stores as f'(x) (option `derivatives`)
+DERIVATIVE_SUBSTITUTES = {
+    _F.silu: _activation_stand_in(
+        _Activation(torch._C._nn.silu, _aten.silu_backward, _derivative_by(_aten.silu_backward.grad_input),
+                    torch._C._nn.silu_),
+        _F.silu, 1, lambda a, k: ()),
+    _F.gelu: _activation_stand_in(
+        _Activation(lambda x, approximate: torch._C._nn.gelu(x, approximate=approximate),
+                    lambda g, x, approximate: _aten.gelu_backward(g, x, approximate=approximate),
+                    _derivative_by(lambda g, x, approximate, grad_input: _aten.gelu_backward.grad_input(
+                        g, x, approximate=approximate, grad_input=grad_input))),
+        _F.gelu, None, _gelu_extra),
+    _F.mish: _activation_stand_in(
+        _Activation(torch._C._nn.mish, _aten.mish_backward, _mish_derivative, torch._C._nn.mish_),
+        _F.mish, 1, lambda a, k: ()),
+    _F.softplus: _activation_stand_in(
+        _Activation(torch._C._nn.softplus, _aten.softplus_backward, _derivative_by(_aten.softplus_backward.grad_input)),
+        _F.softplus, None, _softplus_extra),
+}
+
+
+def activation_call() -> _ActivationCall | None:
+    """The activation stand-in call whose input autograd is packing on this thread (None: none)."""
+    return _DERIVATIVE_LOCAL.cell
 
 
 def _checkpoint_codes() -> frozenset:
