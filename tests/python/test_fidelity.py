@@ -845,6 +845,72 @@ def test_derivatives_follow_the_option_and_not_under_auto():
         gact.Compressor(m, derivatives="yes")
 
 
+def test_an_in_place_activation_on_a_view_is_torchs_own():
+    """In place on a view, the call is torch's (a custom Function marking a view dirty cannot give its saved copy a
+    gradient): the backward runs, and torch's own error for a view it cannot modify stays torch's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 512)
+    x = torch.randn(8, 16)
+
+    def run(comp, op):
+        lin.zero_grad()
+        with comp:
+            y = op(lin(x) * 1)
+        y.square().sum().backward()
+        return lin.weight.grad.clone()
+
+    for op in (lambda h: nn.SiLU(inplace=True)(h.view(8, 16, 32)), lambda h: F.mish(h[:, 1:], inplace=True)):
+        ref = run(_Null(), op)
+        assert _cos(run(gact.Compressor(bits=8, min_bytes=0), op), ref) > 0.9999
+    op = lambda h: F.silu(h.chunk(2, 1)[0], inplace=True)  # noqa: E731
+    with pytest.raises(RuntimeError) as native:
+        run(_Null(), op)
+    with pytest.raises(RuntimeError) as got:
+        run(gact.Compressor(bits=8, min_bytes=0), op)
+    assert str(got.value) == str(native.value)
+
+
+def test_a_derivative_that_cannot_be_computed_stores_the_input_as_values(monkeypatch):
+    """No memory for f'(x)'s temporary: said once, and the input is stored as values (the same blob, so the same
+    gradient, as with the option off)."""
+    import gact.saved as S
+    m = nn.Sequential(nn.Linear(16, 256), nn.SiLU(), nn.Linear(256, 4))
+    x = torch.randn(8, 16)
+
+    def two_steps(comp):
+        g1 = _grad_of(m, x, comp)
+        comp.step()
+        return g1, _grad_of(m, x, comp)
+
+    off = two_steps(gact.Compressor(m, bits=2, seed=3, derivatives=False))
+
+    def no_memory(self, t):
+        raise RuntimeError("gact: CPU allocator: cannot allocate 8192 bytes")
+    monkeypatch.setattr(S._ActivationCall, "derivative", no_memory)
+    with pytest.warns(RuntimeWarning, match="could not be computed.*stored as values") as w:
+        got = two_steps(gact.Compressor(m, bits=2, seed=3))
+    assert len([r for r in w if "could not be computed" in str(r.message)]) == 1
+    assert torch.equal(got[0], off[0]) and torch.equal(got[1], off[1])
+
+
+@pytest.mark.parametrize("inner", [{"derivatives": False}, {"bits": "auto"}])
+def test_a_compressor_inside_another_stores_values_when_it_does_not_take_derivatives(inner):
+    """The outer Compressor's tracker runs the stand-in, but the inner one packs the save: it stores values, and the
+    stand-in's backward is torch's kernel on them (a create_graph backward works, as with torch's own node)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 512)
+    x = torch.randn(8, 16, requires_grad=True)
+    outer, comp = gact.Compressor(bits=4), gact.Compressor(**{"bits": 4, "min_bytes": 0, **inner})
+    with outer:
+        with comp:
+            y = F.silu(lin(x))
+    assert "ActivationFunctionBackward" in _node_types(y)
+    gx, = torch.autograd.grad(y.square().sum(), x, create_graph=True)  # no "create_graph=True" error
+    gx.sum().backward()
+    outer.close()
+    comp.close()
+
+
 @pytest.mark.parametrize("where", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
 def test_derivatives_under_other_hooks_are_torchs_gradient(where):
     """A save that goes to other hooks (a checkpoint's, save_on_cpu's) comes back as the input: the stand-in's

@@ -2,7 +2,7 @@
 """gact-bench train: peak memory, step time and saved-activation bytes of a training step, for the
 uncompressed baseline, gact at 8/4/2 bits and torch.utils.checkpoint, same model, same run.
 
-    gact-bench train [--model resnet50|resnet18|mobilenet_v2|vit|transformer|word_lm]
+    gact-bench train [--model resnet50|resnet18|mobilenet_v2|efficientnet_b0|vit|transformer|word_lm]
                      [--size 96] [--batch 8] [--steps 6] [--rounds 3] [--threads 1]
                      [--peak | --no-peak] [--profile] [--accuracy] [--zoo] [--wild] [--json-only]
 
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gact_progress import progress  # noqa: E402  (tools/gact_progress.py)
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
-MODELS = ("resnet50", "resnet18", "mobilenet_v2", "vit", "transformer", "word_lm")
+MODELS = ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0", "vit", "transformer", "word_lm")
 BITS = (8, 4, 2)
 
 
@@ -82,7 +82,7 @@ class Workload:
         torch.manual_seed(0)
         self.keep_output = False
         name = args.model
-        if name in ("resnet50", "resnet18", "mobilenet_v2"):
+        if name in ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0"):
             import torchvision
             self.model = getattr(torchvision.models, name)(num_classes=10)
             self.x = torch.randn(args.batch, 3, args.size, args.size)
@@ -515,7 +515,8 @@ def main(argv=None) -> int:
         result["targets"]["peak_4bit_ge_80pct_of_promise"] = g4["peak"]["realized"] >= 0.8
         result["targets"]["peak_never_rises"] = all(result["arms"][f"gact{b}"]["peak"]["peak_drop"] >= 0 for b in BITS)
     if not args.json_only:
-        shape = f"{args.size}x{args.size}, " if args.model in ("resnet50", "resnet18", "mobilenet_v2", "vit") else ""
+        images = ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0", "vit")
+        shape = f"{args.size}x{args.size}, " if args.model in images else ""
         print(f"\n{args.model}, {shape}batch {args.batch}, {args.threads} threads, torch {torch.__version__}, "
               f"median of {args.steps * args.rounds} steps per arm")
         print(f"{'arm':11} {'step time':>10} {'vs baseline':>12} {'saved/step':>11} {'ratio':>8} {'store ratio':>12}"

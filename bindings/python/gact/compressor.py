@@ -380,6 +380,7 @@ class Compressor:
         _allocator._default_cpu_allocator()  # torch's CPU tensors and the blobs: one pool (option cpu_allocator)
         self._owner = _C.store_new_owner()  # this Compressor's own counters in the store (stats())
         self._warned_memory = False
+        self._warned_derivative = False
         # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.
         weakref.finalize(self, _release_compressor, self._module_hooks, self._owner)
         if model is not None:
@@ -689,6 +690,10 @@ class Compressor:
         frame = tracker.current() if tracker is not None else None
         d = _saved.decide(t, frame)
         kind = d.kind
+        if kind == _saved.DERIVATIVE and (not self.derivatives or self._policy is not None or self._probe is not None):
+            # another Compressor's tracker ran the stand-in (nested, or gact-run's global one): values here, and
+            # the stand-in's backward is torch's on them
+            d, kind = _saved._VALUES, _saved.VALUES
         if kind == _saved.SHAPE:
             _C.store_note_unstored("shape", t.numel() * t.element_size(), self._owner)
             return _Shape(t)
@@ -724,13 +729,27 @@ class Compressor:
                 frame.pending.append(p)
                 return p
         if kind == _saved.DERIVATIVE:
-            call = _saved.activation_call()
-            # f'(x) in place of x (a temporary of x's size, stored at once); the arena full: x kept as it is
-            q = self._store(call.derivative(t), key, _saved._VALUES, keep=t)
-            if isinstance(q, _Packed):
-                call.stored = True
-            return q
-        return self._store(t, key, d if kind != _saved.NORMALIZED else _saved._VALUES)
+            q = self._store_derivative(t, key, _saved.activation_call(t))
+            if q is not None:
+                return q
+        return self._store(t, key, d if kind not in (_saved.NORMALIZED, _saved.DERIVATIVE) else _saved._VALUES)
+
+    def _store_derivative(self, t: torch.Tensor, key: str, call: Any) -> Any:
+        """Store the activation's derivative f'(t) for the stand-in ``call`` in place of its input ``t`` (a
+        temporary of t's size, freed once encoded); the arena without room for the blob: ``t`` kept as it is.
+        None where f'(t) cannot be computed (no memory for the temporary): ``t`` is then stored as values."""
+        try:
+            dt = call.derivative(t)
+        except RuntimeError as e:  # an out-of-memory error (torch's, or gact's CPU allocator's)
+            if not self._warned_derivative:
+                self._warned_derivative = True
+                warnings.warn(f"gact: the derivative of the activation saving '{key}' could not be computed ({e}); "
+                              "such inputs are stored as values", RuntimeWarning, stacklevel=4)
+            return None
+        q = self._store(dt, key, _saved._VALUES, keep=t)
+        if isinstance(q, _Packed):
+            call.stored = True
+        return q
 
     def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
                normalized: bool = False, keep: torch.Tensor | None = None) -> Any:
@@ -967,6 +986,7 @@ class Compressor:
             return
         pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush)
+        tracker.substitutes = self._substitutes()
         tracker.__enter__()
         self._local.tracker = tracker
         self._local.thread_hooks = _ThreadHooks(pop, tracker)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -466,7 +467,7 @@ _add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropo
      "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
 _add("silu gelu mish softplus", "input through the activation's derivative",
      "the derivative f'(x) as values, computed when saved (`derivatives` option; with "
-     "`bits=\"auto\"`: the input as values)", lambda *a: _DERIVATIVE if _DERIVATIVE_LOCAL.cell is not None else _VALUES)
+     "`bits=\"auto\"`: the input as values)", lambda t, *a: _DERIVATIVE if activation_call(t) is not None else _VALUES)
 _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
@@ -673,9 +674,18 @@ class _Activation(NamedTuple):
     inplace: Callable | None = None  # f(x) written into x
 
 
-def _derivative_by(backward_out: Callable) -> Callable:
-    """f'(x) by a backward kernel's out= form given a unit gradient, written over that gradient (one tensor of
-    x's size and layout; a stride-0 unit gradient is slower: gelu's kernel takes 3x as long)."""
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return torch.ones((), dtype=x.dtype, device=x.device).expand(x.shape)
+
+
+def _derivative_by(backward: Callable) -> Callable:
+    """f'(x) by a backward kernel given a unit gradient of stride 0 (no tensor of x's size to fill)."""
+    return lambda x, *extra: backward(_unit(x), x, *extra)
+
+
+def _derivative_over_ones(backward_out: Callable) -> Callable:
+    """f'(x) by a backward kernel's out= form, written over a unit gradient of x's size and layout: for kernels
+    that a stride-0 gradient slows (gelu's takes 3x as long, against a fill of ones)."""
     def derivative(x, *extra):
         d = torch.ones_like(x)
         return backward_out(d, x, *extra, grad_input=d)
@@ -686,10 +696,11 @@ class _ActivationCall:
     """One call of an activation stand-in: which activation, its extra arguments, and whether the pack hook
     stored the derivative in place of the input (set after the forward, when autograd packs the save)."""
 
-    __slots__ = ("act", "extra", "stored")
+    __slots__ = ("act", "extra", "stored", "saved")
 
     def __init__(self, act: _Activation, extra: tuple) -> None:
         self.act, self.extra, self.stored = act, extra, False
+        self.saved: Any = None  # a weak reference to the tensor it saves
 
     def derivative(self, x: torch.Tensor) -> torch.Tensor:
         """f'(x): torch's backward kernel given a unit gradient."""
@@ -714,6 +725,7 @@ class ActivationFunction(torch.autograd.Function):
             y = call.act.forward(x, *call.extra)
         ctx.save_for_backward(saved)
         ctx.call = call
+        call.saved = weakref.ref(saved)
         _DERIVATIVE_LOCAL.cell = call  # read by the pack hook, which runs after this returns
         return y
 
@@ -726,8 +738,8 @@ class ActivationFunction(torch.autograd.Function):
                 raise RuntimeError(
                     "gact: a backward with create_graph=True through an activation whose input gact stored as "
                     "its derivative (silu, gelu, mish, softplus): the derivative cannot be differentiated "
-                    "again. Run that forward with gact.Compressor(..., derivatives=False) (or exclude the "
-                    "module).")
+                    "again. Run that forward with gact.Compressor(..., derivatives=False) (GACT_DERIVATIVES=0 "
+                    "under gact-run), or exclude the module.")
             return grad * saved, None, None
         if torch.is_grad_enabled():  # a double backward: through the activation itself
             with torch.enable_grad():
@@ -744,6 +756,8 @@ def _activation_stand_in(act: _Activation, function: Callable, inplace_at: int |
                 not x.is_floating_point():
             return function(*args, **kwargs)
         inplace = inplace_at is not None and bool(_arg(args, kwargs, inplace_at, "inplace", False))
+        if inplace and x._base is not None:  # in place on a view: torch's own (its checks, its messages)
+            return function(*args, **kwargs)
         call = _ActivationCall(act, extra(args, kwargs))
         try:
             return ActivationFunction.apply(x, x.clone() if inplace else None, call)
@@ -764,34 +778,31 @@ _F = torch.nn.functional
 _aten = torch.ops.aten
 
 
-def _mish_derivative(x):  # (mish_backward has no out= form)
-    return _aten.mish_backward(torch.ones((), dtype=x.dtype, device=x.device).expand(x.shape), x)
-
-
 #: {function: stand-in}: the activations whose saved input a Compressor stores as f'(x) (option `derivatives`)
 DERIVATIVE_SUBSTITUTES = {
     _F.silu: _activation_stand_in(
-        _Activation(torch._C._nn.silu, _aten.silu_backward, _derivative_by(_aten.silu_backward.grad_input),
+        _Activation(torch._C._nn.silu, _aten.silu_backward, _derivative_by(_aten.silu_backward),
                     torch._C._nn.silu_),
         _F.silu, 1, lambda a, k: ()),
     _F.gelu: _activation_stand_in(
         _Activation(lambda x, approximate: torch._C._nn.gelu(x, approximate=approximate),
                     lambda g, x, approximate: _aten.gelu_backward(g, x, approximate=approximate),
-                    _derivative_by(lambda g, x, approximate, grad_input: _aten.gelu_backward.grad_input(
+                    _derivative_over_ones(lambda g, x, approximate, grad_input: _aten.gelu_backward.grad_input(
                         g, x, approximate=approximate, grad_input=grad_input))),
         _F.gelu, None, _gelu_extra),
     _F.mish: _activation_stand_in(
-        _Activation(torch._C._nn.mish, _aten.mish_backward, _mish_derivative, torch._C._nn.mish_),
+        _Activation(torch._C._nn.mish, _aten.mish_backward, _derivative_by(_aten.mish_backward), torch._C._nn.mish_),
         _F.mish, 1, lambda a, k: ()),
     _F.softplus: _activation_stand_in(
-        _Activation(torch._C._nn.softplus, _aten.softplus_backward, _derivative_by(_aten.softplus_backward.grad_input)),
+        _Activation(torch._C._nn.softplus, _aten.softplus_backward, _derivative_by(_aten.softplus_backward)),
         _F.softplus, None, _softplus_extra),
 }
 
 
-def activation_call() -> _ActivationCall | None:
-    """The activation stand-in call whose input autograd is packing on this thread (None: none)."""
-    return _DERIVATIVE_LOCAL.cell
+def activation_call(t: torch.Tensor) -> _ActivationCall | None:
+    """The activation stand-in call on this thread whose save autograd is packing, if ``t`` is that save."""
+    call = _DERIVATIVE_LOCAL.cell
+    return call if call is not None and call.saved() is t else None
 
 
 def _checkpoint_codes() -> frozenset:
