@@ -911,29 +911,23 @@ def test_a_compressor_inside_another_stores_values_when_it_does_not_take_derivat
     comp.close()
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "checkpoint_reentrant", "save_on_cpu"])
-def test_derivatives_under_other_hooks_are_torchs_gradient(where):
-    """A save that goes to other hooks (a checkpoint's, save_on_cpu's) comes back as the input: the stand-in's
-    backward is then torch's, bit for bit (a non-reentrant checkpoint recomputes with torch's own node)."""
+def test_derivatives_under_save_on_cpu_inside_the_context_are_torchs_gradient():
+    """A save that goes to other hooks inside the context (save_on_cpu's here; a checkpoint's: the matrix above)
+    comes back as the input: the stand-in's backward is then torch's, bit for bit."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 256), nn.GELU(), nn.SiLU(), nn.Mish(), nn.Linear(256, 4))
     x = torch.randn(8, 16, requires_grad=True)
 
     def run(comp):
         m.zero_grad()
-        with comp:
-            if where == "checkpoint":
-                y = cp.checkpoint(m, x, use_reentrant=False)
-            elif where == "checkpoint_reentrant":
-                y = cp.checkpoint(m, x, use_reentrant=True)
-            else:
-                with torch.autograd.graph.save_on_cpu():
-                    y = m(x)
+        with comp, torch.autograd.graph.save_on_cpu():
+            y = m(x)
         y.square().sum().backward()
         return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
 
     ref = run(_Null())
-    assert torch.equal(run(gact.Compressor(m, bits=2, min_bytes=0)), ref)
+    got = run(gact.Compressor(m, bits=2, min_bytes=0))
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("loss", ["nll_loss", "nll_loss_2d", "cross_entropy", "cross_entropy_weighted"])

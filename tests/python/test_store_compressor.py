@@ -507,12 +507,16 @@ def test_thread_hooks_are_taken_out_when_the_thread_ends():
             x = torch.randn(64, 64, requires_grad=True)
             (x.tanh() * 2).sum().backward()
             stored.append(comp.stats()["store"]["tensors_in"] - before)
+            # and its own op tracker, with the activations' stand-ins (their inputs stored as derivatives)
+            nodes.append(type(torch.nn.functional.silu(x * 1).grad_fn).__name__)
 
+        nodes = []
         t = threading.Thread(target=body)
         t.start()
         t.join()
         assert stored and stored[0] >= 1, stored  # the thread's saved tensors went to the store
         assert refs and refs[0]() is None  # its hooks left with it
+        assert nodes == ["ActivationFunctionBackward"], nodes
         x = torch.randn(64, 64, requires_grad=True)
         before = comp.stats()["store"]["tensors_in"]
         (x.tanh() * 2).sum().backward()  # the main thread keeps its own

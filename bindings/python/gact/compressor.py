@@ -620,22 +620,11 @@ class Compressor:
         would be the weight the input's gradient is computed with. (A copy of a parameter that does not
         require grad has no graph: the storage table's rows for the layers keep the copy of the weight
         they are given exact.)"""
-        g = t.grad_fn
-        cast = False
-        for _ in range(6):  # a copy, and views around it (a split of a packed projection, a transpose)
-            if g is None:
-                return False
-            name = type(g).__name__
-            if name == "ToCopyBackward0":
-                cast = True
-            elif name not in _saved.VIEW_NODES:
-                return False
-            nxt = g.next_functions
-            g = nxt[0][0] if nxt else None
-            var = getattr(g, "variable", None)  # an AccumulateGrad's leaf
-            if var is not None:
-                return cast and (self._probe is None or id(var) not in self._probe.leaves)
-        return False
+        if t.grad_fn is None:
+            return False
+        node, cast = _saved.through_copies(t.grad_fn)  # a copy, and views around it
+        var = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+        return cast and var is not None and (self._probe is None or id(var) not in self._probe.leaves)
 
     def _is_excluded(self, t: torch.Tensor) -> bool:
         s = self._stack()

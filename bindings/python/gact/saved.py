@@ -389,6 +389,24 @@ def cast_copy_of(t: torch.Tensor, a: torch.Tensor) -> bool:
     return b.shape == a.shape
 
 
+def through_copies(g: Any, stop: Any = None) -> tuple:
+    """Follow the graph from node ``g`` through dtype copies (``ToCopyBackward0``: autocast's) and views, at
+    most 6 nodes: (the node reached, ``stop`` if met, else the first other node or None; whether a copy was
+    passed). A split in-projection's chunk and a linear layer's transpose are views."""
+    cast = False
+    for _ in range(6):
+        if g is None or g is stop:
+            return g, cast
+        name = type(g).__name__
+        if name == "ToCopyBackward0":
+            cast = True
+        elif name not in VIEW_NODES:
+            return g, cast
+        nxt = g.next_functions
+        g = nxt[0][0] if nxt else None
+    return None, cast
+
+
 def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     """Whether ``t`` is ``a``, a view of it, or a copy of it in another dtype (and views of that): what a
     layer saves of the weight it is given (a linear layer its transpose; under autocast the copy it
@@ -400,17 +418,7 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
         return target is None and cast_copy_of(t, a)  # the copy of a weight that does not require grad
     if target is None:
         return False  # (a parameter's copies are the Compressor's parameter check)
-    for _ in range(6):
-        if g is target:
-            return True
-        name = type(g).__name__
-        if name != "ToCopyBackward0" and name not in VIEW_NODES:
-            return False
-        nxt = g.next_functions
-        g = nxt[0][0] if nxt else None
-        if g is None:
-            return False
-    return False
+    return through_copies(g, target)[0] is target
 
 
 def _weight(index: int, name: str):
