@@ -510,6 +510,19 @@ class _AmpNet(nn.Module):
         return self.head(self.enc(h, src_mask=torch.zeros(h.shape[1], h.shape[1])).mean(1))
 
 
+def test_a_parameter_copy_seen_through_six_copies_and_views_is_a_parameter():
+    """The walk from a saved tensor to a parameter's AccumulateGrad passes up to 6 copies and views."""
+    p = nn.Parameter(torch.randn(8, 8, dtype=torch.float64))
+    comp = gact.Compressor(nn.Linear(1, 1))
+    for n, expect in [(1, True), (6, True), (7, False)]:
+        t = p.float()
+        for _ in range(n - 1):
+            t = t.t()
+        assert comp._is_cast_parameter(t) is expect, n
+    assert comp._is_cast_parameter(p.sin().float()) is False  # a computed tensor's copy is no parameter
+    comp.close()
+
+
 @pytest.mark.parametrize("case", ["resnet18", "mixed", "mixed-frozen"])
 def test_autocast_weight_copies_are_kept_as_parameters(case):
     """Under autocast a convolution or linear layer saves the copy of its weight it computed with (bfloat16 on
@@ -868,6 +881,15 @@ def test_an_in_place_activation_on_a_view_is_torchs_own():
     with pytest.raises(RuntimeError) as got:
         run(gact.Compressor(bits=8, min_bytes=0), op)
     assert str(got.value) == str(native.value)
+    # in place on a leaf that requires grad: torch refuses before writing, and so does the call here
+    leaf = torch.randn(4, 512, requires_grad=True)
+    was = leaf.detach().clone()
+    with pytest.raises(RuntimeError) as native:
+        F.silu(leaf, inplace=True)
+    with gact.Compressor(bits=8, min_bytes=0), pytest.raises(RuntimeError) as got:
+        F.silu(leaf, inplace=True)
+    assert str(got.value) == str(native.value)
+    assert torch.equal(leaf.detach(), was) and leaf._version == 0
 
 
 def test_a_derivative_that_cannot_be_computed_stores_the_input_as_values(monkeypatch):

@@ -391,10 +391,10 @@ def cast_copy_of(t: torch.Tensor, a: torch.Tensor) -> bool:
 
 def through_copies(g: Any, stop: Any = None) -> tuple:
     """Follow the graph from node ``g`` through dtype copies (``ToCopyBackward0``: autocast's) and views, at
-    most 6 nodes: (the node reached, ``stop`` if met, else the first other node or None; whether a copy was
+    most 6 of them: (the node reached, ``stop`` if met, else the first other node or None; whether a copy was
     passed). A split in-projection's chunk and a linear layer's transpose are views."""
     cast = False
-    for _ in range(6):
+    for _ in range(7):
         if g is None or g is stop:
             return g, cast
         name = type(g).__name__
@@ -764,7 +764,7 @@ def _activation_stand_in(act: _Activation, function: Callable, inplace_at: int |
                 not x.is_floating_point():
             return function(*args, **kwargs)
         inplace = inplace_at is not None and bool(_arg(args, kwargs, inplace_at, "inplace", False))
-        if inplace and x._base is not None:  # in place on a view: torch's own (its checks, its messages)
+        if inplace and (x._base is not None or x.is_leaf):  # on a view or a leaf: torch's own (checks, messages)
             return function(*args, **kwargs)
         call = _ActivationCall(act, extra(args, kwargs))
         try:
