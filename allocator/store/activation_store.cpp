@@ -718,7 +718,9 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
           k->dedup_bytes += bytes_in;
           if (other_view) ++k->view_hits;
         }
-        return {h, view_off - e.span_lo, true};
+        // A dense entry's image is the storage span: the view reads it through its own strides. A gathered
+        // entry serves only the very view it was gathered from, in the layout it was gathered in.
+        return {h, view_off - e.span_lo, true, false, e.dense ? strides_in : e.info.strides};
       }
     }
   }
@@ -801,7 +803,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         k->peak_stored = std::max(k->peak_stored, k->current_stored);
         ++k->quant_bits[static_cast<std::size_t>(ubits)];
       }
-      return {e.self, view_off - e.span_lo, true, true};
+      return {e.self, view_off - e.span_lo, true, true, strides_in};  // (an upgraded entry is dense)
     }
   }
 
@@ -891,7 +893,7 @@ fresh:
   by_storage_[skey].push_back(h);
   trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
   entries_.emplace(h, std::move(ent));
-  return {h, 0, false};
+  return {h, 0, false, false, dense ? strides_in : dstr};
 }
 
 // Hand the entry's blob to the offloader of its device, if one is set.

@@ -128,6 +128,10 @@ struct put_result {
   std::int64_t offset = 0;  ///< element offset of the view's element [0, ..., 0] in the decoded image
   bool shared = false;      ///< served by an entry stored earlier (no new blob)
   bool upgraded = false;    ///< ... a predicate entry this put turned into a values blob (its bytes are this put's)
+  /// Strides (elements) of the view in the decoded image: a view served by a dense entry (whose image is
+  /// its storage span) keeps its own storage strides, whatever it is (strided, transposed, diagonal,
+  /// overlapping, expanded); a gathered view has the dense strides it was gathered in.
+  std::vector<std::int64_t> strides;
 };
 
 /// Why the framework kept a tensor out of the store (counted by note_skip()).

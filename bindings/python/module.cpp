@@ -447,13 +447,8 @@ PYBIND11_MODULE(_gact, m) {
           py::gil_scoped_release nogil;
           res = r.store.put(v, p);
         }
-        // The strides of the view in the decoded image: its own (a dense entry's image is its storage span),
-        // or the dense strides a gathered entry was stored in.
-        // (A dense view only ever meets dense entries; a non-dense one only its own gathered copy.)
-        std::vector<std::int64_t> const own = v.strides.empty() ? gact::store::dense_strides(v.shape, {}) : v.strides;
-        py::tuple const strides_out = py::tuple(py::cast(
-            gact::store::is_dense(v.shape, own) ? own : gact::store::dense_strides(v.shape, own)));
-        return py::make_tuple(res.h, res.offset, res.shared, strides_out, res.upgraded);
+        // The view's strides in the decoded image (put_result::strides says which).
+        return py::make_tuple(res.h, res.offset, res.shared, py::tuple(py::cast(res.strides)), res.upgraded);
       },
       py::arg("ptr"), py::arg("dtype"), py::arg("shape"), py::arg("strides"), py::arg("device"),
       py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
@@ -690,9 +685,10 @@ PYBIND11_MODULE(_gact, m) {
           res = gact::codec::encode_cpu(reinterpret_cast<void const*>(src), dt, sp, ep, buf.data(), cap,
                                         static_cast<int>(rt().opts.threads));
         }
-        if (res.nonfinite) return py::make_tuple(py::none(), true);
+        // One return type for both branches: pybind11 3.x's make_tuple is typed per argument.
+        if (res.nonfinite) return py::tuple(py::make_tuple(py::none(), true));
         buf.resize(res.bytes);
-        return py::make_tuple(py::bytes(buf), false);
+        return py::tuple(py::make_tuple(py::bytes(buf), false));
       },
       py::arg("src"), py::arg("dtype"), py::arg("shape"), py::arg("codec"), py::arg("bits"),
       py::arg("group_size"), py::arg("seed"), py::arg("key"),
