@@ -1170,8 +1170,8 @@ def test_pair_variance_holds_one_set_of_gradients_and_measures_the_same():
 
 
 class WritesItsInput(torch.nn.Module):
-    """Writes the batch after a layer saved it: plain torch refuses the backward, gact (which stored a copy)
-    does not. The probe's cut of the batch shares its version counter, so the probe must run with copies."""
+    """Writes the batch after a layer saved it: plain torch refuses the backward, and so does gact (issue 33
+    row 2). The probe's cut of the batch shares its version counter, so the probe must run with copies."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1202,8 +1202,11 @@ def test_probe_runs_again_with_copies_when_a_cut_input_is_written_after_its_save
         warnings.simplefilter("error", RuntimeWarning)  # no fallback to the online estimator
         with comp:
             loss = torch.nn.functional.cross_entropy(m(torch.randn(32, 16)), y)
-        loss.backward()
-        comp.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()  # as torch refuses it
+        del loss
+        # the probe replays the step through a closure, cutting at the batch that the model writes
+        comp.step(lambda: torch.nn.functional.cross_entropy(m(torch.randn(8, 16)), y[:8]))
     assert calls == [(False, True), (True, False)], calls
     assert any(r["variance"] for r in comp.policy.stats()["tensors"].values())
     comp.close()

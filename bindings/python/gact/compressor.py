@@ -111,12 +111,45 @@ def _release_compressor(hooks: list, owner: int, _drop=_C.store_drop_owner) -> N
     _drop(owner)
 
 
+def _modified_error(t: torch.Tensor, version: int) -> RuntimeError:
+    """torch's own error for a saved tensor changed in place before backward (torch does not check versions
+    while saved-tensor hooks are active, so gact does, with the version recorded at pack)."""
+    hint = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. The "
+            "variable in question was changed in there or anywhere later. Good luck!"
+            if torch.is_anomaly_enabled() else
+            "Hint: enable anomaly detection to find the operation that failed to compute its gradient, with "
+            "torch.autograd.set_detect_anomaly(True).")
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {hint}")
+
+
+class _Kept:
+    """A saved tensor kept as it is (a parameter, a small or exact tensor, ...) and its version at pack: unpack
+    raises torch's error if it was changed in place since."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor, version: int) -> None:
+        self.t = t
+        self.version = version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.t
+        if t._version != self.version:
+            raise _modified_error(t, self.version)
+        return t
+
+
 class _Packed:
     """What autograd holds instead of a saved tensor: a store handle, how to decode it, and a weak
-    reference to the saved tensor (used as it is at unpack if the program still holds it unchanged)."""
+    reference to the saved tensor (used as it is at unpack if the program still holds it unchanged). ``vref``
+    is a weak reference to the tensor whose version counter tells an in-place change: the saved tensor, its
+    base when it is a view (the view itself is often a temporary; the base outlives it and shares its
+    counter), or the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0) -> None:
         self.handle = handle
@@ -132,8 +165,15 @@ class _Packed:
         self.version = t._version
         self.alias: torch.Tensor | None = None
         self.pending: Any = None  # a normalization input waiting for its layer's statistics
+        self.vref: Any = None
+        self.aborted = False  # released by Compressor.abort_step()
 
     def unpack(self) -> torch.Tensor:
+        vref = self.vref
+        if vref is not None:
+            v = vref()
+            if v is not None and v._version != self.version:
+                raise _modified_error(v, self.version)
         if self.alias is not None:
             return self.alias
         ref = self.ref
@@ -147,6 +187,9 @@ class _Packed:
                 self.release()
                 return self.alias
         if self.handle == 0:
+            if self.aborted:
+                raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
+                                   "Compressor.abort_step(); run the forward again")
             raise RuntimeError(f"gact: saved tensor '{self.key}' was already released")
         dev = self.device
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
@@ -377,10 +420,15 @@ class Compressor:
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
-        _allocator._default_cpu_allocator()  # torch's CPU tensors and the blobs: one pool (option cpu_allocator)
+        # torch's CPU tensors and the blobs: one pool (option cpu_allocator); a model wholly on a GPU has no
+        # CPU tensors in play, so a build without the CPU pool is not worth a warning there
+        on_gpu = model is not None and any(True for _ in model.parameters()) and \
+            all(p.is_cuda for p in model.parameters())
+        _allocator._default_cpu_allocator(warn=not on_gpu)
         self._owner = _C.store_new_owner()  # this Compressor's own counters in the store (stats())
         self._warned_memory = False
         self._warned_derivative = False
+        self._live: list = []
         # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.
         weakref.finalize(self, _release_compressor, self._module_hooks, self._owner)
         if model is not None:
@@ -561,6 +609,7 @@ class Compressor:
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
+        self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
 
@@ -584,6 +633,37 @@ class Compressor:
         if self._policy is not None and hasattr(self._policy, "on_step"):
             self._policy.on_step(self._step)
         return leaks
+
+    def abort_step(self) -> int:
+        """Give up the current iteration after an exception in its forward or backward (out of memory,
+        a bad batch): release every blob this Compressor stored in it at once, even while the step's
+        graph is still alive (a caught exception keeps it, through its traceback, until the exception
+        is dropped). A backward through that graph then raises. The step is closed without counting
+        as a training step or its handles as leaks; the next forward opens a new one. Returns the
+        number of blobs released.
+
+        Example::
+
+            try:
+                with comp:
+                    loss = model(x).sum()
+                loss.backward()
+            except torch.cuda.OutOfMemoryError:
+                comp.abort_step()   # the failed step's blobs are free for the retry
+                ...
+        """
+        n = 0
+        live, self._live = self._live, []
+        for r in live:
+            p = r()
+            if p is not None and (p.handle or p.pending is not None):
+                p.pending = None
+                p.aborted = True
+                p.release()
+                n += 1
+        if self._step_open:
+            self._discard_step()
+        return n
 
     # ---- stats --------------------------------------------------------------------------
 
@@ -652,13 +732,16 @@ class Compressor:
             return "excluded"
         return None
 
-    def _keep(self, t: torch.Tensor, reason: str) -> torch.Tensor:
+    def _keep(self, t: torch.Tensor, reason: str) -> "_Kept":
         _C.store_note_skip(reason, _compat.held_bytes(t), self._owner)
         # A non-leaf may be the output of the very node saving it: handing autograd the tensor itself
         # would make tensor -> grad_fn -> saved tensor a cycle that Python's GC cannot see, and the
         # graph (with every blob in it) would never be freed if backward never runs. A detached alias
         # breaks the cycle and shares storage and version counter, so in-place checks still work.
-        return t if t.grad_fn is None else t.detach()
+        k = t if t.grad_fn is None else t.detach()
+        # (a policy's probe replays a step and restores what it changed, batch norm's running statistics
+        # included, before its backward: its passes are gact's own, not the program's)
+        return k if self._probe is not None else _Kept(k, t._version)
 
     def _next_key(self) -> str:
         s = self._stack()
@@ -712,7 +795,10 @@ class Compressor:
             else:
                 # Wait for the layer's statistics (saved after its input, in the same call).
                 p = _Packed(0, t, key, owner=self._owner)
+                self._live.append(weakref.ref(p))
                 p.pending = t
+                b = t._base
+                p.vref = weakref.ref(t if b is None else b)
                 if frame.pending is None:
                     frame.pending, frame.stats = [], []
                 frame.pending.append(p)
@@ -776,8 +862,14 @@ class Compressor:
         except _C.OutOfMemoryError as e:
             return self._out_of_memory(t if keep is None else keep, e)
         p = _Packed(h, t, key, decode, self._owner)
+        self._live.append(weakref.ref(p))
         p.offset = offset
         p.stride = strides
+        v = t if keep is None else keep
+        if keep is not None:
+            p.version = keep._version
+        b = v._base
+        p.vref = weakref.ref(v if b is None else b)
         if dense:
             try:
                 p.ref = weakref.ref(t, lambda _r, h=h: _forget(h, _r))
@@ -830,7 +922,7 @@ class Compressor:
                 q = self._store(t, p.key, _saved._VALUES, None, 0, True)  # statistics the codec refuses: plain values
             del keep
             if not isinstance(q, _Packed):
-                p.alias = q  # the arena could not hold it: kept as it is
+                p.alias = q.t  # the arena could not hold it: kept as it is (p checks its version)
                 continue
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None

@@ -1347,9 +1347,11 @@ class _frozen_norm_stats:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        # through .data: the restore must not bump the buffers' version counters, which the passes'
+        # graphs (batch norm saves its running statistics) check before their backward
         with torch.no_grad():
             for b, v in self.saved:
-                b.copy_(v)
+                b.data.copy_(v)
 
 
 # Modules the probe does not cut at: they save nothing a derivative passes through (a mask, indices, a

@@ -286,14 +286,60 @@ def _log_result(t, args, kwargs, frame) -> Decision:
 
 
 def _attention(t, args, kwargs, frame) -> Decision:
-    # An attention kernel's log-sum-exp (a float that needs no gradient, one value per head and query
-    # position: at least 3 dimensions) is read through exp. Not the call's own inputs, nor the flattened
-    # copy of an input that needs no gradient (the batch fed straight into an attention layer, which its
-    # input projection saves in 2 dimensions): those are values.
-    if _is_float(t) and not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
+    # What an attention call saves, on every path torch takes (math, flash, memory-efficient, cuDNN; the
+    # private entry points the fused paths go through are rows of their own): the query, key, value and
+    # output as values. Its log-sum-exp (a float that needs no gradient, one value per head and query
+    # position: at least 3 dimensions, padded by the memory-efficient kernel to a multiple of 32 with
+    # infinities) is read through exp: exact, a 1/head_dim share of the output's bytes. A float mask the
+    # call was given is exact (it holds -inf). Integer saves (philox seed and offset, cumulative sequence
+    # lengths) are kept for their dtype. Not exact: the flattened copy of an input that needs no gradient
+    # (the batch fed straight into an attention layer, which its input projection saves in 2 dimensions).
+    if not _is_float(t):
+        return _VALUES
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    if isinstance(mask, torch.Tensor) and _view_of(t, mask):
+        return _EXACT
+    if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
-        return _LOG
+        return _EXACT
     return _VALUES
+
+
+def _rms_norm(t, args, kwargs, frame) -> Decision:
+    # x * rsqrt(mean(x^2) + eps) * w: the input as values; 1/rms (one value per row, read through a
+    # division in the backward) exact, like a norm's result.
+    return _VALUES if _view_of(t, _arg(args, kwargs, 0, "input")) else _EXACT
+
+
+def _broadcast_factor(t, args, kwargs, frame) -> Decision:
+    # a * s with s broadcast over a (a per-row 1/rms, a squeeze-excitation gate, a per-channel scale): each
+    # value of s multiplies a whole row in the forward and its gradient sums over that row, so its rounding
+    # error does not average out, and a heavy-tailed s (1/rms of rows of very different scales) rounded per
+    # group of rows is off by orders of magnitude. Exact when the other operand has at least 8x its
+    # elements (so it costs at most 1/8 of that operand's bytes); the full-size operand is values.
+    if not _is_float(t):
+        return _VALUES
+    a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+    other = b if _view_of(t, a) else a if _view_of(t, b) else None
+    if isinstance(other, torch.Tensor) and other.numel() >= 8 * t.numel():
+        return _EXACT
+    return _VALUES
+
+
+def _pow(t, args, kwargs, frame) -> Decision:
+    # d(x^p)/dx = p x^(p-1): below p = 1 that is a division by a power of x (p = 0.5: 1/(2 sqrt x), p = -0.5:
+    # a hand-written RMSNorm's rsqrt, p = -1: a reciprocal), which a rounded x near zero makes explode, as
+    # for rsqrt and reciprocal: the base exact. A tensor exponent also reads log(x): the base exact. At
+    # p >= 1 the base is values (x^2's backward is 2x), and so is a tensor exponent and the result.
+    base = _arg(args, kwargs, 0, "input") if frame.name != "__rpow__" else _arg(args, kwargs, 1, "other")
+    if frame.name == "__rpow__" or not (_is_float(t) and _view_of(t, base)):
+        return _VALUES
+    p = _arg(args, kwargs, 1, "exponent")
+    if isinstance(p, torch.Tensor):
+        p = _scalar(p) if p.dim() == 0 and not p.requires_grad else None
+        if p is None:
+            return _EXACT
+    return _EXACT if isinstance(p, (int, float)) and p < 1 else _VALUES
 
 
 def _divisor(t, args, kwargs, frame) -> Decision:
@@ -480,7 +526,7 @@ _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous deri
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
 for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max min maximum minimum fmax fmin " \
-          "prod l1_loss smooth_l1_loss huber_loss".split():
+          "prod l1_loss smooth_l1_loss huber_loss fmod fmod_ remainder remainder_".split():
     TABLE[_n] = _EXACT_ROW
 _add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
@@ -519,8 +565,23 @@ _add("nll_loss nll_loss2d", "targets; input only for its shape", "input: shape o
 _add("cross_entropy", "log-probabilities through exp", f"log-space values (>= {LOG_MIN_BITS} bits)", _cross_entropy)
 _add("log_softmax logsumexp ctc_loss", "log-space values through exp", f"log-space values (>= {LOG_MIN_BITS} bits)",
      _log_result)
-_add("scaled_dot_product_attention multi_head_attention_forward", "q, k, v, output; log-sum-exp through exp",
-     f"values; the log-sum-exp as log-space values (>= {LOG_MIN_BITS} bits)", _attention)
+_add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_product_attention_math "
+     "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
+     "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention "
+     "_efficient_attention_forward _flash_attention_forward",
+     "q, k, v, output; log-sum-exp through exp; the mask", "values; the log-sum-exp and a float mask exact; "
+     "philox seed/offset and sequence lengths kept (integers)", _attention)
+_add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
+     "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
+_add("rms_norm _fused_rms_norm", "input; 1/rms through a division", "input as values; 1/rms exact", _rms_norm)
+_add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
+     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values otherwise",
+     _pow)
+_add("acos acos_ asin asin_ acosh acosh_ atanh atanh_ erfinv erfinv_ digamma digamma_ lgamma lgamma_ polygamma "
+     "polygamma_ mvlgamma xlogy xlogy_ special_xlog1py hypot hypot_ cumprod cumprod_ addcdiv addcdiv_",
+     "input through a singular derivative or a division by it",
+     "exact: 1/sqrt(1-x^2), 1/x, the poles of digamma, a product's quotients explode near their singularity",
+     lambda *a: _EXACT)
 _add("batch_norm instance_norm layer_norm group_norm", "input normalized by the layer's statistics",
      "normalized values with the layer's mean and 1/std kept exactly", _normalization)
 
