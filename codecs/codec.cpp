@@ -346,6 +346,7 @@ char const* refusal_name(refusal r) noexcept {
     case refusal::out_of_range: return "out_of_range";
     case refusal::not_two_level: return "not_two_level";
     case refusal::not_window: return "not_window";
+    case refusal::float64_range: return "float64_range";
   }
   return "invalid";
 }

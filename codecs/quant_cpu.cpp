@@ -19,6 +19,8 @@
 #include "codecs/quant_math.hpp"
 
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -217,8 +219,32 @@ std::vector<float> unpack_stats(quant_job const& job, bool inverse) {
 }
 }  // namespace
 
+/// Whether every value of a float64 tensor survives the float32 the quant codec computes in: NaN,
+/// infinities, zero and magnitudes in [FLT_MIN, FLT_MAX] do (the non-finite ones are refused later, as
+/// for every dtype); a nonzero magnitude below FLT_MIN (a float32 subnormal or zero: relative precision
+/// lost) or above FLT_MAX (infinite in float32) does not.
+static bool float64_fits_float(double const* x, std::uint64_t n, int threads) {
+  struct ctx_t {
+    double const* x;
+    int bad;
+  } ctx{x, 0};
+  parallel_for(n, threads, [](void* c, std::uint64_t a, std::uint64_t b) {
+    auto* k = static_cast<ctx_t*>(c);
+    bool bad = false;
+    for (std::uint64_t i = a; i < b; ++i) {
+      double const m = std::fabs(k->x[i]);
+      bad |= (m < double(std::numeric_limits<float>::min()) && m != 0.0) ||
+             (m > double(std::numeric_limits<float>::max()) && m != std::numeric_limits<double>::infinity());
+    }
+    if (bad) __atomic_store_n(&k->bad, 1, __ATOMIC_RELAXED);
+  }, &ctx);
+  return __atomic_load_n(&ctx.bad, __ATOMIC_RELAXED) == 0;
+}
+
 refusal quant_encode_cpu(void const* src, quant_job const& job_in, int threads) {
   if (job_in.numel == 0) return refusal::none;
+  if (job_in.dt == dtype::float64 && !float64_fits_float(static_cast<double const*>(src), job_in.numel, threads))
+    return refusal::float64_range;
   std::vector<float> const st = unpack_stats(job_in, false);
   quant_job job = job_in;
   job.statsf = st.data();

@@ -17,6 +17,8 @@ enum class refusal : std::uint8_t {
   out_of_range,   ///< quant/boundary: a value lies outside [lo, hi]
   not_two_level,  ///< mask/predicate `ne`: the nonzero values are not all equal
   not_window,     ///< window: an index is not a position of its pooling window
+  float64_range,  ///< quant of float64: a nonzero value lies outside float32's normal range (it is
+                  ///< quantized in float32, where it would overflow or lose its precision)
 };
 namespace detail {
 

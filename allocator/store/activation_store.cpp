@@ -432,6 +432,7 @@ struct activation_store::counters {
   std::uint64_t leaks = 0;
   std::uint64_t leaks_last_step = 0;
   std::uint64_t steps = 0;
+  std::uint64_t noise_step = 0;              // an owner's own step (begin_step): its noise depends on nothing else
   std::uint64_t current_stored = 0;
   std::uint64_t peak_stored = 0;
   std::uint64_t current_in = 0;  // numel*elem of live entries
@@ -558,7 +559,10 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   } else {
     out.served = role::values;
     if (what != role::values) out.refused = true;
-    if (fl && p.bits <= 8) {
+    // float64 on a device: whether its values fit float32 (the quant codec computes in it) cannot be
+    // checked without a host synchronisation, so it is kept exact (the CPU checks: float64_range)
+    bool const f64_on_device = !host && v.dtype == codec::dtype::float64;
+    if (fl && p.bits <= 8 && !f64_on_device) {
       ep.codec = codec::codec_id::quant;
       if (p.norm_count > 0) {
         ep.variant = std::uint8_t(codec::quant_mode::normalized);
@@ -601,8 +605,10 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   codec::encode_result r = run(ep);
   if (r.refused != codec::refusal::none) {
     out.blob.reset();
-    if (r.refused == codec::refusal::nonfinite) {
-      out.nonfinite = true;
+    if (r.refused == codec::refusal::nonfinite || r.refused == codec::refusal::float64_range) {
+      // NaN/Inf, or float64 values float32 cannot hold: kept exact
+      out.nonfinite = r.refused == codec::refusal::nonfinite;
+      out.refused = !out.nonfinite;
       ep = codec::encode_params{};
       ep.codec = codec::codec_id::raw;
     } else {  // a refused predicate (not two-level) or window: keep the exact values
@@ -688,7 +694,10 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
   std::shared_ptr<entry> upgrade;
   {
     std::lock_guard lock(mu_);
-    step = step_;
+    // The noise of an owner's tensors follows its own steps, never another owner's (two Compressors, in
+    // threads or made one after the other, are each reproducible).
+    counters const* oc = owner_counters(p.owner);
+    step = oc != nullptr ? oc->noise_step : step_;
     auto it = by_storage_.find(skey);
     if (it != by_storage_.end() && numel > 0) {
       for (handle h : it->second) {
@@ -1124,6 +1133,7 @@ void activation_store::begin_step(std::uint64_t step, owner_id owner) noexcept {
   {
     std::lock_guard lock(mu_);
     step_ = step;
+    if (counters* oc = owner_counters(owner)) oc->noise_step = step;
     if (owner == 0) {
       for (auto& [h, e] : entries_) e->has_identity = false;
       by_storage_.clear();

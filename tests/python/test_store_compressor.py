@@ -402,15 +402,19 @@ def test_log_softmax_output_keeps_at_least_4_bits():
 
 
 def test_attention_input_that_needs_no_gradient_is_stored_as_values():
-    """An attention kernel's log-sum-exp (no gradient, one value per head and query position) is stored
-    with at least 4 bits; the batch fed straight into an attention layer, which its input projection
-    saves as a flattened copy that needs no gradient either, is stored at the bits asked for (it took 4
-    bits as if it were a log-sum-exp)."""
+    """An attention kernel's log-sum-exp (no gradient, one value per head and query position, padded with
+    infinities by the memory-efficient kernel: issue 29) is kept exact, and so is a float mask the call
+    was given; the batch fed straight into an attention layer, which its input projection saves as a
+    flattened copy that needs no gradient either, is stored at the bits asked for (it took 4 bits as if
+    it were a log-sum-exp)."""
     from gact import saved
 
     q = torch.randn(2, 4, 16, 8)
     lse = torch.randn(2, 4, 16)
-    assert saved._attention(lse, (q, q, q), {}, None).kind == saved.LOG
+    mask = torch.zeros(16, 16).masked_fill(torch.ones(16, 16).triu(1).bool(), float("-inf"))
+    assert saved._attention(lse, (q, q, q), {}, None).kind == saved.EXACT
+    assert saved._attention(mask, (q, q, q, mask), {}, None).kind == saved.EXACT
+    assert saved._attention(mask, (q, q, q), {"attn_mask": mask}, None).kind == saved.EXACT
     assert saved._attention(q, (q, q, q), {}, None).kind == saved.VALUES
     assert saved._attention(q.reshape(-1, 8).clone(), (q, q, q), {}, None).kind == saved.VALUES
     torch.manual_seed(0)
@@ -523,3 +527,114 @@ def test_thread_hooks_are_taken_out_when_the_thread_ends():
         assert comp.stats()["store"]["tensors_in"] > before
     finally:
         comp.uninstall_global()
+
+
+def test_abort_step_releases_a_failed_steps_blobs_while_its_graph_lives():
+    """Issue 29: after an exception in the forward (out of memory in a batch search), the caught exception
+    keeps the step's graph, and with it every blob, alive. abort_step() frees them at once; a backward
+    through that graph raises a clear error; the next step stores as before."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh())
+    comp = gact.Compressor(model, bits=4)
+    x = torch.randn(128, 64)
+    kept = {}
+    try:
+        with comp:
+            y = model(x)
+            kept["y"] = y
+            raise MemoryError("simulated: out of memory after the forward")
+    except MemoryError as e:
+        err = e  # the exception (and the graph) stay referenced
+    live = comp.stats()["store"]
+    assert live["live_handles"] >= 2 and live["bytes_stored_current"] > 0
+    n = comp.abort_step()
+    assert n >= live["live_handles"]  # (a blob read by two ops has two references)
+    after = comp.stats()["store"]
+    assert after["live_handles"] == 0 and after["bytes_stored_current"] == 0
+    with pytest.raises(RuntimeError, match="abort_step"):
+        kept["y"].sum().backward()
+    del err, kept
+    # the next step: stored and backward as usual
+    with comp:
+        loss = model(x).square().mean()
+    loss.backward()
+    assert comp.step() == 0
+    assert comp.abort_step() == 0  # nothing open: a no-op
+
+
+def test_each_compressors_noise_follows_its_own_steps():
+    """Issue 33 row 8: the rounding noise used one store-wide step, so a second Compressor (a teacher run
+    inside the student's forward, another thread) changed the first one's results. Now each Compressor's
+    noise depends on its own seed and steps only: the student trains bit for bit the same with or
+    without the teacher's Compressor stepping beside it."""
+    x = torch.randn(64, 64)
+
+    def train(with_teacher: bool):
+        torch.manual_seed(0)
+        student = mlp()
+        teacher = mlp()
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        comp = gact.Compressor(student, bits=2, seed=7)
+        tcomp = gact.Compressor(teacher, bits=2, seed=9) if with_teacher else None
+        for _ in range(3):
+            with comp:
+                h = student[0](x)
+                if tcomp is not None:
+                    for _ in range(2):  # the teacher's own steps run ahead of the student's
+                        with tcomp:
+                            teacher(x).sum().backward()
+                        tcomp.step()
+                out = student[1:](h)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            comp.step()
+        return [p.detach().clone() for p in student.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+class _SaveArgs(torch.autograd.Function):
+    """Saves its extra arguments; backward hands what it received to ``seen``."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x, *ts):
+        ctx.save_for_backward(*ts)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        _SaveArgs.seen = [t.clone() for t in ctx.saved_tensors]
+        return (g,) + (None,) * len(_SaveArgs.seen)
+
+
+def test_float64_beyond_float32_range_is_kept_exact():
+    """Issue 33 row 9: float64 is quantized in float32; values below float32's normal range decoded as
+    zeros (overflow was caught, underflow was not). A float64 tensor holding a nonzero magnitude outside
+    [FLT_MIN, FLT_MAX] is now kept exact (counted as a refusal, `float64_range`); one inside is quantized
+    as before, within one step of its group."""
+    g = torch.Generator().manual_seed(0)
+    tiny = torch.randn(64, 64, generator=g, dtype=torch.float64) * 1e-50
+    huge = torch.randn(64, 64, generator=g, dtype=torch.float64) * 1e300
+    sub = torch.randn(64, 64, generator=g, dtype=torch.float64) * 1e-40  # float32 subnormal range
+    normal = torch.randn(64, 64, generator=g, dtype=torch.float64)
+    cases = [tiny, huge, sub, normal]
+    expected = [t.clone() for t in cases]
+    comp = gact.Compressor(bits=4)
+    before = C.stats_document()["store"]
+    x = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    with comp:
+        y = _SaveArgs.apply(x, *cases)
+    after = C.stats_document()["store"]
+    del cases, tiny, huge, sub, normal  # decoded from the store, not handed back as held
+    y.sum().backward()
+    comp.close()
+    got = _SaveArgs.seen
+    for t, e in zip(got[:3], expected[:3]):
+        assert t.dtype == torch.float64 and torch.equal(t, e)
+    step = float(expected[3].max() - expected[3].min()) / 15
+    assert 0 < float((got[3] - expected[3]).abs().max()) <= step
+    assert after["codecs"]["quant"]["tensors"] - before["codecs"]["quant"]["tensors"] == 1
+    assert after["codecs"]["raw"]["tensors"] - before["codecs"]["raw"]["tensors"] == 3

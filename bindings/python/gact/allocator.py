@@ -199,8 +199,9 @@ def cpu_allocator_installed() -> bool:
     return bool(mod is not None and mod.installed())
 
 
-def _default_cpu_allocator() -> None:
-    """A Compressor was made: install gact's CPU allocator unless the user chose, or the option is off."""
+def _default_cpu_allocator(warn: bool = True) -> None:
+    """A Compressor was made: install gact's CPU allocator unless the user chose, or the option is off.
+    ``warn``: say so when this build has no CPU allocator (not for a model that lives on a GPU)."""
     global _cpu_choice
     if _cpu_choice is not None:
         return
@@ -211,4 +212,5 @@ def _default_cpu_allocator() -> None:
         use_cpu_allocator(True)
     except _C.GactError as e:  # no _gact_torch in this build
         _cpu_choice = False
-        warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {e}", RuntimeWarning, stacklevel=3)
+        if warn:
+            warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {e}", RuntimeWarning, stacklevel=3)
