@@ -8,6 +8,9 @@
 // SIGUSR1: the handler writes one byte to a self-pipe (async-signal-safe) and
 // chains to a handler installed before ours; a service thread blocked on the
 // pipe builds and writes the document. No JSON and no allocation in the handler.
+// After fork() the child has no service thread and shares the parent's pipe, so a
+// fork handler gives the child a pipe and a service thread of its own: a signal
+// to a child (Pool.terminate(), Process.terminate()) acts in that child only.
 #include "allocator/stats_registry.hpp"
 
 #include <fcntl.h>
@@ -81,7 +84,9 @@ std::mutex g_trigger_mu;
 bool g_triggers_installed = false;      // atexit, pipe and service thread set up
 std::string* g_path = nullptr;          // the configured path (a template); leaked
 bool g_path_from_env = false;           // g_path came from GACT_STATS_PATH
-int g_pipe_write = -1;                  // written once before the handlers are installed
+int g_pipe_write = -1;                  // written before the handlers are installed (and in a forked child)
+int g_pipe_read = -1;                   // the service thread's end
+bool g_forked_child = false;            // this process is a fork of the one that installed the triggers
 std::atomic<struct sigaction*> g_previous_usr1{nullptr};
 std::atomic<struct sigaction*> g_previous_term{nullptr};
 std::atomic<std::uint64_t> g_tmp_counter{0};
@@ -103,6 +108,9 @@ std::string trigger_path() {
   if (g_path == nullptr || g_path->empty()) return {};
   // A process (or a test) that unset the variable it was configured from opted out.
   if (g_path_from_env && std::getenv("GACT_STATS_PATH") == nullptr) return {};
+  // A forked child dumps only to a path of its own ({pid} or {proc}), never over its parent's file.
+  if (g_forked_child && g_path->find("{pid}") == std::string::npos && g_path->find("{proc}") == std::string::npos)
+    return {};
   return expand_path(*g_path);
 }
 
@@ -129,11 +137,12 @@ extern "C" void gact_sigusr1_handler(int sig, siginfo_t* info, void* ctx) {
   chain(g_previous_usr1.load(std::memory_order_acquire), sig, info, ctx);
 }
 
+[[noreturn]] void die_of_sigterm() noexcept;
+
 extern "C" void gact_sigterm_handler(int, siginfo_t*, void*) {
   int const saved = errno;
-  if (g_pipe_write >= 0) {
-    [[maybe_unused]] ssize_t const n = ::write(g_pipe_write, &k_byte_term, 1);
-  }
+  if (g_pipe_write < 0) die_of_sigterm();  // no service thread to dump (a child that could not start one)
+  [[maybe_unused]] ssize_t const n = ::write(g_pipe_write, &k_byte_term, 1);
   errno = saved;
 }
 
@@ -166,6 +175,42 @@ void service_loop(int read_fd) {
   }
 }
 
+/// Start a service thread on a new pipe; false (and no pipe) when either cannot be made.
+/// Requires g_trigger_mu (or a single-threaded forked child).
+bool start_service() noexcept {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return false;
+  // The write end must never block inside the handler.
+  ::fcntl(fds[1], F_SETFL, ::fcntl(fds[1], F_GETFL) | O_NONBLOCK);
+  try {
+    std::thread(service_loop, fds[0]).detach();
+  } catch (...) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return false;
+  }
+  g_pipe_read = fds[0];
+  g_pipe_write = fds[1];
+  return true;
+}
+
+// fork(): the trigger lock is held across it (so the child never inherits it locked), and the
+// child, whose only thread is the one that forked, gets a pipe and a service thread of its own.
+void before_fork() noexcept { g_trigger_mu.lock(); }
+void after_fork_parent() noexcept { g_trigger_mu.unlock(); }
+void after_fork_child() noexcept {
+  g_forked_child = true;
+  if (g_pipe_write >= 0) {
+    int const old_read = g_pipe_read, old_write = g_pipe_write;
+    g_pipe_write = -1;  // until the child's own pipe exists, its handlers write nowhere
+    g_pipe_read = -1;
+    ::close(old_read);
+    ::close(old_write);
+    start_service();  // on failure the child's handlers only chain (SIGTERM: see gact_sigterm_handler)
+  }
+  g_trigger_mu.unlock();
+}
+
 /// Install `handler` for `sig` unless it is there already; the action it replaces is kept in
 /// `previous` (for chaining). With `only_over_default`, leave a handler or SIG_IGN someone
 /// else installed alone. Requires g_trigger_mu.
@@ -196,15 +241,12 @@ void install_locked() {
   if (!g_triggers_installed) {
     g_triggers_installed = true;
     if (std::atexit(on_exit_dump) != 0) GACT_LOG_WARN("stats: cannot register the exit dump");
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) {
-      GACT_LOG_WARN("stats: no dump on SIGUSR1 or SIGTERM (pipe: {})", std::strerror(errno));
+    if (!start_service()) {
+      GACT_LOG_WARN("stats: no dump on SIGUSR1 or SIGTERM (no pipe or service thread: {})", std::strerror(errno));
       return;
     }
-    // The write end must never block inside the handler.
-    ::fcntl(fds[1], F_SETFL, ::fcntl(fds[1], F_GETFL) | O_NONBLOCK);
-    g_pipe_write = fds[1];
-    std::thread(service_loop, fds[0]).detach();
+    if (::pthread_atfork(before_fork, after_fork_parent, after_fork_child) != 0)
+      GACT_LOG_WARN("stats: cannot register the fork handlers; a forked child's signals may reach this process");
   }
   if (g_pipe_write < 0) return;
   arm(SIGUSR1, gact_sigusr1_handler, g_previous_usr1, false);

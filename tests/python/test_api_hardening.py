@@ -177,3 +177,48 @@ def test_codecs_refuse_what_is_not_bytes():
         assert gact.codecs.Blob(ok).shape == torch.Size([300])
     with pytest.raises(gact.CorruptBlobError):
         gact.codecs.Blob(b"\0" * 64)
+
+
+def test_signals_to_a_forked_child_act_in_that_child_only(tmp_path):
+    """Issue 33 row 3: a forked child shared its parent's signal pipe, so SIGTERM to the child dumped
+    the parent's stats and killed the parent (exit 143), and SIGUSR1 to it wrote the parent's dump.
+    Now SIGTERM ends the child alone; SIGUSR1 to a child dumps the child's own stats to a path of its
+    own ({pid}), and never over the parent's file."""
+    shared = tmp_path / "shared.json"
+    per_pid = tmp_path / "s.{pid}.json"
+    r = py(WAIT_FOR + f"""
+import multiprocessing as mp, signal, json, gact, torch
+def child(q):
+    q.put(os.getpid())
+    time.sleep(60)
+ctx = mp.get_context("fork")
+out = {{}}
+for template, sig in (({str(shared)!r}, signal.SIGTERM), ({str(shared)!r}, signal.SIGUSR1),
+                      ({str(per_pid)!r}, signal.SIGUSR1), ({str(per_pid)!r}, signal.SIGTERM)):
+    gact.configure(stats_path=template)
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    pid = q.get(timeout=60)
+    time.sleep(0.2)
+    os.kill(pid, sig)
+    if sig == signal.SIGUSR1:
+        own = template.replace("{{pid}}", str(pid))
+        got = wait_for(own) if own != template else False
+        p.terminate()
+    p.join(60)
+    time.sleep(0.3)
+    out[f"{{template}} {{int(sig)}}"] = [p.exitcode, got if sig == signal.SIGUSR1 else None,
+                                        os.path.exists({str(shared)!r}),
+                                        os.path.exists(template.replace("{{pid}}", str(os.getpid())))]
+print(json.dumps(out))
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    term, usr1 = int(signal.SIGTERM), int(signal.SIGUSR1)
+    # SIGTERM ends the child as SIGTERM would; the parent lives on and writes nothing
+    assert out[f"{shared} {term}"] == [-term, None, False, False]
+    assert out[f"{per_pid} {term}"][0] == -term and out[f"{per_pid} {term}"][3] is False
+    # SIGUSR1: no dump over the parent's shared file; the child's own file with {pid}
+    assert out[f"{shared} {usr1}"][1:3] == [False, False]
+    assert out[f"{per_pid} {usr1}"][1] is True and out[f"{per_pid} {usr1}"][3] is False
