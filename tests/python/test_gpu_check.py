@@ -142,6 +142,23 @@ def test_report_writer_produces_schema_document(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
 
+def test_report_writes_nonfinite_figures_as_null_and_fails(tmp_path):
+    """Issue 29: a NaN loss or cosine made the writer raise ("not serialisable as strict JSON: nan") and
+    left report.md INCOMPLETE. It is written as null, named in the first truth, and fails the run."""
+    rep = _full_report()
+    rep["overall_pass"] = report.compute_overall(rep)
+    assert rep["overall_pass"] is True
+    rep["stages"]["train"] = dict(rep["stages"].get("train") or rep["stages"]["tests"])
+    rep["stages"]["train"]["figures"] = {"vit": {"bits4": {"loss": float("nan"), "cos": [1.0, float("inf")]}}}
+    paths = report.write_report(rep, str(tmp_path))
+    doc = json.loads(open(paths["json"]).read())
+    assert doc["stages"]["train"]["figures"]["vit"]["bits4"] == {"loss": None, "cos": [1.0, None]}
+    assert doc["nonfinite_figures"] == ["stages.train.figures.vit.bits4.cos.1", "stages.train.figures.vit.bits4.loss"]
+    assert doc["overall_pass"] is False
+    assert doc["truths"][0].startswith("NON-FINITE FIGURES (2")
+    assert "NON-FINITE FIGURES" in open(paths["md"]).read()
+
+
 def test_overall_pass_follows_stage_statuses():
     rep = _full_report()
     assert report.compute_overall(rep) is True

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import tempfile
 from typing import Dict, Iterable, List, Mapping
@@ -169,12 +170,32 @@ def _atomic_write(path: str, text: str) -> None:
         f.write(text)
 
 
+def null_nonfinite(doc: object, path: str = "", found: List[str] | None = None) -> List[str]:
+    """Replace every NaN or infinite float inside `doc` (dicts and lists, in place) by None: strict JSON
+    has no such numbers. @returns the paths of the replaced values ("stages.train.figures.vit.bits4.loss")."""
+    found = [] if found is None else found
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for k, v in list(items):
+        where = f"{path}.{k}" if path else str(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            doc[k] = None
+            found.append(where)
+        elif isinstance(v, (dict, list)):
+            null_nonfinite(v, where, found)
+    return found
+
+
 def write_report(report: Dict[str, object], outdir: str) -> Dict[str, str]:
-    """Write report.json and report.md into `outdir` (atomically each), truths refreshed first.
+    """Write report.json and report.md into `outdir` (atomically each), truths refreshed first. A NaN or
+    infinite figure is written as null and named in ``nonfinite_figures`` (the first truth says so).
 
     @returns the two paths.
     @throws ValueError listing the problems when the document does not validate.
     """
+    bad = null_nonfinite(report)
+    if bad:
+        report["nonfinite_figures"] = sorted(set(report.get("nonfinite_figures") or []) | set(bad))
+        report["overall_pass"] = False  # a NaN where a figure should be is a failure, whatever else passed
     report["truths"] = truths(report)
     problems = validate(report)
     if problems:
@@ -200,6 +221,10 @@ def _status(report: Mapping[str, object], stage: str) -> str:
 def truths(report: Mapping[str, object]) -> List[str]:
     """One line per finding, in the order the check ranks them (what a reader needs first)."""
     out: List[str] = []
+    bad = report.get("nonfinite_figures") or []
+    if bad:
+        out.append(f"NON-FINITE FIGURES ({len(bad)}, written as null; each is a failure): " + ", ".join(bad[:12]) +
+                   (" ..." if len(bad) > 12 else ""))
     mod = report.get("python_module") or {}
     if mod.get("available") is False:
         out.append(f"PYTHON MODULE NOT AVAILABLE: {mod.get('reason')}. The stages that need it (the Compressor arms "

@@ -301,10 +301,9 @@ class Trainer:
             if not wm.is_oom(exc):
                 raise
             if comp is not None:
-                try:
-                    comp.step()   # end the interrupted iteration
-                except Exception:
-                    pass
+                # free the failed step's blobs now: the caught exception still holds its graph
+                getattr(comp, "abort_step", comp.step)()
+            del exc
         opt.zero_grad(set_to_none=True)
         self.cleanup()
         return ok
@@ -426,6 +425,12 @@ class Trainer:
             f["device_allocators"] = names
             f["activation_peak_bytes_in_torch_allocator"] = act
         self.search_batches(inputs)
+        if self.cuda and not self.torch_allocator:
+            d = self.stats.device(0)
+            # read again after the search, which is where out-of-memory events happen
+            f["gact_num_ooms"] = int(d.get("num_ooms", 0) or 0)
+            # handles alive once every search step is over: a failed step's blobs must not outlive it
+            f["store_live_handles_after_search"] = int((self.stats.document().get("store") or {}).get("live_handles", 0) or 0)
         problems = [f"{m}/{arm}: {r.get('error')}" for m, mo in f["models"].items()
                     for arm, r in (mo.get("arms") or {}).items() if r.get("status") == "fail"]
         problems += [f"swap check {m}: {r.get('verdict') or r.get('error')}" for m, r in f["swap_check"].items()
