@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <limits>
 #include <vector>
 
 using namespace gact::codec;
@@ -676,7 +677,7 @@ TEST_CASE("window codec: an index outside its window is refused; a corrupt code 
 
 // ---- float64 ------------------------------------------------------------------------------
 
-TEST_CASE("float64 quant: error within a step of the float32-rounded values; huge values refused as non-finite") {
+TEST_CASE("float64 quant: error within a step of the float32-rounded values; values float32 cannot hold refused") {
   auto const x = normal_values(1000, 51, 1.f, 1e-3f);
   encode_params p;
   p.bits = 4;
@@ -695,6 +696,23 @@ TEST_CASE("float64 quant: error within a step of the float32-rounded values; hug
   bytes hb(huge.size() * 8);
   std::memcpy(hb.data(), huge.data(), hb.size());
   bytes blob(blob_size(dtype::float64, std::vector<std::int64_t>{300}, p));
+  auto const r = encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 1);
+  CHECK(r.refused == refusal::float64_range);  // (issue 33 row 9: beyond FLT_MAX, and below FLT_MIN too)
+  CHECK(r.bytes == 0);
+  for (double const v : {1e-40, -1e-50, 4e-39}) {
+    std::vector<double> tiny(300, 1.0);
+    tiny[7] = v;
+    std::memcpy(hb.data(), tiny.data(), hb.size());
+    CHECK(encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 2).refused ==
+          refusal::float64_range);
+  }
+  // zero, infinities and NaN are not range problems: zero quantizes, the others are non-finite
+  std::vector<double> edge(300, 0.0);
+  std::memcpy(hb.data(), edge.data(), hb.size());
+  CHECK(encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 1).refused ==
+        refusal::none);
+  edge[5] = std::numeric_limits<double>::infinity();
+  std::memcpy(hb.data(), edge.data(), hb.size());
   CHECK(encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 1).nonfinite);
 }
 
