@@ -296,6 +296,10 @@ struct caching_allocator::impl {
       if (b->next != nullptr) b->next->prev = b;
       records.destroy(n);
     }
+    if (opts.release_free_above != 0 && b->whole_segment() && b->size >= opts.release_free_above) {
+      release_segment(b);  // a large segment wholly free: back to the backend now
+      return;
+    }
     insert_free(b);
   }
 
@@ -435,7 +439,8 @@ struct caching_allocator::impl {
                     {"min_large_alloc", opts.min_large_alloc},
                     {"round_large", opts.round_large},
                     {"memory_limit", opts.memory_limit},
-                    {"max_request", opts.max_request}};
+                    {"max_request", opts.max_request},
+                    {"release_free_above", opts.release_free_above}};
     j["name"] = stats_name;
     if (event_trace::enabled()) j["segments"] = segments_json();
     return j;

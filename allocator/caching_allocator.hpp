@@ -46,6 +46,9 @@ struct allocator_options {
   std::size_t round_large = std::size_t{2} << 20;           ///< own segments are rounded up to this
   std::size_t memory_limit = 0;                             ///< hard cap on reserved bytes; 0 = none
   std::size_t max_request = std::size_t{1} << 46;           ///< larger requests are invalid (64 TiB)
+  /// A free that leaves a whole segment of at least this size free returns it to the backend at once
+  /// (as glibc unmaps a large chunk on free); 0 = cache every segment until empty_cache().
+  std::size_t release_free_above = 0;
   std::string name = "host";                                ///< name in the stats ("cuda:0", "pinned", ...)
 };
 

@@ -42,8 +42,9 @@ void* host_backend::do_reserve(std::size_t bytes) {
   }
   void* p = nullptr;
   if (bytes >= k_mmap_threshold) {
-    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-               -1, 0);
+    // No MAP_NORESERVE: the kernel's overcommit check then refuses what the machine cannot back (a
+    // 40 GiB tensor on a 23 GiB machine fails here, with torch's error, not later in the OOM killer).
+    p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) p = nullptr;
   } else {
     p = std::aligned_alloc(k_alignment, round_up(bytes, k_alignment));

@@ -137,6 +137,9 @@ struct runtime {
     o.min_large_alloc = std::size_t{512} << 10;
     o.large_segment_size = std::size_t{1} << 20;
     o.round_large = std::size_t{16} << 10;
+    // A freed tensor of 256 MiB or more goes back to the system at once (torch's CPU allocator, through
+    // glibc, unmaps it too): a 1-2 GiB tensor must not stay in the process's RSS after `del`.
+    o.release_free_above = std::size_t{256} << 20;
     return o;
   }
 

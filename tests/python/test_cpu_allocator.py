@@ -164,3 +164,62 @@ def test_a_fork_while_another_thread_allocates_never_hangs_the_child(gact_alloca
         stop.set()
         t.join()
     assert hung == 0, f"{hung} of 100 children hung on the arena's lock"
+
+
+_RSS = "import os\ndef rss():\n    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20\n"
+
+
+def test_a_large_freed_tensor_goes_back_to_the_system():
+    """Issue 33 row 6: a freed 1-2 GiB CPU tensor stayed in the arena (RSS +1-2 GiB) after `del`,
+    comp.close() and use_cpu_allocator(False). A wholly free segment of 256 MiB or more is now returned
+    at once, as glibc returns a large chunk; smaller ones stay cached until gact.empty_cache()."""
+    out = _fresh(_RSS + """
+import torch, gact
+gact.use_cpu_allocator(True)
+base = rss()
+t = torch.empty(1100 << 20, dtype=torch.uint8).fill_(1)
+held = rss()
+del t
+freed = rss()
+small = [torch.empty(8 << 20, dtype=torch.uint8).fill_(1) for _ in range(8)]  # 64 MiB of 8 MiB tensors
+del small
+cached = rss()
+gact.empty_cache()
+print(held - base, freed - base, cached - base, rss() - base)
+""")
+    held, freed, cached, emptied = map(int, out.split())
+    assert held >= 1000  # the tensor was touched
+    assert freed < 100, out
+    assert cached >= 50, out  # smaller segments stay warm for the next step
+    assert emptied < 40, out
+
+
+def test_an_allocation_the_machine_cannot_back_fails_up_front():
+    """Issue 33 row 7: segments were mapped with MAP_NORESERVE, so torch.empty of twice the machine's
+    memory succeeded and touching it brought the OOM killer. Now it fails at once with a RuntimeError."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    swap = 0
+    for line in open("/proc/meminfo"):
+        if line.startswith("SwapTotal:"):
+            swap = int(line.split()[1]) << 10
+    if int(open("/proc/sys/vm/overcommit_memory").read()) == 1:
+        pytest.skip("vm.overcommit_memory=1: the kernel backs every mapping on paper")
+    out = _fresh(f"""
+import torch, gact
+gact.use_cpu_allocator(True)
+try:
+    torch.empty({2 * (total + swap)}, dtype=torch.uint8)
+    print("allocated")
+except RuntimeError as e:
+    print("refused:", "cannot allocate" in str(e) or "out of memory" in str(e))
+t = torch.ones(1000)  # the allocator still serves
+print(float(t.sum()))
+""")
+    assert out.splitlines() == ["refused: True", "1000.0"], out
+
+
+def test_use_cpu_allocator_takes_a_bool_only():
+    """Issue 33 row 10: use_cpu_allocator("False") installed the pool (a non-empty string is true)."""
+    for bad in ("False", "yes", 2, None):
+        with pytest.raises(TypeError, match="enable must be True or False"):
+            gact.use_cpu_allocator(bad)

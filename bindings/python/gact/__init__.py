@@ -55,6 +55,7 @@ __all__ = [
     "use_allocator",
     "use_cpu_allocator",
     "cpu_allocator_installed",
+    "empty_cache",
     "options",
     "configure",
     "codecs",
@@ -63,6 +64,14 @@ __all__ = [
     "OutOfMemoryError",
     "__version__",
 ]
+
+
+def empty_cache() -> None:
+    """Return the memory gact caches but does not use to the system: the whole free segments of its host
+    arena (torch's CPU tensors, blobs and decoded tensors of CPU training). What is in use stays. A freed
+    segment of 256 MiB or more is returned at once anyway. With gact as torch's CUDA allocator,
+    ``torch.cuda.empty_cache()`` empties gact's device cache."""
+    _C.host_empty_cache()
 
 
 def stats() -> dict:

@@ -179,6 +179,8 @@ def use_cpu_allocator(enable: bool = True) -> bool:
         gact.GactError: ``enable=True`` in a build without ``_gact_torch`` (no torch headers).
     """
     global _cpu_choice
+    if isinstance(enable, str) or not (isinstance(enable, bool) or enable in (0, 1)):
+        raise TypeError(f"gact.use_cpu_allocator: enable must be True or False, not {enable!r}")
     mod = _gact_torch()
     if mod is None:
         if enable:
@@ -189,6 +191,7 @@ def use_cpu_allocator(enable: bool = True) -> bool:
         mod.install(_C._host_allocator())
     else:
         mod.uninstall()
+        _C.host_empty_cache()  # what the arena cached for torch's tensors goes back to the system
     _cpu_choice = bool(enable)
     return bool(mod.installed())
 

@@ -546,6 +546,7 @@ class Compressor:
         self._module_hooks.clear()
         if self._policy is not None and hasattr(self._policy, "close"):
             self._policy.close()
+        _C.host_empty_cache()  # the host arena's free segments back to the system (gact.empty_cache())
 
     # ---- context manager ----------------------------------------------------------------
 
