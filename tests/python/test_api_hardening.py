@@ -222,3 +222,17 @@ print(json.dumps(out))
     # SIGUSR1: no dump over the parent's shared file; the child's own file with {pid}
     assert out[f"{shared} {usr1}"][1:3] == [False, False]
     assert out[f"{per_pid} {usr1}"][1] is True and out[f"{per_pid} {usr1}"][3] is False
+
+
+def test_settings_that_would_be_silently_wrong_are_refused():
+    """Issue 33 row 10: memory_limit=1.5 became 2 bytes; codecs.encode(bits=True) was accepted as 1 bit;
+    configure(cpu_allocator=...) after the choice was made was accepted and did nothing."""
+    with pytest.raises(ValueError, match="memory_limit=1.5 is not a whole number"):
+        gact.configure(memory_limit=1.5)
+    with pytest.raises(ValueError, match="bits=True must be an integer"):
+        gact.codecs.encode(torch.randn(300), bits=True)
+    gact.Compressor(torch.nn.Linear(2, 2))  # the choice is made (a test process has made it already)
+    installed = gact.cpu_allocator_installed()
+    with pytest.raises(ValueError, match="cpu_allocator=.* comes too late"):
+        gact.configure(cpu_allocator=not installed)
+    gact.configure(cpu_allocator=installed)  # what is in force: accepted

@@ -156,6 +156,9 @@ def encode(
         raise ValueError(f"gact.codecs.encode: dtype {tensor.dtype} is not supported")
     if tensor.layout != torch.strided:
         raise ValueError(f"gact.codecs.encode: layout {tensor.layout} is not supported (dense tensors only)")
+    for name, v in (("bits", bits), ("group_size", group_size), ("seed", seed), ("key", key)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"gact.codecs.encode: {name}={v!r} must be an integer")
     t = tensor.detach().to("cpu").contiguous()
     explicit = codec is not None
     c = codec if explicit else _pick_codec(t)

@@ -35,6 +35,12 @@ def options() -> OptionsTable:
     return t
 
 
+def _allocator_decided() -> bool:
+    """Whether the CPU allocator choice was made already (a Compressor, or use_cpu_allocator)."""
+    from . import allocator as _allocator
+    return _allocator._cpu_choice is not None
+
+
 def configure(**settings: Any) -> OptionsTable:
     """Set options by keyword, e.g. ``gact.configure(bits=2, min_bytes="8K")``.
 
@@ -55,6 +61,20 @@ def configure(**settings: Any) -> OptionsTable:
             (the message names the setting).
     """
     for k, v in settings.items():
+        if isinstance(v, float) and k != "budget" and not v.is_integer():
+            # ("1.5" would be parsed as a size and rounded: memory_limit=1.5 became 2 bytes)
+            raise ValueError(f"gact.configure: {k}={v!r} is not a whole number; use an integer"
+                             + (" or a size such as '8G'" if k in ("memory_limit", "min_bytes", "swap_budget") else ""))
+        if isinstance(v, float) and k != "budget":
+            v = int(v)
+        if k == "cpu_allocator" and _allocator_decided():
+            from . import allocator as _allocator  # (imports options)
+            want = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+            if want != _allocator.cpu_allocator_installed():
+                who = "gact's" if _allocator.cpu_allocator_installed() else "torch's"
+                raise ValueError(f"gact.configure: cpu_allocator={v!r} comes too late: the CPU allocator was chosen "
+                                 f"already ({who}, by the first Compressor or use_cpu_allocator); call "
+                                 f"gact.use_cpu_allocator({bool(want)}) to switch now")
         if isinstance(v, bool):
             v = "true" if v else "false"
         elif isinstance(v, os.PathLike):
