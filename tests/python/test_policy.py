@@ -1794,9 +1794,10 @@ def test_estimates_run_with_the_host_arena_returning_free_segments(monkeypatch):
     monkeypatch.setattr(_C, "host_empty_cache", empty)
     comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=10**6)
     _grad(m, x, y, comp)
-    comp.close()
     assert seen == [True, "emptied"]  # on while estimating; every whole free segment returned at the end
     assert _C.host_release_on_miss(False) is False  # off again after the estimate
+    comp.close()
+    assert seen == [True, "emptied", "emptied"]  # close() returns the arena's free segments too
 
 
 def test_keys_follow_the_order_of_saves_whatever_their_sizes():

@@ -638,3 +638,42 @@ def test_float64_beyond_float32_range_is_kept_exact():
     assert 0 < float((got[3] - expected[3]).abs().max()) <= step
     assert after["codecs"]["quant"]["tensors"] - before["codecs"]["quant"]["tensors"] == 1
     assert after["codecs"]["raw"]["tensors"] - before["codecs"]["raw"]["tensors"] == 3
+
+
+@pytest.mark.parametrize("bits", [4, "auto"])
+def test_a_model_with_a_live_compressor_pickles_copies_and_scripts(bits, tmp_path):
+    """Issue 32: torch.save(model) with a live Compressor raised "Can't pickle local object
+    'weak_hook.<locals>.hook'" (word_language_model saves its best model every epoch). gact's module
+    hooks no longer live in the modules: torch.save/load, copy.deepcopy, pickle, torch.jit.script and
+    trace work, the copies carry no hooks, and the Compressor still names tensors by module."""
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 10))
+    comp = gact.Compressor(model, bits=bits)
+    x = torch.randn(32, 64)
+    with comp:
+        loss = model(x).square().mean()
+    loss.backward()
+    comp.step()
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt")
+    copies = [loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    for c in copies:
+        for m in c.modules():
+            assert not m._forward_hooks and not m._forward_pre_hooks
+        assert torch.equal(c(x), model(x))
+    assert torch.equal(torch.jit.script(model)(x), model(x))
+    assert torch.equal(torch.jit.trace(model, x)(x), model(x))
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    # the Compressor still sees the modules: keys carry their names
+    keys = []
+    orig = comp._next_key
+    comp._next_key = lambda: keys.append(orig()) or keys[-1]
+    with comp:
+        loss = model(x).square().mean()
+    loss.backward()
+    comp.step()
+    assert any(k.startswith("0:") for k in keys) and any(k.startswith("2:") for k in keys), keys
+    comp.close()

@@ -189,6 +189,81 @@ def weak_hook(obj: Any, func: Any, *bound: Any) -> Any:
     return hook
 
 
+class _ModuleHooks:
+    """gact's module hooks, kept out of the modules themselves. A hook registered on a module lives in its
+    ``_forward_hooks`` dict, so ``torch.save(model)``, ``copy.deepcopy`` and ``pickle`` tried to pickle
+    gact's closures ("Can't pickle local object 'weak_hook.<locals>.hook'"), a loaded model carried
+    them, and ``torch.jit.script`` met Python hooks. Instead, one global forward pre-hook and one forward
+    hook (torch's ``register_module_forward_*_hook``, installed once) run the hooks registered here for
+    the module being called, looked up in a weak dictionary (a dead module's hooks go with it)."""
+
+    def __init__(self) -> None:
+        self.pre: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+        self.post: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+        self.installed = False
+
+    def add(self, module: Any, fn: Any, pre: bool) -> Any:
+        if not HAS_GLOBAL_MODULE_HOOKS:  # (an old torch: the module's own hooks)
+            return module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
+        if not self.installed:
+            from torch.nn.modules import module as _m
+            _m.register_module_forward_pre_hook(self._run_pre)
+            _m.register_module_forward_hook(self._run_post)
+            self.installed = True
+        table = self.pre if pre else self.post
+        table.setdefault(module, []).append(fn)
+        return _HookHandle(table, module, fn)
+
+    def _run_pre(self, module: Any, inputs: Any) -> None:
+        fns = self.pre.get(module) if self.pre else None
+        if fns:
+            for fn in tuple(fns):
+                fn(module, inputs)
+
+    def _run_post(self, module: Any, inputs: Any, output: Any) -> None:
+        fns = self.post.get(module) if self.post else None
+        if fns:
+            for fn in tuple(fns):
+                fn(module, inputs, output)
+
+
+class _HookHandle:
+    """Removes one hook registered with _ModuleHooks (as torch's RemovableHandle)."""
+
+    __slots__ = ("table", "module", "fn")
+
+    def __init__(self, table: Any, module: Any, fn: Any) -> None:
+        self.table = table
+        self.module = weakref.ref(module)
+        self.fn = fn
+
+    def remove(self) -> None:
+        m = self.module()
+        fns = self.table.get(m) if m is not None else None
+        if fns is not None:
+            try:
+                fns.remove(self.fn)
+            except ValueError:
+                pass
+            if not fns:
+                self.table.pop(m, None)
+
+
+_MODULE_HOOKS = _ModuleHooks()
+
+
+def register_forward_pre_hook(module: Any, fn: Any) -> _HookHandle:
+    """``module.register_forward_pre_hook(fn)`` without touching the module (see _ModuleHooks); fn's
+    return value is ignored."""
+    return _MODULE_HOOKS.add(module, fn, True)
+
+
+def register_forward_hook(module: Any, fn: Any) -> _HookHandle:
+    """``module.register_forward_hook(fn)`` without touching the module (see _ModuleHooks); fn's return
+    value is ignored."""
+    return _MODULE_HOOKS.add(module, fn, False)
+
+
 def remove_handles(handles: list) -> None:
     """Remove hook handles (a finalizer: the owner of ``handles`` is gone or closed)."""
     for h in handles:

@@ -501,8 +501,8 @@ class Compressor:
     def _install_module_hooks(self, model: torch.nn.Module) -> None:
         for name, m in model.named_modules():
             self._names.setdefault(id(m), name or "<root>")
-            self._module_hooks.append(m.register_forward_pre_hook(_compat.weak_hook(self, Compressor._enter_module)))
-            self._module_hooks.append(m.register_forward_hook(_compat.weak_hook(self, Compressor._leave_module)))
+            self._module_hooks.append(_compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
+            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
 
     def _stack(self) -> list[tuple[str, bool]]:
         s = getattr(self._local, "stack", None)

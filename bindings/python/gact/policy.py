@@ -263,13 +263,13 @@ class AutoPolicy:
         if online_hooks and compressor.model is not None:
             for name, m in compressor.model.named_modules():
                 hook = _compat.weak_hook(self, AutoPolicy._forward_hook, name or "<root>", m)
-                self._hooks.append(m.register_forward_hook(hook))
+                self._hooks.append(_compat.register_forward_hook(m, hook))
         if estimator in ("probe", "reference") and compressor.model is not None:
             hook = _compat.weak_hook(self, AutoPolicy._capture_replay)
-            self._hooks.append(compressor.model.register_forward_hook(hook))
+            self._hooks.append(_compat.register_forward_hook(compressor.model, hook))
             for m in compressor.model.modules():
                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                    self._hooks.append(m.register_forward_hook(_compat.weak_hook(self, AutoPolicy._norm_hook)))
+                    self._hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, AutoPolicy._norm_hook)))
         # The model holds the hooks, which hold the policy weakly: they go when it does.
         weakref.finalize(self, _compat.remove_handles, self._hooks)
 
