@@ -875,8 +875,18 @@ def activation_call(t: torch.Tensor) -> _ActivationCall | None:
 
 
 def _checkpoint_codes() -> frozenset:
+    """The code objects that save a checkpoint's inputs: the reentrant CheckpointFunction.forward (and
+    checkpoint() itself), and in torch 2.x the non-reentrant checkpoint's _NoopSaveInputs, whose
+    setup_context saves the block's inputs with the outer hooks (gact's) before the checkpoint's own
+    hooks take over; its recomputation reads them."""
+    import inspect
+
     import torch.utils.checkpoint as cp
-    codes = [cp.checkpoint.__code__]
+    # (torch 2.x wraps checkpoint() in a dynamo decorator: its own code is the wrapped function's)
+    codes = [cp.checkpoint.__code__, inspect.unwrap(cp.checkpoint).__code__]
+    gen = getattr(cp, "_checkpoint_without_reentrant_generator", None)  # torch 2.x: runs _NoopSaveInputs
+    if gen is not None:
+        codes.append(inspect.unwrap(gen).__code__)
     fwd = getattr(getattr(cp, "CheckpointFunction", None), "forward", None)
     if fwd is not None:
         codes.append(fwd.__code__)
@@ -887,8 +897,9 @@ _CHECKPOINT_CODES = _checkpoint_codes()
 
 
 def _saved_by_checkpoint() -> bool:
-    """Whether the pack hook runs for a reentrant torch.utils.checkpoint saving its inputs (the caller's
-    Python frames, a few up from the hook: checkpoint() or CheckpointFunction.forward)."""
+    """Whether the pack hook runs for a torch.utils.checkpoint saving its inputs (the caller's Python
+    frames, a few up from the hook: checkpoint(), CheckpointFunction.forward, or torch 2.x's
+    _NoopSaveInputs.setup_context)."""
     import sys
     f = sys._getframe(2)  # decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
     for _ in range(4):
