@@ -527,3 +527,20 @@ def ddp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
             json.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+class SaveArgs(torch.autograd.Function):
+    """``SaveArgs.apply(x, *ts)`` saves ``ts`` for backward, in order, and returns ``x * 1``; its backward
+    hands the tensors it got back to ``SaveArgs.seen`` (what the unpack hooks returned, cloned)."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x, *ts):
+        ctx.save_for_backward(*ts)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        SaveArgs.seen = [t.clone() for t in ctx.saved_tensors]
+        return (g,) + (None,) * len(SaveArgs.seen)

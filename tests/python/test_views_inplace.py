@@ -17,22 +17,7 @@ import pytest
 import torch
 
 import gact
-
-
-class _Saver(torch.autograd.Function):
-    """Saves its extra arguments for backward, in order, and hands what backward received to ``seen``."""
-
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x, *ts):
-        ctx.save_for_backward(*ts)
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        _Saver.seen = [t.clone() for t in ctx.saved_tensors]
-        return (g,) + (None,) * len(_Saver.seen)
+from evalkit import SaveArgs
 
 
 def _store_stats(comp):
@@ -116,11 +101,11 @@ def test_random_view_chains_decode_to_their_own_elements(dtype, layout):
         x = torch.ones(1, requires_grad=True)
         before = _store_stats(comp).get("dedup_hits", 0)
         with comp:
-            y = _Saver.apply(x, h, *views)
+            y = SaveArgs.apply(x, h, *views)
         served += _store_stats(comp).get("dedup_hits", 0) - before
         del h, views  # (a saved tensor the program still holds is handed back as it is, not decoded)
         y.sum().backward()
-        got = _Saver.seen[1:]
+        got = SaveArgs.seen[1:]
         assert len(got) == len(expected)
         if dtype is torch.bool:
             for v, e, r in zip(got, expected, seed_report[-1]):
