@@ -717,3 +717,20 @@ def test_vit_block_at_197_tokens_gradients_are_finite_and_close():
         assert cos >= floor, (bits, cos)
     if int(torch.__version__.split(".")[0]) >= 2:
         assert min(exact) >= 2, exact  # each block's log-sum-exp kept exact
+
+
+def test_a_program_that_never_calls_step_keeps_abort_steps_list_bounded():
+    """abort_step() remembers the step's stored tensors weakly; without step() the step never ends, so
+    the dead references are dropped as the list grows."""
+    lin = nn.Linear(64, 64)
+    comp = gact.Compressor(lin, bits=4, min_bytes=0)
+    x = torch.randn(32, 64)
+    for _ in range(2500):
+        with comp:
+            h = lin(x)
+            loss = (torch.tanh(h) * torch.sigmoid(h)).sum()
+        loss.backward()
+    made = comp.stats()["store"]["tensors_in"]
+    assert made >= 5000  # references made, almost all dead by now
+    assert len(comp._live) < 4096 + 16
+    comp.close()

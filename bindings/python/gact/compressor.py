@@ -733,6 +733,14 @@ class Compressor:
             return "excluded"
         return None
 
+    def _note_live(self, p: _Packed) -> None:
+        """Remember a _Packed of this step for abort_step(); the dead ones are dropped now and then, so that
+        a program that never calls step() does not grow the list without end."""
+        live = self._live
+        live.append(weakref.ref(p))
+        if len(live) >= 4096 and (len(live) & 4095) == 0:
+            self._live = [r for r in live if r() is not None]
+
     def _keep(self, t: torch.Tensor, reason: str) -> "_Kept":
         _C.store_note_skip(reason, _compat.held_bytes(t), self._owner)
         # A non-leaf may be the output of the very node saving it: handing autograd the tensor itself
@@ -796,7 +804,7 @@ class Compressor:
             else:
                 # Wait for the layer's statistics (saved after its input, in the same call).
                 p = _Packed(0, t, key, owner=self._owner)
-                self._live.append(weakref.ref(p))
+                self._note_live(p)
                 p.pending = t
                 b = t._base
                 p.vref = weakref.ref(t if b is None else b)
@@ -863,7 +871,7 @@ class Compressor:
         except _C.OutOfMemoryError as e:
             return self._out_of_memory(t if keep is None else keep, e)
         p = _Packed(h, t, key, decode, self._owner)
-        self._live.append(weakref.ref(p))
+        self._note_live(p)
         p.offset = offset
         p.stride = strides
         v = t if keep is None else keep
