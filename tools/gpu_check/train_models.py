@@ -78,16 +78,22 @@ def install_library(path: str) -> Dict[str, Any]:
 class GactStats:
     """gact's statistics document read through the C ABI of the library torch uses (or the module)."""
 
-    def __init__(self, path: Optional[str]):
+    def __init__(self, path: Optional[str], module: Any = None):
         self.lib = None
+        self.module = None
         if path:
-            self.lib = ctypes.CDLL(path)
-            self.lib.gact_stats_json.restype = ctypes.c_void_p
-            self.lib.gact_free_string.argtypes = [ctypes.c_void_p]
+            lib = ctypes.CDLL(path)
+            try:
+                lib.gact_stats_json.restype = ctypes.c_void_p
+                lib.gact_free_string.argtypes = [ctypes.c_void_p]
+                self.lib = lib
+            except AttributeError:
+                # a build without the CUDA half has no C ABI: the same document from the Python package
+                self.module = module
 
     def document(self) -> Dict[str, Any]:
         if self.lib is None:
-            return {}
+            return self.module.stats() if self.module is not None else {}
         p = self.lib.gact_stats_json()
         if not p:
             raise RuntimeError("gact_stats_json() returned NULL")
@@ -356,7 +362,7 @@ class Trainer:
             f["allocator"] = {"torch": "its own caching allocator" if self.cuda else "cpu"}
             if self.gact is not None:
                 import _gact
-                self.stats = GactStats(_gact.__file__)
+                self.stats = GactStats(_gact.__file__, self.gact)
         f["device"] = torch.cuda.get_device_name(0) if self.cuda else "cpu"
 
     def run(self) -> None:
