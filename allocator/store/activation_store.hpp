@@ -11,7 +11,8 @@
 //   values     float32/16/bf16/64 -> quant at the requested bits (1/2/4/8; the
 //              normalized variant when statistics are given), raw for bits >= 16;
 //              a tensor holding NaN/Inf is stored raw and counted
-//              (`nonfinite_fallbacks`); bool -> mask; uint8 -> mask when 0/1, raw
+//              (`nonfinite_fallbacks`), and so is float64 outside float32's normal
+//              range (CPU; float64 on a device is stored raw); bool -> mask; uint8 -> mask when 0/1, raw
 //              otherwise; anything else raw
 //   predicate  a float tensor -> a 1-bit predicate mask (codecs/format.hpp); a
 //              two-level `ne` tensor whose nonzero values differ is stored as values
