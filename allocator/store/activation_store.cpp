@@ -476,6 +476,7 @@ activation_store::~activation_store() {
                   entries_.size());
   }
   by_storage_.clear();
+  unversioned_.clear();
   entries_.clear();
 }
 
@@ -692,13 +693,15 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
   // Look for an entry that serves the view.
   std::uint64_t step = 0;
   std::shared_ptr<entry> upgrade;
+  bool unversioned = false;  // forget_storage(): neither served nor serving
   {
     std::lock_guard lock(mu_);
     // The noise of an owner's tensors follows its own steps, never another owner's (two Compressors, in
     // threads or made one after the other, are each reproducible).
     counters const* oc = owner_counters(p.owner);
     step = oc != nullptr ? oc->noise_step : step_;
-    auto it = by_storage_.find(skey);
+    unversioned = unversioned_.contains(storage);
+    auto it = unversioned ? by_storage_.end() : by_storage_.find(skey);
     if (it != by_storage_.end() && numel > 0) {
       for (handle h : it->second) {
         auto eit = entries_.find(h);
@@ -898,8 +901,10 @@ fresh:
     c.current_in += bytes_in;
     c.peak_stored = std::max(c.peak_stored, c.current_stored);
   }
-  ent->has_identity = true;
-  by_storage_[skey].push_back(h);
+  if (!unversioned) {
+    ent->has_identity = true;
+    by_storage_[skey].push_back(h);
+  }
   trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
   entries_.emplace(h, std::move(ent));
   return {h, 0, false, false, dense ? strides_in : dstr};
@@ -1063,6 +1068,25 @@ void activation_store::forget(handle h) noexcept {
   e.has_identity = false;
 }
 
+void activation_store::forget_storage(std::uintptr_t storage, owner_id owner) noexcept {
+  std::lock_guard lock(mu_);
+  try {
+    unversioned_.emplace(storage, owner);
+  } catch (...) {  // no memory for the note: the entries below still lose their identity
+  }
+  for (auto it = by_storage_.begin(); it != by_storage_.end();) {
+    if (it->first.storage == storage) {
+      for (handle h : it->second) {
+        auto e = entries_.find(h);
+        if (e != entries_.end()) e->second->has_identity = false;
+      }
+      it = by_storage_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 tensor_info activation_store::info(handle h) const {
   std::shared_ptr<entry> e;
   {
@@ -1137,7 +1161,9 @@ void activation_store::begin_step(std::uint64_t step, owner_id owner) noexcept {
     if (owner == 0) {
       for (auto& [h, e] : entries_) e->has_identity = false;
       by_storage_.clear();
+      unversioned_.clear();
     } else {
+      std::erase_if(unversioned_, [&](auto const& u) { return u.second == owner; });
       // Only this owner's entries lose their identity: another owner's step is still open.
       for (auto it = by_storage_.begin(); it != by_storage_.end();) {
         std::erase_if(it->second, [&](handle h) {

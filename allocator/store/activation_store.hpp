@@ -265,6 +265,12 @@ class activation_store {
   /// The saved tensor behind `h` died: later puts must not dedup against it. Unknown handles are ignored.
   void forget(handle h) noexcept;
 
+  /// The contents of `storage` may change without its version counter moving (the framework handed out
+  /// an alias with a counter of its own, as torch's `.data` does): its live entries lose their identity,
+  /// and until `owner`'s next begin_step() (anyone's, for owner 0) puts of views of it neither are
+  /// served by an entry nor serve later puts, so every save gets a blob of what it holds then.
+  void forget_storage(std::uintptr_t storage, owner_id owner = 0) noexcept;
+
   /// Facts about a live handle. @throws gact::invalid_argument for an unknown handle.
   tensor_info info(handle h) const;
 
@@ -334,6 +340,7 @@ class activation_store {
   mutable std::mutex mu_;
   std::unordered_map<handle, std::shared_ptr<entry>> entries_;
   std::unordered_map<storage_key, std::vector<handle>, storage_key_hash> by_storage_;
+  std::unordered_map<std::uintptr_t, owner_id> unversioned_;  // forget_storage(): storage -> who said so
   handle next_handle_ = 1;
   std::uint64_t step_ = 0;
   std::unique_ptr<counters> c_;

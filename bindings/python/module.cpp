@@ -508,6 +508,12 @@ PYBIND11_MODULE(_gact, m) {
   m.def("store_forget", [](std::uint64_t h) { rt().store.forget(h); }, py::arg("handle"),
         "The tensor saved under this handle died: never dedup against it again.");
   m.def(
+      "store_forget_storage",
+      [](std::uintptr_t storage, gact::store::owner_id o) { rt().store.forget_storage(storage, o); },
+      py::arg("storage"), py::arg("owner") = 0,
+      "The storage can change without its version counter moving (an alias such as .data was taken): until "
+      "the owner's next step, every save of it gets a blob of its own.");
+  m.def(
       "store_info",
       [](std::uint64_t h) {
         gact::store::tensor_info i = rt().store.info(h);

@@ -132,6 +132,38 @@ TEST_CASE("forget and begin_step end dedup against an entry") {
   for (auto h : {h1, h2, h3}) CHECK(f.store.release(h) == 0);
 }
 
+TEST_CASE("forget_storage: saves of the storage get blobs of their own until the owner's next step") {
+  fixture f;
+  auto x = randn(1024, 2);
+  auto v = view(x.data(), dtype::float32, {1024});
+  auto half = view(x.data() + 512, dtype::float32, {512});
+  half.storage = reinterpret_cast<std::uintptr_t>(x.data());
+  auto const a = f.store.new_owner(), b = f.store.new_owner();
+  put_params p = bits(4);
+  p.owner = a;
+  auto h1 = f.store.put(v, p).h;
+  CHECK(f.store.put(half, p).h == h1);  // served by the dense entry
+  f.store.forget_storage(reinterpret_cast<std::uintptr_t>(x.data()), a);
+  auto h2 = f.store.put(half, p).h;  // the storage may have changed: a blob of its own
+  CHECK(h2 != h1);
+  auto h3 = f.store.put(v, p).h;  // and it serves no later put either
+  CHECK(h3 != h1);
+  CHECK(h3 != h2);
+  auto h4 = f.store.put(half, p).h;
+  CHECK(h4 != h3);
+  CHECK(f.store.info(h4).bytes_in == 512 * 4);
+  f.store.begin_step(1, b);  // another owner's step: still unversioned
+  auto h5 = f.store.put(v, p).h;
+  auto h5b = f.store.put(v, p).h;
+  CHECK(h5b != h5);
+  f.store.begin_step(1, a);  // this owner's step: served again
+  auto h6 = f.store.put(v, p).h;
+  CHECK(f.store.put(half, p).h == h6);
+  CHECK(f.store.release(h6) == 1);
+  for (auto h : {h1, h1, h2, h3, h4, h5, h5b, h6}) CHECK(f.store.release(h) >= 0);
+  CHECK(f.store.live_handles() == 0);
+}
+
 TEST_CASE("dense views keep their layout without a gather; other views are gathered in dense order") {
   fixture f;
   // a 40x30 row-major matrix viewed transposed (30x40, strides {1, 30}): dense, stored as its memory image

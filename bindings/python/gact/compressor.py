@@ -563,7 +563,7 @@ class Compressor:
                 _C.swap_disable()
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
-            tracker = _saved.OpTracker(self._flush)
+            tracker = _saved.OpTracker(self._flush, self._on_alias)
             tracker.substitutes = self._substitutes()
             try:
                 tracker.__enter__()
@@ -903,6 +903,16 @@ class Compressor:
                 policy.on_stored(key, info)
         return p
 
+    def _on_alias(self, t: torch.Tensor) -> None:
+        """``t.data`` was taken in the forward: writes through it move no version counter of ``t``'s, so
+        until the next step every save of ``t``'s storage gets a blob of what it holds then (never one
+        stored before)."""
+        try:
+            if t.layout is torch.strided and t.device.type != "meta":
+                _C.store_forget_storage(_compat.storage_base(t), self._owner)
+        except (RuntimeError, TypeError, ValueError):  # a tensor without storage (a functorch wrapper, ...)
+            pass
+
     def _out_of_memory(self, t: torch.Tensor, e: Exception) -> Any:
         """The arena cannot hold the blob: keep the tensor as it is (it exists already, so this costs
         nothing new) and go on; counted as the skip reason `memory`, said once per Compressor."""
@@ -1034,7 +1044,7 @@ class Compressor:
             return
         self._global_depth += 1
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush)
+        tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
         tracker.__enter__()
         self._local.tracker = tracker
@@ -1075,7 +1085,7 @@ class Compressor:
         if getattr(self, "_global_pop", None) is None or getattr(self._local, "tracker", None) is not None:
             return
         pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush)
+        tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
         tracker.__enter__()
         self._local.tracker = tracker

@@ -621,19 +621,30 @@ class Frame:
         return getattr(self.func, "__name__", "") or ""
 
 
+#: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
+_DATA = torch.Tensor.data
+_METHOD_WRAPPER = type(torch.Tensor.data.__get__)
+
+
 class OpTracker(TorchFunctionMode):
     """A TorchFunctionMode that records the torch function running on this thread, so that a pack hook
     knows which op saves its tensor. ``on_exit(frame)`` runs when a call with pending saves returns."""
 
-    def __init__(self, on_exit: Callable[[Frame], None]) -> None:
+    def __init__(self, on_exit: Callable[[Frame], None],
+                 on_alias: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.stack: list[Frame] = []
         self._on_exit = on_exit
+        # on_alias(t): `t.data` was taken, an alias whose in-place writes move no version counter of t's
+        self._on_alias = on_alias
         # {function: stand-in} run in its place (the frame still names the function), or None; the policy's
         # probe sets double_backward_substitutes() for its passes
         self.substitutes: dict | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__class__ is _METHOD_WRAPPER and getattr(func, "__self__", None) is _DATA and \
+                self._on_alias is not None and args:
+            self._on_alias(args[0])
         frame = Frame(func, args, kwargs or {})
         stack = self.stack
         stack.append(frame)
