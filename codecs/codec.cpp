@@ -335,6 +335,7 @@ char const* predicate_name(predicate p) noexcept {
     case predicate::open: return "open";
     case predicate::closed: return "closed";
     case predicate::ne: return "ne";
+    case predicate::gt_or_nan: return "gt_or_nan";
   }
   return "invalid";
 }

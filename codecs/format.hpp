@@ -61,7 +61,8 @@ enum class quant_mode : std::uint8_t { plain = 0, normalized = 1, boundary = 2 }
 /// Variants of the mask codec (low byte of blob_header::flags).
 enum class mask_mode : std::uint8_t { bytes = 0, predicate = 1 };
 
-/// The predicate of a predicate mask, on the element value x (NaN satisfies none but `ne`).
+/// The predicate of a predicate mask, on the element value x (NaN satisfies none but `ne` and
+/// `gt_or_nan`, the one read by backwards that pass the gradient at NaN).
 enum class predicate : std::uint32_t {
   gt = 1,      ///< x > a             (relu, threshold, leaky_relu: sign)
   ge = 2,      ///< x >= a            (clamp(min=a))
@@ -70,8 +71,9 @@ enum class predicate : std::uint32_t {
   open = 5,    ///< a < x < b         (hardtanh, relu6)
   closed = 6,  ///< a <= x <= b       (clamp(a, b))
   ne = 7,      ///< x != 0            (a two-level tensor such as a dropout mask scaled by 1/(1-p))
+  gt_or_nan = 8,  ///< !(x <= a)    (relu, threshold: torch zeroes the gradient where x <= a only)
 };
-inline constexpr std::uint32_t k_predicate_max = 7;
+inline constexpr std::uint32_t k_predicate_max = 8;
 
 inline constexpr std::uint32_t k_magic = 0x42434147u;  // bytes 'G','A','C','B'
 inline constexpr std::uint16_t k_format_version = 2;

@@ -31,6 +31,7 @@ GACT_HD bool eval_predicate(std::uint32_t pred, float a, float b, float x) {
     case predicate::open: return x > a && x < b;
     case predicate::closed: return x >= a && x <= b;
     case predicate::ne: return x != 0.0f;
+    case predicate::gt_or_nan: return !(x <= a);
   }
   return false;
 }

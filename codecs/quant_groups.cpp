@@ -981,7 +981,7 @@ inline void predicate_range(predicate_params const& q, float& lo, float& hi) {
   lo = -hd::k_float_max * 2.0f;
   hi = hd::k_float_max * 2.0f;
   switch (predicate(q.pred)) {
-    case predicate::gt: case predicate::ge: lo = q.a; break;
+    case predicate::gt: case predicate::ge: case predicate::gt_or_nan: lo = q.a; break;
     case predicate::lt: case predicate::le: hi = q.a; break;
     case predicate::open: case predicate::closed: lo = q.a; hi = q.b; break;
     case predicate::ne: break;
@@ -1043,6 +1043,7 @@ void mask_bytes_f32(float const* __restrict in, float a, float b, float lo, floa
       t = _mm256_and_ps(_mm256_cmp_ps(x, va, _CMP_GT_OQ), _mm256_cmp_ps(x, vb, _CMP_LT_OQ));
     else if constexpr (P == int(predicate::closed))
       t = _mm256_and_ps(_mm256_cmp_ps(x, va, _CMP_GE_OQ), _mm256_cmp_ps(x, vb, _CMP_LE_OQ));
+    else if constexpr (P == int(predicate::gt_or_nan)) t = _mm256_cmp_ps(x, va, _CMP_NLE_UQ);  // NaN holds
     else t = _mm256_cmp_ps(x, zero, _CMP_NEQ_UQ);  // ne: NaN != 0 holds
     out[m] = std::uint8_t(_mm256_movemask_ps(t));
     // finite and inside [lo, hi] (ordered compares: NaN fails them)
@@ -1104,6 +1105,7 @@ void mask_bytes_dt(void const* src, predicate_params const& q, std::uint64_t m0,
     GACT_MASK_CASE(open)
     GACT_MASK_CASE(closed)
     GACT_MASK_CASE(ne)
+    GACT_MASK_CASE(gt_or_nan)
 #undef GACT_MASK_CASE
   }
 }

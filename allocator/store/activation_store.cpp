@@ -173,7 +173,7 @@ bool all_zero_one(void const* p, std::size_t n) noexcept {
 /// lo < x < hi read from a clamp to [lo, hi].
 bool upgradable(codec::predicate_params const& q) noexcept {
   auto const p = codec::predicate(q.pred);
-  return p == codec::predicate::gt || p == codec::predicate::open;
+  return p == codec::predicate::gt || p == codec::predicate::open || p == codec::predicate::gt_or_nan;
 }
 
 bool same_predicate(codec::predicate_params const& a, codec::predicate_params const& b) noexcept {

@@ -478,7 +478,8 @@ TEST_CASE("predicate masks: every predicate x dtype is exact, decodes to the cal
       predicate pr;
       float a, b;
     } const rows[] = {{predicate::gt, 0.f, 0.f},    {predicate::ge, 1.f, 0.f},    {predicate::lt, -1.f, 0.f},
-                      {predicate::le, 0.f, 0.f},    {predicate::open, 0.f, 6.f},  {predicate::closed, -1.f, 1.f}};
+                      {predicate::le, 0.f, 0.f},    {predicate::open, 0.f, 6.f},  {predicate::closed, -1.f, 1.f},
+                      {predicate::gt_or_nan, 0.f, 0.f}};
     for (dtype dt : k_float_dtypes) {
       auto const t = make_tensor(dt, x);
       auto const xin = values(dt, t.data(), x.size());
@@ -496,6 +497,15 @@ TEST_CASE("predicate masks: every predicate x dtype is exact, decodes to the cal
         for (std::size_t i = 0; i < x.size(); ++i) {
           bool const want = hd::eval_predicate(std::uint32_t(r.pr), r.a, r.b, float(xin[i]));
           CHECK(y[i] == (want ? 2.5 : -7.0));
+        }
+        // NaN (x[4]) satisfies ne and gt_or_nan only (torch's threshold_backward zeroes the gradient only
+        // where x <= a, so a NaN passes it)
+        bool const nan_true = r.pr == predicate::gt_or_nan;
+        CHECK(y[4] == (nan_true ? 2.5 : -7.0));
+        if (r.pr == predicate::gt_or_nan) {
+          CHECK(y[0] == -7.0);  // 0 <= 0
+          CHECK(y[1] == 2.5);
+          CHECK(y[2] == -7.0);
         }
       }
     }

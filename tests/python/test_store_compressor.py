@@ -734,3 +734,48 @@ def test_a_program_that_never_calls_step_keeps_abort_steps_list_bounded():
     assert made >= 5000  # references made, almost all dead by now
     assert len(comp._live) < 4096 + 16
     comp.close()
+
+
+_ACTIVATIONS_AT_NONFINITE = {
+    "relu": torch.relu,
+    "relu_": lambda x: torch.relu_(x * 1.0),
+    "threshold": lambda x: torch.nn.functional.threshold(x, 0.5, -2.0),
+    "hardtanh": lambda x: torch.nn.functional.hardtanh(x, -1.0, 1.0),
+    "relu6": torch.nn.functional.relu6,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
+    "leaky_relu": lambda x: torch.nn.functional.leaky_relu(x, 0.1),
+    "clamp": lambda x: torch.clamp(x, -1.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS_AT_NONFINITE))
+def test_activation_masks_give_torchs_gradient_at_nan_and_inf(name):
+    """Issue 33 row 10: the masks these activations save are exact, so the input gradient equals torch's
+    bit for bit, NaN and +-Inf inputs included. torch's relu/threshold/hardtanh backwards zero the
+    gradient only where x <= a (or x >= b), so a NaN passes it; hardsigmoid's, leaky_relu's and clamp's
+    test the other way round."""
+    fn = _ACTIVATIONS_AT_NONFINITE[name]
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(64, 1024, generator=g) * 2
+    x0.view(-1)[::97] = float("nan")
+    x0.view(-1)[5::101] = float("inf")
+    x0.view(-1)[7::103] = -float("inf")
+    w = torch.randn(64, 1024, generator=g)
+
+    def grad(bits):
+        x = x0.clone().requires_grad_(True)
+        if bits is None:
+            (fn(x * 1.0) * w).sum().backward()
+        else:
+            comp = gact.Compressor(bits=bits)
+            with comp:
+                y = (fn(x * 1.0) * w).sum()  # (a leaf would be kept as it is)
+            y.backward()
+            assert comp.stats()["store"]["roles"]["predicate"]["tensors"] == 1, "the mask was not stored"
+            comp.close()
+        return x.grad
+
+    ref, got = grad(None), grad(2)
+    assert torch.equal(ref.isnan(), got.isnan()), f"{name}: NaN gradients at other places than torch's"
+    fin = ~ref.isnan()
+    assert torch.equal(ref[fin], got[fin]), f"{name}: gradient differs from torch's (max {(ref - got)[fin].abs().max()})"

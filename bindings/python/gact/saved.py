@@ -122,18 +122,19 @@ def _is_float(t: torch.Tensor) -> bool:
 # ---- rules ----------------------------------------------------------------------------------
 
 def _relu(t, args, kwargs, frame) -> Decision:
-    # ReluBackward saves the result; its backward reads result > 0. A ReLU's output is >= 0: the mask
-    # can become a boundary blob (exact zeros) when the next layer reads the same tensor's values.
+    # ReluBackward saves the result; its backward zeroes the gradient where result <= 0 (a NaN passes it:
+    # hence gt_or_nan, not gt). A ReLU's output is >= 0: the mask can become a boundary blob (exact zeros)
+    # when the next layer reads the same tensor's values.
     if not _is_float(t):
         return _VALUES
-    return Decision(PREDICATE, ("gt", 0.0, 0.0), (1.0, 0.0), clamped=True)
+    return Decision(PREDICATE, ("gt_or_nan", 0.0, 0.0), (1.0, 0.0), clamped=True)
 
 
 def _threshold(t, args, kwargs, frame) -> Decision:
     th = _scalar(_arg(args, kwargs, 1, "threshold"))
     if th is None or not _is_float(t):
         return _EXACT if _is_float(t) else _VALUES
-    return Decision(PREDICATE, ("gt", th, 0.0), (_above(th), th))
+    return Decision(PREDICATE, ("gt_or_nan", th, 0.0), (_above(th), th))
 
 
 def _hardtanh_bounds(name: str, args, kwargs) -> tuple[float | None, float | None]:
@@ -146,6 +147,8 @@ def _hardtanh(t, args, kwargs, frame) -> Decision:
     lo, hi = _hardtanh_bounds(frame.name, args, kwargs)
     if lo is None or hi is None or not lo < hi or not _is_float(t):
         return _EXACT if _is_float(t) else _VALUES
+    # (at a NaN torch's own hardtanh_backward disagrees with itself: its CPU vector path zeroes the
+    # gradient, its scalar and CUDA paths pass it; the mask follows the vector path)
     return Decision(PREDICATE, ("open", lo, hi), ((lo + hi) / 2, lo))
 
 
