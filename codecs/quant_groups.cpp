@@ -511,7 +511,7 @@ struct fused_group {
   __m512 lo, hi;  // boundary: codes 0 (x <= lo) and top (x >= hi)
   __m512i top;
   bool live;      // step > 0
-  bool halved;    // s = 1/2 (a range beyond FLT_MAX); x * 1 is x, so the common case skips the multiply
+  bool halved;    // s != 1 (a range beyond FLT_MAX or below 2^-100); x * 1 is x, so the common case skips it
 };
 
 inline fused_group make_fused(group_params const& p, float lo, float hi, std::int32_t top) {

@@ -6,9 +6,14 @@
 //
 // Per group of G consecutive elements (row-major, the last group may be short):
 //   lo, hi   = min, max of the group (signed zeros canonicalised to +0)
-//   s        = 1, or 1/2 when hi - lo overflows float (|range| > FLT_MAX); the
+//   s        = 1; 1/2 when hi - lo overflows float (|range| > FLT_MAX): the
 //              group is then encoded in the halved domain, so the step never
-//              becomes Inf (ranges up to 2 * FLT_MAX are representable)
+//              becomes Inf (ranges up to 2 * FLT_MAX are representable); 2^64
+//              when 0 < hi - lo < 2^-100: a step among the subnormals would be
+//              rounded to a multiple of 2^-149 (up to 2 % of the range wrong per
+//              step at 8 bits), so such a group, whose values all lie below
+//              2^-75 in magnitude, is encoded in the scaled domain, exactly, and
+//              only x^ is rounded to the subnormals (half a unit, 2^-150)
 //   step     = (hi*s - lo*s) / (2^b - 1), raised to the smallest denormal when
 //              that underflows to 0 while hi > lo; step = 0 marks a constant group
 //   v        = clamp((x*s - lo*s) / step, 0, 2^b - 1)
@@ -34,9 +39,14 @@
 
 namespace gact::codec::hd {
 
+/// Ranges below this (2^-100) are quantized in a domain scaled by k_tiny_scale (2^64), where the step is a
+/// normal float.
+inline constexpr float k_tiny_range = 7.88860905221011805412e-31f;
+inline constexpr float k_tiny_scale = 18446744073709551616.0f;
+
 /// Derived per-group constants, a pure function of (lo, hi, bits).
 struct group_params {
-  float s;        ///< 1 or 0.5 (halved domain for ranges beyond FLT_MAX)
+  float s;        ///< 1; 0.5 (halved domain for ranges beyond FLT_MAX); 2^64 (ranges below 2^-100)
   float unscale;  ///< 1 / s
   float lo_s;     ///< lo * s
   float hi_s;     ///< hi * s
@@ -54,8 +64,9 @@ GACT_HD group_params make_params_levels(float lo, float hi, float levels) {
   p.levels = levels;
   float const d = sub_rn(hi, lo);
   bool const huge = !(d <= k_float_max);  // overflow to +Inf (or NaN metadata)
-  p.s = huge ? 0.5f : 1.0f;
-  p.unscale = huge ? 2.0f : 1.0f;
+  bool const tiny = d > 0.0f && d < k_tiny_range;  // then |lo|, |hi| < 2^-75: lo * 2^64 is exact
+  p.s = huge ? 0.5f : tiny ? k_tiny_scale : 1.0f;
+  p.unscale = huge ? 2.0f : tiny ? 1.0f / k_tiny_scale : 1.0f;
   p.lo_s = mul_rn(lo, p.s);
   p.hi_s = mul_rn(hi, p.s);
   float step = div_rn(sub_rn(p.hi_s, p.lo_s), p.levels);
