@@ -700,7 +700,8 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
     // threads or made one after the other, are each reproducible).
     counters const* oc = owner_counters(p.owner);
     step = oc != nullptr ? oc->noise_step : step_;
-    unversioned = unversioned_.contains(storage);
+    unversioned = !unversioned_.empty() &&
+                  (unversioned_.contains({storage, p.owner}) || unversioned_.contains({storage, owner_id{0}}));
     auto it = unversioned ? by_storage_.end() : by_storage_.find(skey);
     if (it != by_storage_.end() && numel > 0) {
       for (handle h : it->second) {
@@ -1145,6 +1146,7 @@ owner_id activation_store::new_owner() {
 void activation_store::drop_owner(owner_id owner) noexcept {
   std::lock_guard lock(mu_);
   owners_.erase(owner);
+  std::erase_if(unversioned_, [&](auto const& u) { return u.second == owner; });  // its steps are over
 }
 
 activation_store::counters* activation_store::owner_counters(owner_id o) const {

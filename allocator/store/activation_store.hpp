@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -267,8 +268,10 @@ class activation_store {
 
   /// The contents of `storage` may change without its version counter moving (the framework handed out
   /// an alias with a counter of its own, as torch's `.data` does): its live entries lose their identity,
-  /// and until `owner`'s next begin_step() (anyone's, for owner 0) puts of views of it neither are
-  /// served by an entry nor serve later puts, so every save gets a blob of what it holds then.
+  /// and until `owner`'s next begin_step() or drop_owner() (owner 0: any owner's puts, until a
+  /// begin_step() of owner 0), `owner`'s puts of views of it neither are served by an entry nor serve
+  /// later puts, so each of its saves gets a blob of what the storage holds then. Another owner's puts
+  /// are not affected (the note may outlive the storage, whose address a new one can take).
   void forget_storage(std::uintptr_t storage, owner_id owner = 0) noexcept;
 
   /// Facts about a live handle. @throws gact::invalid_argument for an unknown handle.
@@ -340,7 +343,7 @@ class activation_store {
   mutable std::mutex mu_;
   std::unordered_map<handle, std::shared_ptr<entry>> entries_;
   std::unordered_map<storage_key, std::vector<handle>, storage_key_hash> by_storage_;
-  std::unordered_map<std::uintptr_t, owner_id> unversioned_;  // forget_storage(): storage -> who said so
+  std::set<std::pair<std::uintptr_t, owner_id>> unversioned_;  // forget_storage(): (storage, who said so)
   handle next_handle_ = 1;
   std::uint64_t step_ = 0;
   std::unique_ptr<counters> c_;

@@ -229,6 +229,38 @@ def test_fidelity_matrix(name, bits, layout, composition):
     assert _close(ga, ga0, bound), (name, (ga - ga0).abs().max().item())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", list(ROWS))
+def test_fidelity_matrix_inplace_change_after_forward(name, layout):
+    """The matrix's ops with their input changed in place after the forward: gact raises torch's own
+    error exactly where torch does (the op saved its input), and elsewhere the gradients are what they
+    are without the change (the exact readers bit for bit)."""
+    outcomes = []
+    for compressed in (False, True):
+        net = _Net()
+        x = _input(layout)
+        comp = gact.Compressor(net, bits=4, min_bytes=0) if compressed else _Null()
+        torch.manual_seed(2)
+        loss, a, y, c = _forward(net, ROWS[name][0], x, layout, comp, "inside")
+        with torch.no_grad():
+            a.add_(1.0)  # the op's input, after the op
+        del y
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), (name, str(e))
+            outcomes.append(None)
+        else:
+            outcomes.append((x.grad.clone(), net.conv1.weight.grad.clone()))
+        if compressed:
+            comp.abort_step()
+            comp.close()
+    ref, got = outcomes
+    assert (ref is None) == (got is None), (name, "torch raised" if ref is None else "gact raised")
+    if ref is not None and ROWS[name][1] == "exact":
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), name
+
+
 # ---- the fidelity issue's cases ------------------------------------------------------------------
 
 def _cos(a, b):

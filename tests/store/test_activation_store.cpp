@@ -162,6 +162,21 @@ TEST_CASE("forget_storage: saves of the storage get blobs of their own until the
   CHECK(f.store.release(h6) == 1);
   for (auto h : {h1, h1, h2, h3, h4, h5, h5b, h6}) CHECK(f.store.release(h) >= 0);
   CHECK(f.store.live_handles() == 0);
+  // the note is b's alone (a's puts dedup), and an owner that goes away takes its note with it
+  put_params pb = bits(4);
+  pb.owner = b;
+  f.store.forget_storage(reinterpret_cast<std::uintptr_t>(x.data()), b);
+  auto h7 = f.store.put(v, pb).h;
+  auto h7b = f.store.put(v, pb).h;
+  CHECK(h7b != h7);
+  auto ha = f.store.put(v, p).h;
+  CHECK(f.store.put(half, p).h == ha);
+  for (auto h : {ha, ha}) CHECK(f.store.release(h) >= 0);
+  f.store.drop_owner(b);
+  auto h8 = f.store.put(v, bits(4)).h;
+  CHECK(f.store.put(half, bits(4)).h == h8);
+  for (auto h : {h7, h7b, h8, h8}) CHECK(f.store.release(h) >= 0);
+  CHECK(f.store.live_handles() == 0);
 }
 
 TEST_CASE("dense views keep their layout without a gather; other views are gathered in dense order") {

@@ -233,9 +233,11 @@ class _ThreadHooks:
 
 
 class _Shape:
-    """A saved tensor whose reader uses only its shape (and layout): nothing is stored."""
+    """A saved tensor whose reader uses only its shape (and layout): nothing is stored. Changed in place
+    before backward it still raises torch's error, as torch would (the gradient would not change, but a
+    tool that hooks into autograd never takes away torch's errors)."""
 
-    __slots__ = ("shape", "stride", "dtype", "device", "contiguous")
+    __slots__ = ("shape", "stride", "dtype", "device", "contiguous", "vref", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.shape = t.shape
@@ -243,8 +245,17 @@ class _Shape:
         self.dtype = t.dtype
         self.device = t.device
         self.contiguous = t.is_contiguous()
+        self.version = t._version
+        b = t._base
+        try:
+            self.vref = weakref.ref(t if b is None else b)
+        except TypeError:
+            self.vref = None
 
     def unpack(self) -> torch.Tensor:
+        v = self.vref() if self.vref is not None else None
+        if v is not None and v._version != self.version:
+            raise _modified_error(v, self.version)
         if self.contiguous:
             return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
         # another layout (channels_last): a zeroed tensor of that layout from gact's pool, so the
