@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -363,10 +364,18 @@ def profile_breakdown(step, arm, steps=3) -> dict:
     tf = saved.OpTracker.__torch_function__
 
     def tracked(self, func, types, args=(), kwargs=None):
+        if func.__class__ is saved._METHOD_WRAPPER:  # a property's getter (Tensor.data): as it is
+            return tf(self, func, types, args, kwargs)
+        subs = self.substitutes
+        run = subs.get(func, func) if subs is not None else func
+
+        # The frame must still name the op (the storage table decides by name: batch norm's statistics,
+        # kept exact, would otherwise be quantized as values), and the stand-in is applied here.
+        @functools.wraps(func)
         def inner(*a, **k):
             t1 = pc()
             try:
-                return func(*a, **k)
+                return run(*a, **k)
             finally:
                 acc["inner"] += pc() - t1
         t0 = pc()

@@ -1,0 +1,56 @@
+"""gact-bench train's profile (tools/bench/train.py): timing gact's entry points must not change what
+gact does. Its op-tracker wrapper once hid each op's name from the storage table, so batch norm's
+statistics were quantized as values and the profiled steps trained to NaN."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gact
+
+
+def _bench_train():
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "train.py"
+    spec = importlib.util.spec_from_file_location("gact_bench_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _store_counts(comp):
+    s = comp.stats()["store"]
+    return ({r: v["tensors"] for r, v in s["skipped"].items()}, {r: v["tensors"] for r, v in s["roles"].items()},
+            s["tensors_in"], s["bytes_stored"])
+
+
+def test_profile_keeps_every_storage_decision():
+    train = _bench_train()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU6(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    counts = []
+
+    def step(arm):
+        comp = gact.Compressor(model, bits=4)
+        with comp:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        counts.append(_store_counts(comp))
+        model.zero_grad(set_to_none=True)
+        comp.step()
+        comp.close()
+        return 0
+
+    step("gact4")
+    plain = counts[-1]
+    res = train.profile_breakdown(step, "gact4", steps=1)
+    assert counts[-1] == plain, (counts[-1], plain)
+    assert plain[0].get("stats", 0) >= 4  # the two batch norms' mean and invstd, kept exact
+    assert res["encode_s"] > 0 and res["python_s"] >= 0
