@@ -240,3 +240,32 @@ def test_source_tree_launcher_outside_devenv_finds_the_build_or_refuses(tmp_path
                  env=env)
     assert r.returncode == 2 and "no built gact module" in r.stderr, r.stderr
     assert not marker.exists()
+
+
+def test_source_tree_launcher_without_a_build_uses_the_installed_gact(tmp_path):
+    """Issue 32: after `pip install .` (which builds elsewhere) the clone's tools/gact-run found no build and
+    exited 2. A gact importable outside the tree now runs the command, and gact-run says which it used."""
+    import shutil
+
+    tree = tmp_path / "clone"  # a source tree without build/
+    shutil.copytree(os.path.join(ROOT, "tools"), tree / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.join(ROOT, "bindings", "python", "gact"), tree / "bindings" / "python" / "gact",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    site = tmp_path / "site"  # an installed gact: the package and its _gact module side by side
+    shutil.copytree(os.path.join(ROOT, "bindings", "python", "gact"), site / "gact",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    os.symlink(os.path.abspath(_gact.__file__), site / os.path.basename(_gact.__file__))
+    env = env_for_run(PYTHONPATH=str(site))
+    stats = tmp_path / "stats.json"
+    probe = "import gact, _gact; print('GACT', gact.__file__); print('EXT', _gact.__file__)"
+    r = subprocess.run([sys.executable, str(tree / "tools" / "gact-run"), "--bits", "4", "--stats", str(stats), "--",
+                        sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT, env=env,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"using the installed gact in {site / 'gact'}" in r.stderr, r.stderr
+    assert f"GACT {site / 'gact' / '__init__.py'}" in r.stdout, r.stdout
+    # without an installed gact it still refuses, naming the build it looked for
+    r = subprocess.run([sys.executable, str(tree / "tools" / "gact-run"), "--", sys.executable, "-c", "pass"],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env_for_run(PYTHONPATH=""),
+                       cwd=str(tmp_path))
+    assert r.returncode == 2 and "no built gact module" in r.stderr, r.stderr

@@ -106,7 +106,8 @@ def find_extension_dir(source_root: str | None, build_dir: str | None, env: dict
 
     Installed (``source_root`` None): the folder the package was installed into. From the
     source tree: ``--build-dir``'s ``bindings/python``, else a PYTHONPATH entry that holds
-    it (``meson devenv``), else ``<source_root>/build/bindings/python``."""
+    it (``meson devenv``; not one that holds a gact package too), else
+    ``<source_root>/build/bindings/python``."""
     if source_root is None:
         parent = _package_parent()
         if _has_extension(parent):
@@ -117,11 +118,37 @@ def find_extension_dir(source_root: str | None, build_dir: str | None, env: dict
     if build_dir is not None:
         candidates.append(os.path.join(os.path.abspath(build_dir), "bindings", "python"))
     else:
-        candidates += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # (a build folder on PYTHONPATH, as `meson devenv` puts it; not a folder holding a gact package
+        # beside its module: that is an installed gact, see installed_package)
+        candidates += [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                       if p and not os.path.isfile(os.path.join(p, "gact", "run.py"))]
         candidates.append(os.path.join(source_root, "build", "bindings", "python"))
     for c in candidates:
         if _has_extension(c):
             return os.path.abspath(c)
+    return None
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
+
+
+def installed_package(source_root: str, search: list[str] | None = None) -> str | None:
+    """The folder of a gact package importable from ``search`` (sys.path) outside ``source_root``, with its
+    _gact module beside it (an installed gact: pip's, or a venv's), or None."""
+    import importlib.machinery
+
+    paths = [p for p in (sys.path if search is None else search) if p and not _inside(p, source_root)]
+    spec = importlib.machinery.PathFinder.find_spec("gact", paths)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = os.path.abspath(list(spec.submodule_search_locations)[0])
+    if _inside(pkg, source_root) or not os.path.isfile(os.path.join(pkg, "run.py")):
+        return None
+    parent = os.path.dirname(pkg)
+    if _has_extension(parent) or importlib.machinery.PathFinder.find_spec("_gact", paths) is not None:
+        return pkg
     return None
 
 
@@ -263,6 +290,22 @@ def main(argv: list[str] | None = None, source_root: str | None = None) -> int:
     if args.stats is None and inherited and "{pid}" not in inherited and "{proc}" not in inherited:
         args.stats = inherited  # the same path for every process would keep only the last one's
     ext_dir = find_extension_dir(source_root, getattr(args, "build_dir", None), dict(os.environ))
+    if ext_dir is None and source_root is not None and getattr(args, "build_dir", None) is None:
+        # the source tree's launcher without a build in the tree (say after `pip install .`, which builds
+        # elsewhere): the installed gact runs the command, and says so
+        pkg = installed_package(source_root)
+        if pkg is not None:
+            print(f"gact-run: no build in {os.path.join(source_root, 'build')}; using the installed gact in {pkg}",
+                  file=sys.stderr)
+            spec = importlib.util.spec_from_file_location("gact_run_installed", os.path.join(pkg, "run.py"))
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod.main(argv, source_root=None)
+    if ext_dir is not None and source_root is not None and getattr(args, "build_dir", None) is None:
+        pkg = installed_package(source_root)
+        if pkg is not None:
+            print(f"gact-run: using the build in {ext_dir} of this source tree, not the installed gact in {pkg}",
+                  file=sys.stderr)
     if ext_dir is None:
         if source_root is not None:
             where = (os.path.join(os.path.abspath(args.build_dir), "bindings", "python") if args.build_dir
