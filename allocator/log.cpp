@@ -72,6 +72,32 @@ std::shared_ptr<spdlog::logger> make_logger() {
 
 }  // namespace
 
+std::string muted_note(std::string_view format) {
+  std::string body;
+  for (std::size_t i = 0; i < format.size() && body.size() < 160; ++i) {
+    char const c = format[i];
+    if (c == '{' && i + 1 < format.size() && format[i + 1] == '{') {
+      body += '{';
+      ++i;
+    } else if (c == '}' && i + 1 < format.size() && format[i + 1] == '}') {
+      body += '}';
+      ++i;
+    } else if (c == '{') {  // a replacement field: its value is left out
+      std::size_t const end = format.find('}', i);
+      body += "...";
+      if (end == std::string_view::npos) break;
+      i = end;
+    } else {
+      body += c;
+    }
+  }
+  if (body.size() >= 160) {
+    body.resize(157);
+    body += "...";
+  }
+  return "(further warnings like \"" + body + "\" muted)";
+}
+
 std::string cap_message(std::string_view text) {
   if (text.size() <= k_max_message) return std::string(text);
   std::string out(text.substr(0, k_max_message));

@@ -32,6 +32,11 @@ inline constexpr std::size_t k_max_message = 1024;
 /// followed by "... (N more bytes cut)". Every message of the logger goes through this.
 std::string cap_message(std::string_view text);
 
+/// The line that ends a capped call site's warnings: its format with the values left out,
+/// `(further warnings like "activation_store: ... handles still alive ..." muted)`, at most
+/// 160 bytes of it (it names what is muted, not where in gact's sources).
+std::string muted_note(std::string_view format);
+
 /// True while a call site identified by `counter` has warned fewer than `cap` times.
 inline bool allow_capped(std::atomic<int>& counter, int cap = 16) noexcept {
   return counter.fetch_add(1, std::memory_order_relaxed) < cap;
@@ -49,6 +54,7 @@ inline bool allow_capped(std::atomic<int>& counter, int cap = 16) noexcept {
 #define GACT_LOG_TRACE(...) ::gact::log::get().trace(__VA_ARGS__)
 #endif
 
+#define GACT_LOG_FIRST_(first, ...) first
 /// Warn at most `cap` times from this call site, then say once that further warnings are muted.
 #define GACT_WARN_CAPPED(cap, ...)                                                   \
   do {                                                                               \
@@ -57,6 +63,6 @@ inline bool allow_capped(std::atomic<int>& counter, int cap = 16) noexcept {
     if (gact_n_ < (cap)) {                                                           \
       ::gact::log::get().warn(__VA_ARGS__);                                          \
     } else if (gact_n_ == (cap)) {                                                   \
-      ::gact::log::get().warn("(further warnings from {}:{} muted)", __FILE__, __LINE__); \
+      ::gact::log::get().warn("{}", ::gact::log::muted_note(GACT_LOG_FIRST_(__VA_ARGS__, ""))); \
     }                                                                                \
   } while (0)

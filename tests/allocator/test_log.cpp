@@ -51,6 +51,22 @@ TEST_CASE("log: a message longer than k_max_message is cut, saying how much") {
   CHECK(gact::log::cap_message("short") == "short");
 }
 
+TEST_CASE("log: a capped call site ends with a line naming what is muted, not a source file") {
+  capture c;
+  gact::log::get().set_level(spdlog::level::warn);
+  for (int i = 0; i < 4; ++i) GACT_WARN_CAPPED(2, "activation_store: {} handles still alive at the end of step {}", 10, i);
+  std::string const out = c.out.str();
+  CHECK(out.find("10 handles still alive at the end of step 1") != std::string::npos);
+  CHECK(out.find("step 2") == std::string::npos);
+  CHECK(out.find("(further warnings like \"activation_store: ... handles still alive at the end of step ...\" muted)") !=
+        std::string::npos);
+  CHECK(out.find(".cpp") == std::string::npos);
+  CHECK(out.find(".hpp") == std::string::npos);
+  CHECK(gact::log::muted_note("a {{literal}} {:>8} b") == "(further warnings like \"a {literal} ... b\" muted)");
+  std::string const long_note = gact::log::muted_note(std::string(500, 'z'));
+  CHECK(long_note.size() < 200);
+}
+
 TEST_CASE("log: set_level takes the options table's spellings; a bad one names GACT_LOG_LEVEL") {
   capture c;
   gact::log::set_level("TRACE");  // accepted by the table, once rejected by the logger
