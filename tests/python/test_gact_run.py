@@ -269,3 +269,18 @@ def test_source_tree_launcher_without_a_build_uses_the_installed_gact(tmp_path):
                        capture_output=True, text=True, timeout=TIMEOUT, env=env_for_run(PYTHONPATH=""),
                        cwd=str(tmp_path))
     assert r.returncode == 2 and "no built gact module" in r.stderr, r.stderr
+
+
+def test_gan_loop_with_two_optimizers_ends_steps_without_leaks(tmp_path):
+    """Issue 32: under gact-run a GAN's discriminator step ended gact's step while the generator's graph was
+    alive: 'handles still alive at the end of step N' every step, leaks in the stats, no memory lost. The
+    step now ends when its graphs are done (at the generator's step)."""
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "4", "--stats", str(stats), "--min-bytes", "0"], [sys.executable, SCRIPT, "gan", "--steps", "4"],
+                 env=env_for_run(GACT_LOG_LEVEL="warn"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(steps_printed(r.stdout)) == 4
+    assert "still alive" not in r.stderr, r.stderr[-2000:]
+    store = load(stats)["store"]
+    assert store["leaks"] == 0 and store["steps"] >= 3, store
+    assert store["tensors_in"] >= 4 * 4, store

@@ -744,6 +744,10 @@ class Compressor:
             return "excluded"
         return None
 
+    def _live_count(self) -> int:
+        """How many of this step's stored tensors are still alive (a graph backward has not yet freed)."""
+        return sum(1 for r in self._live if r() is not None)
+
     def _note_live(self, p: _Packed) -> None:
         """Remember a _Packed of this step for abort_step(); the dead ones are dropped now and then, so that
         a program that never calls step() does not grow the list without end."""

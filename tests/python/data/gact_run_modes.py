@@ -6,6 +6,7 @@ gact-run must handle (tests/python/test_gact_run.py runs them under gact-run):
   by-hand     no optimizer: an LSTM cell unrolled over time, weights updated by hand
   ddp         one rank of DistributedDataParallel over gloo (started by torchrun)
   forever     trains until killed, printing "ready" after three steps
+  gan         a GAN's loop: two optimizers, the generator's graph alive at the discriminator's step
   options     prints what gact-run configured (needs gact: only for the flags test)
 
 Each prints "step N loss L" per step (options: one JSON line).
@@ -82,6 +83,31 @@ def ddp(steps):
     dist.destroy_process_group()
 
 
+def gan(steps):
+    """pytorch/examples' dcgan loop in miniature: D steps on real and detached fake, then G steps through
+    D on the same fake, whose graph (G's) is alive when D's optimizer steps."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 64), nn.Tanh())
+    D = nn.Sequential(nn.Linear(64, 128), nn.LeakyReLU(0.2), nn.Linear(128, 1))
+    opt_d = torch.optim.Adam(D.parameters(), lr=2e-4)
+    opt_g = torch.optim.Adam(G.parameters(), lr=2e-4)
+    real = torch.randn(64, 64)
+    ones, zeros = torch.ones(64, 1), torch.zeros(64, 1)
+    for step in range(steps):
+        D.zero_grad()
+        err_real = F.binary_cross_entropy_with_logits(D(real), ones)
+        err_real.backward()
+        fake = G(torch.randn(64, 16))
+        err_fake = F.binary_cross_entropy_with_logits(D(fake.detach()), zeros)
+        err_fake.backward()
+        opt_d.step()
+        G.zero_grad()
+        err_g = F.binary_cross_entropy_with_logits(D(fake), ones)
+        err_g.backward()
+        opt_g.step()
+        print(f"step {step} loss {err_g.item():.4f}", flush=True)
+
+
 def options():
     import json
 
@@ -93,7 +119,7 @@ def options():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "options"))
+    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "gan", "options"))
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -109,6 +135,8 @@ def main():
         ddp(args.steps)
     elif args.mode == "forever":
         mlp_steps(-1)
+    elif args.mode == "gan":
+        gan(args.steps)
     else:
         options()
 

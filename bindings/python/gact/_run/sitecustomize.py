@@ -74,6 +74,7 @@ class _Steps:
         self.dirty = False
         self.in_step = False
         self.backward_depth = 0
+        self.deferred = set()  # ids of the optimizers that stepped while the step's graphs were alive
 
     def end(self):
         if self.in_step:
@@ -85,11 +86,21 @@ class _Steps:
             self.in_step = False
             self.dirty = False
 
-    def after_optimizer_step(self, *_args, **_kwargs):
+    def after_optimizer_step(self, optimizer=None, *_args, **_kwargs):
         first = not self.seen_optimizer
         self.seen_optimizer = True
-        if self.dirty or not first:
-            self.end()
+        if not (self.dirty or not first or self.deferred):
+            return
+        # Several optimizers (a GAN's discriminator and generator, teacher and student): the step ends
+        # when its graphs are done, so the discriminator's step does not end it while the generator's
+        # graph, which its own backward still reads, is alive. An optimizer that steps a second time
+        # while it waits ends it anyway (a graph kept across iterations is then counted as a leak).
+        key = id(optimizer)
+        if optimizer is not None and key not in self.deferred and self.comp._live_count() > 0:
+            self.deferred.add(key)
+            return
+        self.deferred.clear()
+        self.end()
 
     def forward_started(self, *_args):
         self.dirty = True
@@ -105,7 +116,9 @@ class _Steps:
             finally:
                 self.backward_depth -= 1
             if self.backward_depth == 0 and not self.in_step:
-                if self.seen_optimizer:
+                # (before any optimizer step, a backward ends the step only once every graph of it is done:
+                # a GAN's first discriminator backward leaves the generator's graph alive)
+                if self.seen_optimizer or self.comp._live_count() > 0:
                     self.dirty = True
                 else:
                     self.end()
@@ -132,7 +145,7 @@ def _install_optimizer_hook(torch, _compat, after_step):
         @functools.wraps(step)
         def stepped(self, *args, **kwargs):
             out = step(self, *args, **kwargs)
-            after_step()
+            after_step(self)
             return out
 
         stepped._gact_wrapped = True
