@@ -188,3 +188,59 @@ def test_merge_and_show_of_per_process_dumps(tmp_path):
     bad = copy.deepcopy(doc())
     bad["schema_version"] = 99
     one_line_error(run_cli("merge", a, write(tmp_path, "stats.rank2.json", bad), "-o", out), "schema_version 99")
+
+
+def test_merged_stats_keep_the_timeline_and_one_process_sections(tmp_path):
+    """Issue 32: a merged file had no timeline, policy or run: `plot` said "has no timeline" and
+    `export-torch` wrote 0 entries. The first process with a timeline puts it on top (the others keep theirs
+    per process); one process also puts its run and policy there."""
+    tl = big_timeline(400, step_every=20)
+    a = write(tmp_path, "stats.rank0.json", doc(pid=10))
+    b_doc = copy.deepcopy(tl)
+    b_doc["pid"] = 11
+    b = write(tmp_path, "stats.rank1.json", b_doc)
+    c_doc = copy.deepcopy(tl)
+    c_doc["pid"] = 12
+    c = write(tmp_path, "stats.rank2.json", c_doc)
+    out = tmp_path / "stats.json"
+    assert run_cli("merge", a, b, c, "-o", out).returncode == 0
+    m = json.loads(out.read_text())
+    assert m["timeline"] == tl["timeline"] and m["merged"]["sections_from"]["timeline"] == "rank1"
+    assert "timeline" not in m["processes"]["rank1"] and m["processes"]["rank2"]["timeline"] == tl["timeline"]
+    assert "policy" not in m and m["processes"]["rank0"]["policy"]["group_size"] == 256
+    png = tmp_path / "m.png"
+    r = run_cli("plot", out, "-o", png)
+    assert r.returncode == 0, r.stderr
+    assert png.stat().st_size > 1000
+    trace = tmp_path / "m.pickle"
+    r = run_cli("export-torch", out, "-o", trace)
+    assert r.returncode == 0, r.stderr
+    import pickle
+    with open(trace, "rb") as f:
+        snap = pickle.load(f)
+    assert sum(len(t) for t in snap["device_traces"]) > 100  # the timeline's entries, not an empty trace
+
+    one = tmp_path / "one.json"
+    d = copy.deepcopy(tl)
+    d["run"] = {"compressed": True, "pid": 13}
+    assert run_cli("merge", write(tmp_path, "one.pid13.json", d), "-o", one).returncode == 0
+    m1 = json.loads(one.read_text())
+    assert m1["run"]["compressed"] is True and m1["policy"]["group_size"] == 256 and "timeline" in m1
+
+
+def test_diff_pairs_allocators_by_role_and_device_not_pid(tmp_path):
+    """Issue 32: `diff` of two gact-run outputs listed every allocator and process as "only in A / only in
+    B" (keyed by pid) before the store section."""
+    outs = []
+    for pid, stored in ((101, 5 * MIB), (202, 4 * MIB)):
+        src = write(tmp_path, f"s{pid}.pid{pid}.json", doc(pid=pid, bytes_stored=stored))
+        out = tmp_path / f"s{pid}.json"
+        assert run_cli("merge", src, "-o", out).returncode == 0
+        outs.append(out)
+    r = run_cli("diff", *outs)
+    assert r.returncode == 0, r.stderr
+    assert "only in" not in r.stdout, r.stdout
+    assert "bytes_stored" in r.stdout and "pid" not in r.stdout.replace("gact stats diff", ""), r.stdout
+    # a merged single process against a plain dump: the host allocator pairs with the dump's
+    r = run_cli("diff", outs[0], write(tmp_path, "plain.json", doc(pid=303, bytes_stored=3 * MIB)))
+    assert r.returncode == 0 and "allocators.host" not in r.stdout.split("\n")[1], r.stdout

@@ -16,6 +16,11 @@ shows it like any dump:
   bound of the job's peak;
 * ``processes``: per process, its file, pid, rank, what gact-run recorded about it
   (``run``), its store's key figures and its ``policy`` section;
+* ``timeline``, ``snapshots``: the first process's (in label order) that has one, so that
+  ``gact-stats plot`` and ``export-torch`` work on the merged file as on a dump (a timeline's
+  addresses and times are its process's own: they do not merge); the other processes keep
+  theirs under ``processes``, and ``merged.sections_from`` names whose is on top; ``run`` and
+  ``policy`` too when there is one process (every process keeps its own under ``processes``);
 * ``merged``: the number of files, the labels (ranks first, then pids) and the labels of
   the processes gact-run ran uncompressed (``--allow-uncompressed``).
 
@@ -32,6 +37,7 @@ import re
 PROC_PLACEHOLDER = "{proc}"
 _SUMMED_SECTIONS = ("store", "codecs", "swap")
 _MAX_KEYS = ("step", "steps")
+_PER_PROCESS_SECTIONS = ("policy", "timeline", "snapshots")  # with run: one process's each, never summed
 _STORE_KEYS = ("tensors_in", "bytes_in", "bytes_stored", "ratio", "steps", "leaks", "skipped_tensors")
 
 
@@ -138,13 +144,27 @@ def merge(docs: list[tuple[str, str, dict]]) -> dict:
         p = {"file": path, "pid": d.get("pid"), "store": {k: store.get(k) for k in _STORE_KEYS if k in store}}
         if isinstance(d.get("run"), dict):
             p["run"] = d["run"]
-        if isinstance(d.get("policy"), dict):
-            p["policy"] = d["policy"]
+        for sec in _PER_PROCESS_SECTIONS:
+            if isinstance(d.get(sec), (dict, list)):
+                p[sec] = d[sec]
         processes[label] = p
     out["processes"] = processes
+    sections_from = {}
+    # run and policy on top only for one process (several processes' cannot merge: summing bit choices
+    # means nothing); a timeline or snapshots on top whatever the count, so that plot and export-torch work
+    on_top = ("timeline", "snapshots") + (("run", "policy") if len(docs) == 1 else ())
+    for sec in on_top:
+        for label, _, d in docs:
+            if isinstance(d.get(sec), (dict, list)):
+                out[sec] = d[sec]
+                sections_from[sec] = label
+                if sec in ("timeline", "snapshots"):  # large: on top only, not twice
+                    processes[label].pop(sec, None)
+                break
     out["merged"] = {"files": len(docs), "labels": [label for label, _, _ in docs],
                      "uncompressed": [label for label, p in processes.items()
-                                      if p.get("run", {}).get("compressed") is False]}
+                                      if p.get("run", {}).get("compressed") is False],
+                     "sections_from": sections_from}
     return out
 
 
