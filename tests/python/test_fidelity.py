@@ -62,6 +62,11 @@ def _rows():
         ("adaptive_avg_pool2d", lambda a: F.adaptive_avg_pool2d(a, 1) + a, "exact"),
         ("abs", lambda a: a.abs(), "exact"),
         ("maximum", lambda a: torch.maximum(a, a.flip(-1)), "exact"),
+        # backwards that divide by their input or raise it to a negative power: the base kept exact
+        ("pow_neg_half", lambda a: (a.abs() + 1).pow(-0.5), "exact"),
+        ("pow_inverse", lambda a: (a.abs() + 1) ** -1, "exact"),
+        ("pow_tensor_exponent", lambda a: torch.pow(a.abs() + 1, torch.full_like(a, 0.5)), "exact"),
+        ("acos", lambda a: torch.acos(a.clamp(-0.9, 0.9)), "exact"),
         ("log_softmax", lambda a: F.log_softmax(a, dim=1), "log"),
         ("batch_norm", lambda a: F.batch_norm(a, None, None, training=True), "norm"),
         ("group_norm", lambda a: F.group_norm(a, 2), "norm"),
