@@ -43,6 +43,18 @@ STORE_KEYS = {
 }
 
 
+def load_bench(name: str):
+    """tools/bench/NAME.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"gact_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def store_section(stats: dict) -> dict:
     """The ``store`` section of a stats document; fails with the keys present if absent."""
     assert isinstance(stats, dict), f"stats() returned {type(stats).__name__}, not a dict"

@@ -4,22 +4,16 @@ statistics were quantized as values and the profiled steps trained to NaN."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import gact
+from evalkit import load_bench
 
 
 def _bench_train():
-    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "train.py"
-    spec = importlib.util.spec_from_file_location("gact_bench_train", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("train")
 
 
 def _store_counts(comp):

@@ -1856,14 +1856,9 @@ def test_the_replay_keeps_an_input_that_requires_grad_so():
 
 
 def _bench_policy():
-    import importlib.util
-    import pathlib
+    from evalkit import load_bench
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench" / "policy.py"
-    spec = importlib.util.spec_from_file_location("gact_bench_policy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("policy")
 
 
 def test_width_ceilings_of_the_bench_match_hand_solved_cases():
