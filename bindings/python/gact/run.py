@@ -134,12 +134,12 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder + os.sep)
 
 
-def installed_package(source_root: str, search: list[str] | None = None) -> str | None:
-    """The folder of a gact package importable from ``search`` (sys.path) outside ``source_root``, with its
-    _gact module beside it (an installed gact: pip's, or a venv's), or None."""
+def installed_package(source_root: str) -> str | None:
+    """The folder of a gact package importable from sys.path outside ``source_root``, with its _gact module
+    beside it (an installed gact: pip's, or a venv's), or None."""
     import importlib.machinery
 
-    paths = [p for p in (sys.path if search is None else search) if p and not _inside(p, source_root)]
+    paths = [p for p in sys.path if p and not _inside(p, source_root)]
     spec = importlib.machinery.PathFinder.find_spec("gact", paths)
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -7,6 +7,7 @@ gact-run must handle (tests/python/test_gact_run.py runs them under gact-run):
   ddp         one rank of DistributedDataParallel over gloo (started by torchrun)
   forever     trains until killed, printing "ready" after three steps
   gan         a GAN's loop: two optimizers, the generator's graph alive at the discriminator's step
+  keep-graph  one optimizer; each iteration keeps a forward's graph alive into the next
   options     prints what gact-run configured (needs gact: only for the flags test)
 
 Each prints "step N loss L" per step (options: one JSON line).
@@ -108,6 +109,24 @@ def gan(steps):
         print(f"step {step} loss {err_g.item():.4f}", flush=True)
 
 
+def keep_graph(steps):
+    """One optimizer, and a forward whose graph the script keeps across iterations (a leak of its own)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kept = None
+    for step in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        kept = model(x * 2).sum()  # never backwarded: its graph lives until the next iteration
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    del kept
+
+
 def options():
     import json
 
@@ -119,7 +138,7 @@ def options():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "gan", "options"))
+    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "gan", "keep-graph", "options"))
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -137,6 +156,8 @@ def main():
         mlp_steps(-1)
     elif args.mode == "gan":
         gan(args.steps)
+    elif args.mode == "keep-graph":
+        keep_graph(args.steps)
     else:
         options()
 

@@ -75,6 +75,8 @@ class _Steps:
         self.in_step = False
         self.backward_depth = 0
         self.deferred = set()  # ids of the optimizers that stepped while the step's graphs were alive
+        self.optimizers = set()  # ids of every optimizer that has stepped
+        self.ended_by_optimizer = 0  # steps an optimizer step has ended
 
     def end(self):
         if self.in_step:
@@ -94,12 +96,17 @@ class _Steps:
         # Several optimizers (a GAN's discriminator and generator, teacher and student): the step ends
         # when its graphs are done, so the discriminator's step does not end it while the generator's
         # graph, which its own backward still reads, is alive. An optimizer that steps a second time
-        # while it waits ends it anyway (a graph kept across iterations is then counted as a leak).
+        # while it waits ends it anyway (a graph kept across iterations is then counted as a leak). A
+        # script that has shown one optimizer only (after the first step) ends every step at it, as before.
         key = id(optimizer)
-        if optimizer is not None and key not in self.deferred and self.comp._live_count() > 0:
+        if optimizer is not None:
+            self.optimizers.add(key)
+        several = len(self.optimizers) > 1 or self.ended_by_optimizer == 0
+        if optimizer is not None and several and key not in self.deferred and self.comp._live_count() > 0:
             self.deferred.add(key)
             return
         self.deferred.clear()
+        self.ended_by_optimizer += 1
         self.end()
 
     def forward_started(self, *_args):
