@@ -876,10 +876,11 @@ def _node_types(t):
     return {type(n).__name__ for n in seen}
 
 
-def test_derivatives_follow_the_option_and_not_under_auto():
+def test_derivatives_follow_the_option_under_fixed_bits_and_auto():
     m = nn.Sequential(nn.Linear(16, 256), nn.SiLU(), nn.Linear(256, 4))
     x = torch.randn(8, 16)
-    for kw, stand_in in [({}, True), ({"derivatives": False}, False), ({"bits": "auto"}, False)]:
+    for kw, stand_in in [({}, True), ({"derivatives": False}, False), ({"bits": "auto"}, True),
+                         ({"bits": "auto", "derivatives": False}, False)]:
         comp = gact.Compressor(m, **{"bits": 4, **kw})
         with comp:
             y = m(x)
@@ -953,7 +954,7 @@ def test_a_derivative_that_cannot_be_computed_stores_the_input_as_values(monkeyp
     assert torch.equal(got[0], off[0]) and torch.equal(got[1], off[1])
 
 
-@pytest.mark.parametrize("inner", [{"derivatives": False}, {"bits": "auto"}])
+@pytest.mark.parametrize("inner", [{"derivatives": False}, {"bits": "auto", "derivatives": False}])
 def test_a_compressor_inside_another_stores_values_when_it_does_not_take_derivatives(inner):
     """The outer Compressor's tracker runs the stand-in, but the inner one packs the save: it stores values, and the
     stand-in's backward is torch's kernel on them (a create_graph backward works, as with torch's own node)."""

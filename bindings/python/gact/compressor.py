@@ -300,7 +300,7 @@ class Compressor:
             closure given to :meth:`step` or as ``gact.policy.Probe(closure)``.
         adapt_interval: with ``bits="auto"``, steps between re-estimations. Default: the
             ``adapt_interval`` option (GACT_ADAPT_INTERVAL).
-        derivatives: with fixed bits, store the input of ``silu``, ``gelu``, ``mish`` and
+        derivatives: store the input of ``silu``, ``gelu``, ``mish`` and
             ``softplus`` as the activation's derivative (their backward is then linear in what
             is stored: an unbiased gradient, less noise); a backward with
             ``create_graph=True`` through them raises. Default: the ``derivatives`` option
@@ -587,9 +587,8 @@ class Compressor:
         return self
 
     def _substitutes(self) -> dict | None:
-        """The op tracker's stand-ins: the activations whose input is stored as their derivative, with fixed
-        bits (a policy's estimates model the input's values)."""
-        return _saved.DERIVATIVE_SUBSTITUTES if self.derivatives and self._policy is None else None
+        """The op tracker's stand-ins: the activations whose input is stored as their derivative."""
+        return _saved.DERIVATIVE_SUBSTITUTES if self.derivatives else None
 
     def __exit__(self, *exc: Any) -> None:
         local = self._local
@@ -786,7 +785,7 @@ class Compressor:
         frame = tracker.current() if tracker is not None else None
         d = _saved.decide(t, frame)
         kind = d.kind
-        if kind == _saved.DERIVATIVE and (not self.derivatives or self._policy is not None or self._probe is not None):
+        if kind == _saved.DERIVATIVE and not self.derivatives:
             # another Compressor's tracker ran the stand-in (nested, or gact-run's global one): values here, and
             # the stand-in's backward is torch's on them
             d, kind = _saved._VALUES, _saved.VALUES
@@ -856,6 +855,7 @@ class Compressor:
         it. `min_bits`: the fewest bits it is stored with; `normalized`: a normalization layer's input (told to
         the policy)."""
         kind = d.kind
+        min_bits = max(min_bits, d.min_bits)
         role, pred, window, decode = "values", None, None, None
         if kind == _saved.PREDICATE:
             role, pred, decode = "predicate", d.pred, d.decode
@@ -988,6 +988,14 @@ class Compressor:
     def _probe_pack(self, t: torch.Tensor, key: str, d: Any, frame: Any) -> Any:
         """A policy's probe keeps the tensors it would quantize as they are (with their rounding variance)."""
         kind = d.kind
+        if kind == _saved.DERIVATIVE:
+            # the store keeps f'(x) for the activation: the probe keeps it as a leaf of its own, whose
+            # derivative is the one through grad * f'(x), with f'(x)'s rounding variance
+            call = _saved.activation_call(t)
+            with torch.no_grad():
+                dt = call.derivative(t)
+            call.stored = call.probed = True
+            return self._probe.pack(dt.requires_grad_(), key)
         if kind == _saved.PREDICATE and d.clamped and t.is_floating_point():
             # a clamp's output: if a later op reads its values too, the store keeps one boundary blob
             self._probe.note_clamp(t, d.pred[1])

@@ -1034,6 +1034,13 @@ class AutoPolicy:
             # the tensor keeps its bits.
             if target in want and not k.startswith("<none>:") and rec.tensors[i].requires_grad:
                 blob_of[i] = target
+        # the tensors of one key have one size (a later save deduplicated into a first one's blob): one that
+        # does not (the step's dedup merged two saves that the replay keeps apart) has no estimate
+        size_of: dict[str, int] = {}
+        for i in sorted(blob_of):
+            if size_of.setdefault(blob_of[i], rec.tensors[i].numel()) != rec.tensors[i].numel() or \
+                    any(u.numel() != rec.tensors[i].numel() for u in rec.uses.get(i, ())):
+                del blob_of[i]
         c = {k: [0.0] * len(_CODE_WIDTHS) for k in blob_of.values()}
         self._probe_numels = {blob_of[i]: rec.tensors[i].numel() for i in sorted(blob_of, reverse=True)}
         idx = sorted(blob_of)
@@ -1268,7 +1275,8 @@ def _double_backward_ops(comp: Any) -> Any:
     if tracker is None:
         yield
         return
-    was, tracker.substitutes = tracker.substitutes, _saved.double_backward_substitutes()
+    was = tracker.substitutes
+    tracker.substitutes = {**(was or {}), **_saved.double_backward_substitutes()}
     try:
         yield
     finally:
@@ -1425,13 +1433,21 @@ _inner_users = [0]
 
 
 def _inner_cut_wrapper(orig: Callable) -> Callable:
+    # inside the attention the op tracker sees only multi_head_attention_forward, so the stand-in that a
+    # double backward needs for torch 2.x's fused attention is applied here
+    # (its output saved as a leaf of the probe's: every other tensor it saves is a cut)
+    inner = _saved.DOUBLE_BACKWARD.get(orig)
+
     @functools.wraps(orig)
     def cutting(*args: Any, **kwargs: Any) -> Any:
         stack = getattr(_inner, "stack", None)
         if not stack or not stack[-1].depth:
             return orig(*args, **kwargs)
         ic = stack[-1]
-        return orig(*[ic.cut(a) for a in args], **{k: ic.cut(v) for k, v in kwargs.items()})
+        args, kwargs = [ic.cut(a) for a in args], {k: ic.cut(v) for k, v in kwargs.items()}
+        if inner is None:
+            return orig(*args, **kwargs)
+        return inner(*args, **kwargs, leaf_output=ic.output_leaf)
     return cutting
 
 
@@ -1465,6 +1481,7 @@ class _InnerCuts:
     def __init__(self, cuts: list, rec: "_ProbeRecorder", model: torch.nn.Module, copy: bool = False) -> None:
         self.cuts, self.rec, self.copy, self.depth = cuts, rec, copy, 0
         self.made: dict[int, tuple] = {}  # original's id -> (original, its version, its cut)
+        self.leaves: list[torch.Tensor] = []  # output_leaf's (alive while the probe runs: rec.leaves holds ids)
         self.mods = [m for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention)]
         # a parameter's views (cross-attention splits its packed projection weight) are not activations:
         # cut, they would be saved and keyed as one, and every later key of the module would move
@@ -1490,6 +1507,13 @@ class _InnerCuts:
         self.rec.copy_clamp(a, c)
         self.made[id(a)] = (a, a._version, c)
         return c
+
+    def output_leaf(self, t: torch.Tensor) -> torch.Tensor:
+        """A leaf sharing ``t``'s storage, for a stand-in to save in place of its own output ``t``."""
+        leaf = t.detach().requires_grad_()
+        self.rec.leaves.add(id(leaf))
+        self.leaves.append(leaf)
+        return leaf
 
     def _enter_call(self, *_: Any) -> None:
         if threading.get_ident() == self.thread:

@@ -58,6 +58,7 @@ class Decision(NamedTuple):
     decode: tuple | None = None  # predicate: (true_value, false_value) that satisfy the reader's test
     clamped: bool = False  # predicate: the tensor is the output of a clamp to the predicate's range
     window: dict | None = None  # indices: the pooling geometry
+    min_bits: int = 0  # values: the fewest bits the reader tolerates
 
 
 _VALUES = Decision(VALUES)
@@ -66,6 +67,11 @@ _SHAPE = Decision(SHAPE)
 _EXACT = Decision(EXACT)
 _STATS = Decision(STATS)
 _DERIVATIVE = Decision(DERIVATIVE)
+# An attention's q and k: torch 2.x's fused kernels recompute the probabilities exp(q kᵀ·scale − lse) from
+# them in the backward, so their rounding error is exponentiated. At 1 bit a 2-layer character LM's
+# gradient error was 5e9 (relative) on the fused path against 6.8 on the math path; at 2 bits 0.48 and
+# 0.45. Every float an attention call saves as values is kept at >= 2 bits.
+_ATTENTION_VALUES = Decision(VALUES, min_bits=2)
 
 
 class Row(NamedTuple):
@@ -305,7 +311,7 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _EXACT
-    return _VALUES
+    return _ATTENTION_VALUES
 
 
 def _rms_norm(t, args, kwargs, frame) -> Decision:
@@ -523,8 +529,7 @@ _add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes 
 _add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropout feature_alpha_dropout",
      "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
 _add("silu gelu mish softplus", "input through the activation's derivative",
-     "the derivative f'(x) as values, computed when saved (`derivatives` option; with "
-     "`bits=\"auto\"`: the input as values)", lambda t, *a: _DERIVATIVE if activation_call(t) is not None else _VALUES)
+     "the derivative f'(x) as values, computed when saved (`derivatives` option)", lambda t, *a: _DERIVATIVE if activation_call(t) is not None else _VALUES)
 _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
@@ -572,7 +577,8 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
      "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention "
      "_efficient_attention_forward _flash_attention_forward",
-     "q, k, v, output; log-sum-exp through exp; the mask", "values; the log-sum-exp and a float mask exact; "
+     "q, k, v, output; log-sum-exp through exp; the mask", "values at >= 2 bits (fused kernels recompute "
+     "exp(q kᵀ·scale − lse)); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
@@ -729,9 +735,169 @@ def _roi_align_twice_differentiable(input, rois, spatial_scale, pooled_height, p
     return _RoIAlignFunction.apply(input, rois, *meta)
 
 
+# ---- scaled_dot_product_attention, twice differentiable ------------------------------------------
+
+#: the autograd nodes of torch 2.x's fused attention kernels, whose backward has no derivative
+_FUSED_ATTENTION_NODES = ("ScaledDotProductFlashAttention", "ScaledDotProductEfficientAttention",
+                          "ScaledDotProductCudnnAttention", "ScaledDotProductFusedAttention",
+                          "EfficientAttention", "FlashAttention")
+
+
+def _sum_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """g summed over the dimensions that broadcasting added to a tensor of ``shape``."""
+    lead = g.dim() - len(shape)
+    if lead:
+        g = g.sum(tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    return g.sum(dims, keepdim=True) if dims else g
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """scaled_dot_product_attention with the saves of torch's fused kernel and a backward autograd can
+    differentiate again (the fused kernels' backward has no derivative: the policy's probe failed on every
+    transformer under torch 2.x). It saves what the fused node saved, in its order (``layout``: for each
+    slot "q", "k", "v", "out" or the fused node's own tensor: its log-sum-exp, a converted mask, philox
+    seed and offset, sequence lengths), and its backward reads q, k, v and the output from those saves:
+    with P = softmax(q kᵀ·scale + bias) recomputed from q and k, D = rowsum(dO ∘ O),
+    dV = P̃ᵀ dO, dS = P ∘ (dO vᵀ ∘ M/(1−p) − D), dQ = dS k·scale, dK = dSᵀ q·scale (P̃ = P ∘ M/(1−p), M the
+    dropout mask drawn here and kept on the context, not saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, layout, others, p, is_causal, scale, gqa, leaf_output, like=None):
+        ctx.set_materialize_grads(True)
+        s = _attention_scores(q, k, mask, is_causal, scale, gqa)
+        attn = _safe_softmax(s)
+        keep = None
+        if p > 0.0:
+            keep = torch.rand_like(attn) >= p
+            attn = attn * keep / (1.0 - p)
+        out = torch.matmul(attn.to(v.dtype), _expand_heads(v, q, gqa))
+        if like is not None and like.stride() != out.stride():
+            # the fused kernel's layout (its output is (B, L, H, E) in memory): the store groups elements in
+            # memory order, so the probe's rounding variances are those of the step's blob
+            out = torch.empty_like(like).copy_(out)
+        # leaf_output (the policy's probe inside an attention module, where q, k and v are cut leaves): the
+        # output is saved as a leaf of its own, so that its derivative is its own and not also q's, k's
+        # and v's through the forward
+        slots = {"q": q, "k": k, "v": v, "out": leaf_output(out) if leaf_output is not None else out}
+        ctx.save_for_backward(*[slots[x] if isinstance(x, str) else others[x] for x in layout])
+        ctx.layout, ctx.mask, ctx.keep = layout, mask, keep
+        ctx.p, ctx.is_causal, ctx.scale, ctx.gqa = p, is_causal, scale, gqa
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        saved = dict(zip(ctx.layout, ctx.saved_tensors))
+        q, k, v, out = saved["q"], saved["k"], saved["v"], saved["out"]
+        mask, keep, p, gqa = ctx.mask, ctx.keep, ctx.p, ctx.gqa
+        s = _attention_scores(q, k, mask, ctx.is_causal, ctx.scale, gqa)
+        attn = _safe_softmax(s)
+        dropped = attn if keep is None else attn * keep / (1.0 - p)
+        ve = _expand_heads(v, q, gqa)
+        do = d_out.to(s.dtype)
+        dv = torch.matmul(dropped.transpose(-2, -1), do)
+        dp = torch.matmul(do, ve.to(s.dtype).transpose(-2, -1))
+        if keep is not None:
+            dp = dp * keep / (1.0 - p)
+        dsum = (do * out.to(s.dtype)).sum(-1, keepdim=True)
+        ds = attn * (dp - dsum)
+        ke = _expand_heads(k, q, gqa).to(s.dtype)
+        dq = torch.matmul(ds, ke) * _scale_of(q, ctx.scale)
+        dk = torch.matmul(ds.transpose(-2, -1), q.to(s.dtype)) * _scale_of(q, ctx.scale)
+        dk, dv = _fold_heads(dk, k, gqa), _fold_heads(dv, v, gqa)
+        dmask = None
+        if isinstance(mask, torch.Tensor) and mask.requires_grad:
+            dmask = _sum_to(ds, mask.shape).to(mask.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask, None, None, None, None, None, None, None, None
+
+
+def _scale_of(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _expand_heads(x: torch.Tensor, q: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """k or v with its heads repeated to q's (grouped-query attention, ``enable_gqa``)."""
+    if gqa and x.dim() >= 3 and x.shape[-3] != q.shape[-3]:
+        return x.repeat_interleave(q.shape[-3] // x.shape[-3], -3)
+    return x
+
+
+def _fold_heads(g: torch.Tensor, x: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """The gradient of _expand_heads(x): each group of repeated heads summed back into its head."""
+    if gqa and x.dim() >= 3 and g.shape[-3] != x.shape[-3]:
+        n = x.shape[-3]
+        return g.unflatten(-3, (n, g.shape[-3] // n)).sum(-3)
+    return g
+
+
+def _attention_scores(q, k, mask, is_causal, scale, gqa):
+    """q kᵀ·scale plus the mask (a float mask added; a boolean mask's False and a causal mask's upper
+    triangle -inf), in float32 for half-precision inputs."""
+    dt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    s = torch.matmul(q.to(dt), _expand_heads(k, q, gqa).to(dt).transpose(-2, -1)) * _scale_of(q, scale)
+    if is_causal:
+        n, m = q.shape[-2], k.shape[-2]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if isinstance(mask, torch.Tensor):
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(dt)
+    return s
+
+
+def _safe_softmax(s: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension, 0 on a row that is all -inf (as torch's attention kernels give),
+    with no NaN in its derivatives either."""
+    dead = (s == float("-inf")).all(-1, keepdim=True)
+    if not bool(dead.any()):
+        return torch.softmax(s, -1)
+    return torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+
+
+def _attention_twice_differentiable(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False, *, leaf_output=None):
+    """scaled_dot_product_attention for a pass that differentiates its backward: where torch runs a fused
+    kernel, _AttentionFunction with the same saves (learned from one run of torch's own call, whose output
+    is discarded); elsewhere (the math path, already twice differentiable) torch's call."""
+    kwargs = {"enable_gqa": enable_gqa} if enable_gqa else {}
+    if not torch.is_grad_enabled() or not any(isinstance(x, torch.Tensor) and x.requires_grad
+                                              for x in (query, key, value)):
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    captured: list = []
+
+    def capture(t):
+        captured.append(t)
+        return len(captured) - 1
+
+    with torch.autograd.graph.saved_tensors_hooks(capture, lambda i: captured[i]):
+        fused = _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    node = fused.grad_fn.name() if fused.grad_fn is not None else ""
+    if not node.startswith(_FUSED_ATTENTION_NODES):
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    layout: list = []
+    others: dict = {}
+    named = (("q", query), ("k", key), ("v", value), ("out", fused))
+    for i, t in enumerate(captured):
+        name = next((n for n, x in named if n not in layout and isinstance(t, torch.Tensor) and
+                     (t is x or (t.shape == x.shape and t.stride() == x.stride() and t.dtype == x.dtype and
+                                 t.data_ptr() == x.data_ptr()))), None)
+        if name is None:
+            others[i] = t
+            layout.append(i)
+        else:
+            layout.append(name)
+    if not all(n in layout for n in ("q", "k", "v", "out")):
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+    return _AttentionFunction.apply(query, key, value, attn_mask, tuple(layout), others, float(dropout_p),
+                                    bool(is_causal), scale, bool(enable_gqa), leaf_output, fused.detach())
+
+
+#: torch's attention builtin (the tracker sees this object, whatever name the caller used); None before 2.0
+_SDPA = getattr(torch._C._nn, "scaled_dot_product_attention", None)
+
 #: stand-ins for functions whose backward autograd cannot differentiate, for passes that need a double
 #: backward (the policy's probe): same values, same saved tensors, so the storage table reads them alike
 DOUBLE_BACKWARD = {torch.nn.functional.hardsigmoid: _hardsigmoid_twice_differentiable}
+if _SDPA is not None:
+    DOUBLE_BACKWARD[_SDPA] = _attention_twice_differentiable
 
 
 def double_backward_substitutes() -> dict:
@@ -779,10 +945,13 @@ class _ActivationCall:
     """One call of an activation stand-in: which activation, its extra arguments, and whether the pack hook
     stored the derivative in place of the input (set after the forward, when autograd packs the save)."""
 
-    __slots__ = ("act", "extra", "stored", "saved")
+    __slots__ = ("act", "extra", "stored", "saved", "probed")
 
     def __init__(self, act: _Activation, extra: tuple) -> None:
         self.act, self.extra, self.stored = act, extra, False
+        # the policy's probe saved f'(x) as a leaf of its own: the backward grad * f'(x) is then
+        # differentiated again, by that leaf
+        self.probed = False
         self.saved: Any = None  # a weak reference to the tensor it saves
 
     def derivative(self, x: torch.Tensor) -> torch.Tensor:
@@ -817,7 +986,7 @@ class ActivationFunction(torch.autograd.Function):
         (saved,) = ctx.saved_tensors
         call = ctx.call
         if call.stored:
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not call.probed:
                 raise RuntimeError(
                     "gact: a backward with create_graph=True through an activation whose input gact stored as "
                     "its derivative (silu, gelu, mish, softplus): the derivative cannot be differentiated "
