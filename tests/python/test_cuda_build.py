@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,7 +62,12 @@ def fake_pluggable(monkeypatch):
                         lambda a: made.__setitem__("current", a), raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
     monkeypatch.delenv("GACT_LIBRARY", raising=False)
-    return made
+    originals = (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats)
+    yield made
+    while galloc._served:  # use_allocator() replaced torch's memory functions: torch's again
+        owner, name, fn = galloc._served.pop()
+        setattr(owner, name, fn)
+    assert (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats) == originals
 
 
 @pytest.mark.skipif(not getattr(_gact, "have_kernels", False), reason="this _gact has no CUDA kernels")
@@ -81,6 +87,9 @@ def test_use_allocator_wires_the_module_and_torch_hooks(fake_pluggable):
     assert torch.backends.cudnn.benchmark is False
     assert galloc.installed == {"library": path, "hooks": list(galloc.HOOKS),
                                 "shared_with_store": True}
+    served = {(owner.__name__, name) for owner, name, _ in galloc._served}
+    assert served == {(m, f) for m in ("torch.cuda", "torch.cuda.memory")
+                      for f in ("memory_stats_as_nested_dict", "reset_peak_memory_stats")}
 
 
 def test_use_allocator_with_gact_library_uses_that_file(fake_pluggable, monkeypatch, tmp_path):
@@ -135,3 +144,67 @@ def test_codecs_gpu_program_reads_quick_mode_and_skips_without_a_device():
         assert "no CUDA device" in r.stdout
     else:
         assert r.returncode == 0, r.stdout[-2000:]
+
+
+_MEMORY_API_SCRIPT = r"""
+import ctypes, importlib, os, sys, types
+import torch
+# gact.allocator alone, with libgact.so over the fake CUDA runtime (the _gact module links the real one)
+sys.modules["_gact"] = types.ModuleType("_gact")
+pkg = types.ModuleType("gact")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["gact"] = pkg
+galloc = importlib.import_module("gact.allocator")
+lib = ctypes.CDLL(os.environ["GACT_LIBRARY"])
+galloc.serve_torch_memory_api(lib)
+lib.gact_alloc.restype = ctypes.c_void_p
+lib.gact_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.gact_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+MiB = 1 << 20
+seen = {"before": (torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0))}
+a = lib.gact_alloc(3 * MiB, 0, None)
+b = lib.gact_alloc(5 * MiB, 0, None)
+seen["two"] = (torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0),
+               torch.cuda.memory_reserved("cuda:0"), torch.cuda.max_memory_reserved(torch.device("cuda", 0)))
+lib.gact_free(b, 5 * MiB, 0, None)
+seen["freed"] = (torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0))
+torch.cuda.reset_peak_memory_stats(0)
+seen["reset"] = (torch.cuda.memory_allocated(0), torch.cuda.max_memory_allocated(0))
+torch.cuda.reset_max_memory_allocated(0)
+stats = torch.cuda.memory_stats(0)
+seen["stats"] = (stats["allocation.all.current"], stats["num_ooms"], stats["segment.all.current"] >= 1)
+summary = torch.cuda.memory_summary(0)
+seen["summary"] = [line for line in summary.splitlines() if line.startswith("|") and "Allocated memory" in line]
+lib.gact_free(a, 3 * MiB, 0, None)
+print(repr(seen))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so")),
+                    reason="this build has no libgact.so (no CUDA headers)")
+def test_torch_memory_api_answers_with_gacts_figures_under_use_allocator():
+    """Under a pluggable allocator torch's memory_stats() raises (it asks the allocator for statistics
+    pluggable allocators do not have), so a trainer that logs memory the usual way crashed under
+    use_allocator(). gact answers instead: memory_allocated, max_memory_allocated, memory_reserved,
+    max_memory_reserved, reset_peak_memory_stats, memory_stats and memory_summary follow gact's allocator,
+    here libgact.so over the fake CUDA runtime (a separate process: torch's functions are replaced)."""
+    lib = os.path.normpath(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so"))
+    fake = os.path.normpath(os.path.join(os.path.dirname(lib), "..", "tests", "fake_cudart"))
+    if not os.path.isfile(os.path.join(fake, "libcudart.so.13")):
+        pytest.skip("this build has no fake CUDA runtime")
+    env = dict(os.environ, GACT_LIBRARY=lib, LD_LIBRARY_PATH=fake + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    pkg = os.path.dirname(os.path.abspath(galloc.__file__))
+    r = subprocess.run([sys.executable, "-c", _MEMORY_API_SCRIPT, pkg], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (the script's own repr)
+    MiB = 1 << 20
+    assert seen["before"] == (0, 0)
+    allocated, peak, reserved, max_reserved = seen["two"]
+    assert allocated == peak == 8 * MiB and reserved >= 8 * MiB and max_reserved >= reserved
+    assert seen["freed"] == (3 * MiB, 8 * MiB)
+    assert seen["reset"] == (3 * MiB, 3 * MiB)  # the peak starts again from what is allocated now
+    assert seen["stats"] == (1, 0, True)
+    # memory_summary's row: current, peak (since the reset), allocated in all, freed in all (KiB)
+    (row,) = seen["summary"]
+    assert [int(n) for n in re.findall(r"(\d+) Ki?B", row)] == [3072, 3072, 8192, 5120], row

@@ -22,7 +22,9 @@ Torch accepts a new allocator only before its CUDA state is initialized, so this
 first thing, before any tensor touches a GPU. Under any pluggable allocator, torch's
 ``torch.cuda.memory_stats()`` and ``torch.backends.cudnn.benchmark = True`` raise (torch
 asks the allocator for ``cacheInfo``, which pluggable allocators do not have):
-:func:`use_allocator` turns an enabled cudnn benchmark off with a warning.
+:func:`use_allocator` turns an enabled cudnn benchmark off with a warning, and makes torch's
+memory functions answer with gact's figures (:func:`serve_torch_memory_api`), so that trainers
+that log memory the usual way keep running.
 """
 
 from __future__ import annotations
@@ -137,12 +139,86 @@ def use_allocator() -> str:
         )
         torch.backends.cudnn.benchmark = False
     torch.cuda.memory.change_current_allocator(alloc)
+    serve_torch_memory_api(lib)
     import _gact
 
     global installed
     installed = {"library": path, "hooks": wired,
                  "shared_with_store": os.path.realpath(path) == os.path.realpath(_gact.__file__)}
     return path
+
+
+# ---- torch's memory API under use_allocator ------------------------------------------------------
+
+#: the families of torch's ``memory_stats()`` keys that ``memory_summary()`` reads: "<family>.<pool>.<stat>"
+_TORCH_FAMILIES = ("allocated_bytes", "active_bytes", "requested_bytes", "reserved_bytes", "inactive_split_bytes",
+                   "allocation", "active", "segment", "inactive_split")
+_TORCH_POOLS = ("all", "large_pool", "small_pool")
+_TORCH_STATS = ("current", "peak", "allocated", "freed")
+#: keys of torch's that gact's allocator has no counterpart of, with torch's value for "none"
+_TORCH_OTHER = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+                "num_device_free": 0, "max_split_size": -1,
+                **{f"oversize_{k}.{s}": 0 for k in ("allocations", "segments") for s in _TORCH_STATS}}
+
+#: torch.cuda's functions replaced by serve_torch_memory_api: [(module, name, original)]
+_served: list = []
+
+
+def _device_stats(lib: ctypes.CDLL, device: int) -> Dict[str, float]:
+    """The flat statistics of gact's allocator for ``device`` in torch's keys (every key torch's
+    ``memory_summary()`` reads; zeros before the device's first allocation)."""
+    import json
+
+    lib.gact_stats_json.restype = ctypes.c_void_p
+    lib.gact_free_string.argtypes = [ctypes.c_void_p]
+    text = lib.gact_stats_json()
+    if not text:
+        raise RuntimeError("gact: the allocator's statistics could not be read (gact_stats_json failed)")
+    try:
+        doc = json.loads(ctypes.string_at(text).decode())
+    finally:
+        lib.gact_free_string(text)
+    mine = doc.get("allocators", {}).get(f"cuda:{device}", {})
+    out: Dict[str, float] = {f"{f}.{p}.{s}": 0 for f in _TORCH_FAMILIES for p in _TORCH_POOLS for s in _TORCH_STATS}
+    out.update(_TORCH_OTHER)
+    out.update({k: v for k, v in mine.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
+
+
+def _nested(flat: Dict[str, float]) -> dict:
+    nested: dict = {}
+    for key, value in flat.items():
+        *path, leaf = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def serve_torch_memory_api(lib: ctypes.CDLL) -> None:
+    """Make ``torch.cuda.memory_stats`` (and what reads it: ``memory_allocated``,
+    ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``, ``memory_summary``)
+    answer with the statistics of gact's allocator in ``lib``, and ``reset_peak_memory_stats``
+    (with ``reset_max_memory_allocated``/``_cached``) reset its peaks (those of every device).
+    Under a pluggable allocator torch's own raise. :func:`use_allocator` calls it."""
+    mem = torch.cuda.memory
+
+    def memory_stats_as_nested_dict(device=None):
+        index = torch.cuda._utils._get_device_index(device, optional=True)
+        return _nested(_device_stats(lib, index))
+
+    def reset_peak_memory_stats(device=None):
+        lib.gact_reset_peak_stats()
+
+    memory_stats_as_nested_dict.__doc__ = mem.memory_stats_as_nested_dict.__doc__
+    reset_peak_memory_stats.__doc__ = mem.reset_peak_memory_stats.__doc__
+    for name, fn in (("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
+                     ("reset_peak_memory_stats", reset_peak_memory_stats)):
+        for owner in (mem, torch.cuda):
+            if getattr(owner, name, None) is not None:
+                _served.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, fn)
 
 
 # ---- torch's CPU tensors from gact's host arena ---------------------------------------------------
