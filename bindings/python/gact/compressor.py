@@ -994,8 +994,8 @@ class Compressor:
             call = _saved.activation_call(t)
             with torch.no_grad():
                 dt = call.derivative(t)
-            call.stored = call.probed = True
-            return self._probe.pack(dt.requires_grad_(), key)
+            call.stored, call.probed = True, dt.requires_grad_()
+            return self._probe.pack(dt, key)
         if kind == _saved.PREDICATE and d.clamped and t.is_floating_point():
             # a clamp's output: if a later op reads its values too, the store keeps one boundary blob
             self._probe.note_clamp(t, d.pred[1])

@@ -949,9 +949,9 @@ class _ActivationCall:
 
     def __init__(self, act: _Activation, extra: tuple) -> None:
         self.act, self.extra, self.stored = act, extra, False
-        # the policy's probe saved f'(x) as a leaf of its own: the backward grad * f'(x) is then
-        # differentiated again, by that leaf
-        self.probed = False
+        # the policy's probe's leaf holding f'(x): the backward multiplies by it (not by the unpacked save, which
+        # autograd ties to the saved input), so that the probe's double backward reaches it
+        self.probed: torch.Tensor | None = None
         self.saved: Any = None  # a weak reference to the tensor it saves
 
     def derivative(self, x: torch.Tensor) -> torch.Tensor:
@@ -985,8 +985,10 @@ class ActivationFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
         call = ctx.call
+        if call.probed is not None:
+            return grad * call.probed, None, None
         if call.stored:
-            if torch.is_grad_enabled() and not call.probed:
+            if torch.is_grad_enabled():
                 raise RuntimeError(
                     "gact: a backward with create_graph=True through an activation whose input gact stored as "
                     "its derivative (silu, gelu, mish, softplus): the derivative cannot be differentiated "
