@@ -541,6 +541,33 @@ def ddp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeout: float = 300.0) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a deadline. gloo's teardown now and then
+    leaves one rank hanging after both wrote their results (seen on a loaded 2-core machine: one rank
+    gone, the other waiting for minutes), and ``spawn(join=True)`` waits forever. At the deadline the
+    ranks still running are killed; that is a failure naming them unless every path in ``outputs`` was
+    written (the ranks did their work; only the teardown hung). A rank that raises fails as in spawn."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() < deadline:
+            continue
+        alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        missing = [o for o in outputs if not os.path.exists(o)]
+        if missing:
+            raise AssertionError(f"rank(s) {alive} still running after {timeout:.0f} s (killed); "
+                                 f"results missing: {missing}")
+        return
+
+
 class SaveArgs(torch.autograd.Function):
     """``SaveArgs.apply(x, *ts)`` saves ``ts`` for backward, in order, and returns ``x * 1``; its backward
     hands the tensors it got back to ``SaveArgs.seen`` (what the unpack hooks returned, cloned)."""

@@ -373,8 +373,8 @@ def _allreduce_worker(rank, world, port, out_dir):
     est = {"a:0": 1.0 + rank, f"only{rank}:0": 10.0 * (rank + 1), "w:0": [1.0 + rank, 2.0, 3.0 * rank, 0.0]}
     got = gpol._allreduce_mean(est)
     got["spacing"] = gpol._allreduce_max(1000 + 37 * rank)  # the policy's spacing: the largest
+    torch.save(got, f"{out_dir}/r{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
     dist.destroy_process_group()
-    torch.save(got, f"{out_dir}/r{rank}.pt")
 
 
 def test_estimates_are_averaged_over_ranks(tmp_path):
@@ -383,12 +383,12 @@ def test_estimates_are_averaged_over_ranks(tmp_path):
     same spacing to the next estimate (the largest), so every rank samples the same steps."""
     import socket
 
-    import torch.multiprocessing as mp
+    import evalkit
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_allreduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    evalkit.spawn_ranks(_allreduce_worker, (2, port, str(tmp_path)), [tmp_path / f"r{r}.pt" for r in range(2)])
     r0, r1 = torch.load(tmp_path / "r0.pt"), torch.load(tmp_path / "r1.pt")
     assert r0 == r1 == {"a:0": 1.5, "only0:0": 10.0, "only1:0": 20.0, "w:0": [1.5, 2.0, 1.5, 0.0], "spacing": 1037}
 
@@ -408,8 +408,8 @@ def _auto_rank_worker(rank, world, port, out_dir):
     out = {"bits": {k: r["bits"] for k, r in st["tensors"].items()}, "check": st.get("last_check"),
            "uniform": comp.policy._uniform}
     comp.close()
+    torch.save(out, f"{out_dir}/a{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
     dist.destroy_process_group()
-    torch.save(out, f"{out_dir}/a{rank}.pt")
 
 
 def test_ranks_decide_alike_with_their_own_batches(tmp_path):
@@ -417,12 +417,12 @@ def test_ranks_decide_alike_with_their_own_batches(tmp_path):
     against uniform are averaged over the ranks, so both use the same widths and the same verdict."""
     import socket
 
-    import torch.multiprocessing as mp
+    import evalkit
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_auto_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    evalkit.spawn_ranks(_auto_rank_worker, (2, port, str(tmp_path)), [tmp_path / f"a{r}.pt" for r in range(2)])
     a0, a1 = torch.load(tmp_path / "a0.pt"), torch.load(tmp_path / "a1.pt")
     assert a0["bits"] and a0["bits"] == a1["bits"]
     assert a0["uniform"] == a1["uniform"]
