@@ -18,7 +18,9 @@ compression), ``bits4``, ``bits2``, ``auto`` (``bits="auto", budget=2``) and ``a
 2. step time: median of the timed steps (SGD with momentum) after warm-up;
 3. peak memory: gact's high-water mark of allocated and reserved bytes on the device (its
    allocator holds torch's tensors and the compressed blobs), reset before the timed steps;
-   torch's own max_memory_allocated where torch's allocator is in use; the store's ratio.
+   torch's own max_memory_allocated where torch's allocator is in use (under use_allocator()
+   the same call answers with gact's figures: ``torch_api_peak_mib``, which must equal
+   ``gact_peak_mib``); the store's ratio.
 
 Then the swap check: with deterministic algorithms, the gradients of ``bits=2`` with
 ``swap=True`` must equal those with ``swap=False`` bit for bit, or differ no more than two
@@ -264,6 +266,11 @@ class Trainer:
                     p["gact_activation_peak_mib"] = round(act / MIB, 1)
             if self.torch_allocator:
                 p["torch_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+            else:  # torch's memory API under use_allocator() answers with gact's figures: the same peak
+                try:
+                    p["torch_api_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+                except Exception as e:  # noqa: BLE001 (reported, not fatal)
+                    p["torch_api_error"] = f"{type(e).__name__}: {e}"[:200]
         return p
 
     # -- swap ----------------------------------------------------------------------------
