@@ -201,7 +201,10 @@ def serve_torch_memory_api(lib: ctypes.CDLL) -> None:
     ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``, ``memory_summary``)
     answer with the statistics of gact's allocator in ``lib``, and ``reset_peak_memory_stats``
     (with ``reset_max_memory_allocated``/``_cached``) reset its peaks (those of every device).
-    Under a pluggable allocator torch's own raise. :func:`use_allocator` calls it."""
+    Under a pluggable allocator torch's own raise. :func:`use_allocator` calls it; a library without
+    the statistics entry points (an older libgact.so) leaves torch's functions as they are."""
+    if not all(hasattr(lib, n) for n in ("gact_stats_json", "gact_free_string", "gact_reset_peak_stats")):
+        return
     mem = torch.cuda.memory
 
     def memory_stats_as_nested_dict(device=None):
