@@ -48,3 +48,25 @@ def test_profile_keeps_every_storage_decision():
     assert counts[-1] == plain, (counts[-1], plain)
     assert plain[0].get("stats", 0) >= 4  # the two batch norms' mean and invstd, kept exact
     assert res["encode_s"] > 0 and res["python_s"] >= 0
+
+
+def test_saved_tensor_count_is_every_save_of_the_step():
+    """The µs/tensor column divides by the saved tensors the Compressor saw in a step (stored or kept):
+    on the tinystack workload that count equals the number of saves autograd makes in a plain step."""
+    import types
+
+    train = _bench_train()
+    torch.manual_seed(0)
+    w = train.Workload(types.SimpleNamespace(model="tinystack", batch=2, size=64, threads=1))
+    saves = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saves.append(1) or t, lambda t: t):
+        loss = w.loss(w.model(w.x))
+    loss.backward()
+    w.model.zero_grad(set_to_none=True)
+    comps = {4: gact.Compressor(w.model, bits=4)}
+    step = train.make_step(w, comps)
+    step("gact4")
+    got = train.gact_step_bytes(gact, comps[4], step, "gact4")
+    comps[4].close()
+    assert got["saved_tensors"] == len(saves) > 64, (got, len(saves))
+    assert got["stored"] > 0

@@ -2,7 +2,7 @@
 """gact-bench train: peak memory, step time and saved-activation bytes of a training step, for the
 uncompressed baseline, gact at 8/4/2 bits and torch.utils.checkpoint, same model, same run.
 
-    gact-bench train [--model resnet50|resnet18|mobilenet_v2|efficientnet_b0|vit|transformer|word_lm]
+    gact-bench train [--model resnet50|resnet18|mobilenet_v2|efficientnet_b0|vit|transformer|word_lm|tinystack]
                      [--size 96] [--batch 8] [--steps 6] [--rounds 3] [--threads 1]
                      [--peak | --no-peak] [--profile] [--accuracy] [--zoo] [--wild] [--json-only]
 
@@ -24,6 +24,9 @@ machine load falls on all arms alike; the figure is the median step time.
 
 Saved bytes per step: "saved" is the baseline count above for the baseline and checkpoint arms, and for
 gact the store's blobs of one step plus the bytes it kept as they are; "ratio" is baseline / arm.
+"µs/tensor" is the step time a gact arm adds to the baseline's, divided by the saved tensors the
+Compressor saw in one step (stored or kept): what each saved tensor costs, host path and codec together.
+--model tinystack (32 x (Linear 64 + GELU) over 16 x batch rows) is where the codec's share is small.
 
 --profile breaks 3 steps per arm down by timing gact's entry points (wall clock): encode (store_put:
 the codec pass and its blob), decode (store_get_dlpack and from_dlpack), the Python hooks and tracker
@@ -58,7 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gact_progress import progress  # noqa: E402  (tools/gact_progress.py)
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
-MODELS = ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0", "vit", "transformer", "word_lm")
+MODELS = ("resnet50", "resnet18", "mobilenet_v2", "efficientnet_b0", "vit", "transformer", "word_lm", "tinystack")
 BITS = (8, 4, 2)
 
 
@@ -171,6 +174,17 @@ class Workload:
             self.checkpoint_forward = None
             self.keep_output = True
             self.loss = lambda out: F.nll_loss(out.view(-1, 10000), self.y)
+        elif name == "tinystack":
+            # what each saved tensor costs on the host: 32 x (Linear 64 + GELU) over 16 x batch rows (8 KiB
+            # tensors at batch 2, 32 KiB at 8), where the codec's work is small beside the per-tensor path
+            layers = []
+            for _ in range(32):
+                layers += [nn.Linear(64, 64), nn.GELU()]
+            self.model = nn.Sequential(*layers, nn.Linear(64, 10))
+            self.x = torch.randn(16 * args.batch, 64)
+            self.y = torch.randint(0, 10, (16 * args.batch,))
+            self.checkpoint_forward = None
+            self.loss = lambda out: F.cross_entropy(out, self.y)
         else:
             raise SystemExit(f"gact-bench train: unknown model {name!r}; use one of {', '.join(MODELS)}")
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
@@ -261,7 +275,10 @@ def gact_step_bytes(gact, comp, step, arm) -> dict:
     stored = after["bytes_stored"] - before["bytes_stored"]
     held = after["unstored"]["held"]["bytes"] - before["unstored"]["held"]["bytes"]
     ratio = (after["bytes_in"] - before["bytes_in"]) / stored if stored else 0.0
-    return {"stored": stored, "kept": kept, "held": held, "store_ratio": ratio}
+    # every saved tensor the Compressor saw: stored, or kept for a reason (parameters and inputs too)
+    tensors = after["tensors_in"] - before["tensors_in"] + sum(
+        after["skipped"][r]["tensors"] - before["skipped"][r]["tensors"] for r in after["skipped"])
+    return {"stored": stored, "kept": kept, "held": held, "store_ratio": ratio, "saved_tensors": tensors}
 
 
 # ---- peak memory in fresh processes -------------------------------------------------------------------
@@ -501,6 +518,10 @@ def main(argv=None) -> int:
                "step_time_max_s": max(times[a])}
         if a in detail:
             row["store_ratio"] = detail[a]["store_ratio"]
+            n = detail[a]["saved_tensors"]
+            row["saved_tensors"] = n
+            # the step time gact adds, per saved tensor it saw (host path, codec and all)
+            row["us_per_saved_tensor"] = 1e6 * (med[a] - base_t) / n if n else None
         if peaks is not None:
             row["peak"] = peaks[a]
         result["arms"][a] = row
@@ -529,12 +550,14 @@ def main(argv=None) -> int:
         print(f"\n{args.model}, {shape}batch {args.batch}, {args.threads} threads, torch {torch.__version__}, "
               f"median of {args.steps * args.rounds} steps per arm")
         print(f"{'arm':11} {'step time':>10} {'vs baseline':>12} {'saved/step':>11} {'ratio':>8} {'store ratio':>12}"
+              f" {'µs/tensor':>10}"
               + (f" {'peak RSS':>10} {'drop':>9} {'promised':>9} {'realized':>9} {'same alloc':>10}" if peaks else ""))
         for a in arms:
             r = result["arms"][a]
             sr = f"{r['store_ratio']:.2f}x" if "store_ratio" in r else "-"
+            us = f"{r['us_per_saved_tensor']:.1f}" if r.get("us_per_saved_tensor") is not None else "-"
             line = (f"{a:11} {1000 * r['step_time_s']:8.1f}ms {r['time_ratio']:11.3f}x "
-                    f"{r['saved_bytes'] / 2**20:8.2f}MiB {r['memory_ratio']:7.2f}x {sr:>12}")
+                    f"{r['saved_bytes'] / 2**20:8.2f}MiB {r['memory_ratio']:7.2f}x {sr:>12} {us:>10}")
             if peaks:
                 p = r["peak"]
                 prom = f"{p['promised'] / 2**20:7.1f}Mi" if "promised" in p else "-"
