@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <pthread.h>
 #include <span>
 #include <string>
@@ -205,6 +206,15 @@ void* host_torch_alloc(std::size_t bytes, char* why, std::size_t why_len) noexce
 void host_torch_free(void* p) noexcept { rt().host_arena.deallocate(p); }
 
 host_allocator_fns const g_host_allocator_fns{1, &host_torch_alloc, &host_torch_free};
+
+// A host tensor of fewer bytes is encoded or decoded with the GIL held (see store_put).
+constexpr std::size_t kReleaseGilBytes = std::size_t(256) << 10;
+
+std::size_t elements(std::vector<std::int64_t> const& shape) {
+  std::size_t n = 1;
+  for (std::int64_t d : shape) n *= static_cast<std::size_t>(d > 0 ? d : 0);
+  return n;
+}
 
 std::vector<std::int64_t> to_vec(py::sequence const& s) {
   std::vector<std::int64_t> v;
@@ -447,7 +457,10 @@ PYBIND11_MODULE(_gact, m) {
         if (device >= 0) r.ensure_device(device);
         gact::store::put_result res;
         {
-          py::gil_scoped_release nogil;
+          // The GIL is let go for a device tensor or a host tensor worth the switch: a small one encodes in
+          // less time than another thread would take to run (and releasing it costs every put a few hundred ns).
+          std::optional<py::gil_scoped_release> nogil;
+          if (device >= 0 || elements(v.shape) * gact::store::element_size(v.dtype) >= kReleaseGilBytes) nogil.emplace();
           res = r.store.put(v, p);
         }
         // The view's strides in the decoded image (put_result::strides says which).
@@ -493,7 +506,8 @@ PYBIND11_MODULE(_gact, m) {
         gact::store::tensor_info const info = r.store.info(h);
         std::shared_ptr<gact::store::decoded_image const> img;
         {
-          py::gil_scoped_release nogil;
+          std::optional<py::gil_scoped_release> nogil;  // (as in store_put)
+          if (info.device >= 0 || info.bytes_in >= kReleaseGilBytes) nogil.emplace();
           img = r.store.get_shared(h, gp);
         }
         return make_dlpack(std::move(img), info, to_vec(shape), to_vec(strides), offset);

@@ -81,6 +81,10 @@ NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 
 _from_dlpack = _dlpack.from_dlpack
+_DTYPE_NAMES = _compat.DTYPE_NAMES
+_num_threads = torch.get_num_threads
+#: grad_fn types that are neither a dtype copy nor a view (a saved tensor made by one is no cast parameter)
+_PLAIN_NODES: set = set()
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
 
 
@@ -576,6 +580,7 @@ class Compressor:
             hooks.__enter__()
             tracker = _saved.OpTracker(self._flush, self._on_alias)
             tracker.substitutes = self._substitutes()
+            tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
             try:
                 tracker.__enter__()
             except BaseException:
@@ -585,6 +590,11 @@ class Compressor:
             local.tracker = tracker
         local.depth = depth + 1
         return self
+
+    def _min_store_bytes(self) -> float:
+        """The size below which a saved tensor is kept as it is ("small"); an estimator's replay scales it by its
+        rows' share of the step's batch."""
+        return self.min_bytes * self._row_share
 
     def _substitutes(self) -> dict | None:
         """The op tracker's stand-ins: the activations whose input is stored as their derivative."""
@@ -711,9 +721,12 @@ class Compressor:
         would be the weight the input's gradient is computed with. (A copy of a parameter that does not
         require grad has no graph: the storage table's rows for the layers keep the copy of the weight
         they are given exact.)"""
-        if t.grad_fn is None:
+        g = t.grad_fn
+        if g is None or type(g) in _PLAIN_NODES:
             return False
-        node, cast = _saved.through_copies(t.grad_fn)  # a copy, and views around it
+        node, cast = _saved.through_copies(g)  # a copy, and views around it
+        if node is g:  # (neither a copy nor a view: the next tensor from such a node is looked up in a set)
+            _PLAIN_NODES.add(type(g))
         var = getattr(node, "variable", None)  # an AccumulateGrad's leaf
         return cast and var is not None and (self._probe is None or id(var) not in self._probe.leaves)
 
@@ -737,8 +750,18 @@ class Compressor:
             return "layout"
         if t.is_cuda and not _C.have_kernels:
             return "device"
-        if self._is_parameter(t):
-            return "parameter"
+        # _is_parameter(t), inlined
+        probe = self._probe
+        if t.requires_grad and t.is_leaf:
+            if probe is None or id(t) not in probe.leaves:
+                return "parameter"
+        else:
+            b = t._base
+            if b is not None and b.requires_grad and b.is_leaf:
+                if probe is None or id(b) not in probe.leaves:
+                    return "parameter"
+            elif (self._param_ptrs and _compat.storage_base(t) in self._param_ptrs) or self._is_cast_parameter(t):
+                return "parameter"
         if self._is_excluded(t):
             return "excluded"
         return None
@@ -805,7 +828,7 @@ class Compressor:
         # batch requires grad) keys each tensor as the step did. Such a replay scales min_bytes by its
         # share of the step's rows, so that it also stores what the step stored.
         key = self._next_key()
-        if t.numel() * t.element_size() < self.min_bytes * self._row_share or t.numel() == 0:
+        if t.numel() * t.element_size() < self._min_store_bytes() or t.numel() == 0:
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):
@@ -874,15 +897,19 @@ class Compressor:
             bits = 1
         src = t
         dense = True
-        if t.is_cuda and not _compat.is_dense(t):
-            src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
-        stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+        if t.is_cuda:
+            if not _compat.is_dense(t):
+                src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
+            stream, device = torch.cuda.current_stream(t.device).cuda_stream, src.get_device()
+        else:
+            stream, device = 0, -1
+        # (the storage's address as _compat.storage_base computes it, inlined: this runs for every stored tensor)
+        ptr, off = src.data_ptr(), src.storage_offset()
         try:
             h, offset, shared, strides, upgraded = _C.store_put(
-                src.data_ptr(), _compat.DTYPE_NAMES[src.dtype], tuple(src.shape), src.stride(),
-                _compat.device_index(src), src._version, _compat.storage_base(src), key64(key), bits,
-                self.group_size, self.seed, stream, role, torch.get_num_threads(), norm, pred, d.clamped, window,
-                self._owner)
+                ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
+                ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
+                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner)
         except _C.OutOfMemoryError as e:
             return self._out_of_memory(t if keep is None else keep, e)
         p = _Packed(h, t, key, decode, self._owner)
@@ -1069,6 +1096,7 @@ class Compressor:
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
+        tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()
         self._local.tracker = tracker
         self._global_tracker = tracker
@@ -1110,6 +1138,7 @@ class Compressor:
         pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
+        tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()
         self._local.tracker = tracker
         self._local.thread_hooks = _ThreadHooks(pop, tracker)

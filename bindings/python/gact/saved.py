@@ -649,6 +649,10 @@ class OpTracker(TorchFunctionMode):
         # {function: stand-in} run in its place (the frame still names the function), or None; the policy's
         # probe sets double_backward_substitutes() for its passes
         self.substitutes: dict | None = None
+        # min_store_bytes(): the size below which the tracker's Compressor keeps a saved tensor as it is
+        # (None: 0). An activation whose input is smaller runs as torch's own, not its derivative stand-in:
+        # its input is kept anyway, and the stand-in would only add a Python autograd node to the call.
+        self.min_store_bytes: Callable[[], float] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func.__class__ is _METHOD_WRAPPER and getattr(func, "__self__", None) is _DATA and \
@@ -660,7 +664,9 @@ class OpTracker(TorchFunctionMode):
         try:
             subs = self.substitutes
             if subs is not None:
-                func = subs.get(func, func)
+                sub = subs.get(func)
+                if sub is not None and (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)):
+                    func = sub
             return func(*args, **frame.kwargs)
         finally:
             stack.pop()
@@ -669,6 +675,18 @@ class OpTracker(TorchFunctionMode):
 
     def current(self) -> Frame | None:
         return self.stack[-1] if self.stack else None
+
+    def _too_small(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an activation's input is below the size the Compressor stores (see min_store_bytes)."""
+        size = self.min_store_bytes
+        if size is None:
+            return False
+        x = args[0] if args else kwargs.get("input")
+        if type(x) is not torch.Tensor:
+            return False
+        limit = size()  # (None once the Compressor is gone)
+        n = x.numel()
+        return limit is not None and (n == 0 or n * x.element_size() < limit)
 
 
 class _HardsigmoidFunction(torch.autograd.Function):
@@ -1051,6 +1069,10 @@ DERIVATIVE_SUBSTITUTES = {
         _Activation(torch._C._nn.softplus, _aten.softplus_backward, _derivative_by(_aten.softplus_backward)),
         _F.softplus, None, _softplus_extra),
 }
+
+
+#: the stand-ins of DERIVATIVE_SUBSTITUTES (the tracker runs torch's own function for inputs too small to store)
+_DERIVATIVE_STAND_INS = frozenset(DERIVATIVE_SUBSTITUTES.values())
 
 
 def activation_call(t: torch.Tensor) -> _ActivationCall | None:
