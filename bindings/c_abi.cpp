@@ -22,6 +22,7 @@
 // keeps blocks per stream, so the `stream` argument of gact_free is not needed.
 #include "bindings/gact.h"
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +49,9 @@ using gact::bindings::device_allocators;
 
 /// The allocators of this binary (never destroyed; see device_allocators.hpp).
 device_allocators& allocators() { return gact::bindings::process_device_allocators(); }
+
+/// gact_torch_alloc's thrower of torch's out-of-memory error (gact_set_oom_thrower); null: gact's own.
+std::atomic<gact_oom_thrower> g_oom_thrower{nullptr};
 
 /// "1.50 GiB": a size the way torch's out-of-memory message writes it.
 std::string human_size(double bytes) {
@@ -103,9 +107,18 @@ void* gact_torch_alloc(ssize_t size, int device, cudaStream_t stream) {
     return allocators().get(device).allocate(static_cast<std::size_t>(size), gact::device::to_handle(stream));
   } catch (gact::out_of_memory const& e) {
     // Counted in the allocator's num_ooms; the text is the one torch users match on.
-    throw gact::out_of_memory("CUDA out of memory. Tried to allocate " + human_size(static_cast<double>(size)) +
-                              " on GPU " + std::to_string(device) + " (gact's caching allocator: " + e.what() + ")");
+    std::string msg = "CUDA out of memory. Tried to allocate " + human_size(static_cast<double>(size)) + " on GPU " +
+                      std::to_string(device) + " (gact's caching allocator: " + e.what() + ")";
+    if (gact_oom_thrower const t = g_oom_thrower.load(std::memory_order_acquire)) {
+      t(msg.c_str(), static_cast<std::size_t>(size), device);  // throws torch's own error
+      GACT_WARN_CAPPED(4, "gact_torch_alloc: the out-of-memory thrower returned; throwing gact's own error");
+    }
+    throw gact::out_of_memory(std::move(msg));
   }
+}
+
+gact_oom_thrower gact_set_oom_thrower(gact_oom_thrower thrower) {
+  return g_oom_thrower.exchange(thrower, std::memory_order_acq_rel);
 }
 
 void gact_free(void* ptr, ssize_t size, int device, cudaStream_t /*stream*/) {

@@ -32,9 +32,18 @@ void* gact_alloc(ssize_t size, int device, cudaStream_t stream);
 /** PyTorch's alloc function: as gact_alloc, but a request that cannot be served throws a C++
  *  exception (derived from std::exception) instead of returning NULL, because torch's pluggable
  *  allocator does not check the pointer. Its text starts "CUDA out of memory. Tried to allocate"
- *  when memory is exhausted (torch raises it as a RuntimeError). Returns NULL only for size <= 0.
+ *  when memory is exhausted: torch raises it as a RuntimeError, or as torch.OutOfMemoryError once
+ *  a thrower of torch's own error is set (gact_set_oom_thrower). Returns NULL only for size <= 0.
  *  For C++ callers that catch exceptions; C code uses gact_alloc. */
 void* gact_torch_alloc(ssize_t size, int device, cudaStream_t stream);
+/** What gact_torch_alloc calls when memory is exhausted, with its message, the request's size and
+ *  the device: a function that throws (never returns normally), such as one raising c10's
+ *  OutOfMemoryError, which torch turns into torch.OutOfMemoryError and which cuDNN's workspace
+ *  fallback and users' retry loops catch. */
+typedef void (*gact_oom_thrower)(char const* message, size_t bytes, int device);
+/** Set (NULL: clear) the thrower of gact_torch_alloc; returns the one it replaces. gact.use_allocator()
+ *  sets the one of the `_gact_torch` module, built against the c10 of the torch it runs with. */
+gact_oom_thrower gact_set_oom_thrower(gact_oom_thrower thrower);
 /** Free a pointer from gact_alloc (PyTorch's free signature; `size` and `stream` are those
  *  of the allocation and are not needed). NULL is ignored; a foreign pointer is logged and counted. */
 void gact_free(void* ptr, ssize_t size, int device, cudaStream_t stream);

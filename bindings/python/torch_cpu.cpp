@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -96,6 +97,25 @@ void uninstall() {
   c10::SetAllocator(c10::DeviceType::CPU, g_previous, k_priority);  // tensors already served keep their deleter
 }
 
+// gact_torch_alloc's out-of-memory thrower (gact_oom_thrower in bindings/gact.h): torch's own error, which
+// torch raises as torch.OutOfMemoryError (torch.cuda.OutOfMemoryError) and which cuDNN's workspace fallback
+// and torch's own retry paths catch; without it gact's allocator fails with a RuntimeError.
+[[noreturn]] void throw_torch_oom(char const* message, std::size_t /*bytes*/, int /*device*/) {
+  C10_THROW_ERROR(OutOfMemoryError, message != nullptr ? message : "CUDA out of memory");
+}
+
+// What the thrower throws, caught as c10's type: the message, or None when it throws another type (a c10
+// whose OutOfMemoryError is another class than this module was compiled against). A test of the module.
+py::object check_oom_thrower(std::string const& message) {
+  try {
+    throw_torch_oom(message.c_str(), 0, 0);
+  } catch (c10::OutOfMemoryError const& e) {
+    return py::str(e.msg());
+  } catch (...) {
+  }
+  return py::none();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_gact_torch, m) {
@@ -103,4 +123,9 @@ PYBIND11_MODULE(_gact_torch, m) {
   m.def("install", &install, py::arg("fns"), "Serve torch's CPU tensors from gact's host arena.");
   m.def("uninstall", &uninstall, "Give torch its previous CPU allocator back (served tensors stay valid).");
   m.def("installed", &installed, "Whether torch's CPU allocator is gact's now.");
+  m.def(
+      "oom_thrower", [] { return reinterpret_cast<std::uintptr_t>(&throw_torch_oom); },
+      "The address of a gact_oom_thrower raising c10's OutOfMemoryError (gact_set_oom_thrower).");
+  m.def("check_oom_thrower", &check_oom_thrower, py::arg("message"),
+        "Call the thrower and catch c10::OutOfMemoryError: its message, or None if another type came out.");
 }

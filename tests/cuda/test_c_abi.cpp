@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "bindings/gact.h"
 #include "bindings/process_allocators.hpp"
 #include "cuda_fixtures.hpp"
+#include "allocator/error.hpp"
 #include "allocator/stats_registry.hpp"
 
 namespace {
@@ -196,6 +198,50 @@ TEST_CASE("c abi: gact_torch_alloc throws torch's out-of-memory text instead of 
   }
   CHECK_THROWS_WITH_AS((void)gact_torch_alloc(100, 7, nullptr), doctest::Contains("device 7"), std::exception);
   CHECK(cudaPeekAtLastError() == cudaSuccess);
+}
+
+namespace {
+/// A thrower as _gact_torch's, of a type of the test's own (torch's c10::OutOfMemoryError there).
+struct torch_like_oom : std::runtime_error {
+  std::size_t bytes;
+  int device;
+  torch_like_oom(char const* m, std::size_t b, int d) : std::runtime_error(m), bytes(b), device(d) {}
+};
+void throw_torch_like_oom(char const* message, std::size_t bytes, int device) {
+  throw torch_like_oom(message, bytes, device);
+}
+void returning_thrower(char const*, std::size_t, int) {}
+}  // namespace
+
+TEST_CASE("c abi: gact_set_oom_thrower makes gact_torch_alloc fail with the thrower's error (issue 31)") {
+  gact_init(0);
+  gact_empty_cache();
+  gact::test::capacity_scope const cap(64 * k_mib);
+  REQUIRE(bool(gact_set_oom_thrower(&throw_torch_like_oom) == nullptr));
+  auto const ooms = stat(0, "num_ooms");
+  bool caught = false;
+  try {
+    (void)gact_torch_alloc(static_cast<ssize_t>(96 * k_mib), 0, nullptr);
+  } catch (torch_like_oom const& e) {
+    caught = true;
+    CHECK(std::string(e.what()).starts_with("CUDA out of memory. Tried to allocate 96.00 MiB on GPU 0"));
+    CHECK(e.bytes == 96 * k_mib);
+    CHECK(e.device == 0);
+  }
+  CHECK(caught);
+  CHECK(stat(0, "num_ooms") == ooms + 1);
+  // the allocator is usable after it, and a request that fits never calls the thrower
+  void* p = gact_torch_alloc(static_cast<ssize_t>(16 * k_mib), 0, nullptr);
+  CHECK(p != nullptr);
+  gact_free(p, 0, 0, nullptr);
+  // a thrower that returns: gact's own error all the same (the pointer is never NULL)
+  CHECK(bool(gact_set_oom_thrower(&returning_thrower) == &throw_torch_like_oom));
+  CHECK_THROWS_WITH_AS((void)gact_torch_alloc(static_cast<ssize_t>(96 * k_mib), 0, nullptr),
+                       doctest::Contains("CUDA out of memory. Tried to allocate"), gact::out_of_memory);
+  // cleared: gact's own error again
+  CHECK(bool(gact_set_oom_thrower(nullptr) == &returning_thrower));
+  CHECK_THROWS_AS((void)gact_torch_alloc(static_cast<ssize_t>(96 * k_mib), 0, nullptr), gact::out_of_memory);
+  gact_empty_cache();
 }
 
 TEST_CASE("c abi: reset_peak_stats brings the high-water mark down to what is in use") {

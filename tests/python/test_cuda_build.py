@@ -68,6 +68,11 @@ def fake_pluggable(monkeypatch):
         owner, name, fn = galloc._served.pop()
         setattr(owner, name, fn)
     assert (torch.cuda.memory_stats_as_nested_dict, torch.cuda.reset_peak_memory_stats) == originals
+    if galloc.installed is not None and galloc.installed.get("oom_error") == "torch.OutOfMemoryError":
+        lib = ctypes.CDLL(galloc.installed["library"])  # the library keeps the thrower it was given: cleared
+        lib.gact_set_oom_thrower.restype = ctypes.c_void_p
+        lib.gact_set_oom_thrower.argtypes = [ctypes.c_void_p]
+        lib.gact_set_oom_thrower(None)
 
 
 @pytest.mark.skipif(not getattr(_gact, "have_kernels", False), reason="this _gact has no CUDA kernels")
@@ -85,7 +90,12 @@ def test_use_allocator_wires_the_module_and_torch_hooks(fake_pluggable):
         "set_memory_fraction_fn": addr("gact_set_memory_fraction"),
     }
     assert torch.backends.cudnn.benchmark is False
-    assert galloc.installed == {"library": path, "hooks": list(galloc.HOOKS),
+    try:
+        import _gact_torch  # noqa: F401
+        oom_error = "torch.OutOfMemoryError"  # the thrower of _gact_torch, built against this torch's c10
+    except ImportError:
+        oom_error = "RuntimeError"
+    assert galloc.installed == {"library": path, "hooks": list(galloc.HOOKS), "oom_error": oom_error,
                                 "shared_with_store": True}
     served = {(owner.__name__, name) for owner, name, _ in galloc._served}
     assert served == {(m, f) for m in ("torch.cuda", "torch.cuda.memory")
@@ -208,3 +218,49 @@ def test_torch_memory_api_answers_with_gacts_figures_under_use_allocator():
     # memory_summary's row: current, peak (since the reset), allocated in all, freed in all (KiB)
     (row,) = seen["summary"]
     assert [int(n) for n in re.findall(r"(\d+) Ki?B", row)] == [3072, 3072, 8192, 5120], row
+
+
+_OOM_THROWER_SCRIPT = r"""
+import ctypes, importlib, os, sys, types
+import torch
+sys.modules["_gact"] = types.ModuleType("_gact")  # gact.allocator alone (as _MEMORY_API_SCRIPT)
+pkg = types.ModuleType("gact")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["gact"] = pkg
+galloc = importlib.import_module("gact.allocator")
+import _gact_torch
+lib = ctypes.CDLL(os.environ["GACT_LIBRARY"])
+seen = {"error": galloc.set_oom_thrower(lib)}
+lib.gact_set_oom_thrower.restype = ctypes.c_void_p
+lib.gact_set_oom_thrower.argtypes = [ctypes.c_void_p]
+seen["wired"] = lib.gact_set_oom_thrower(None) == _gact_torch.oom_thrower()  # (and cleared again)
+seen["throws"] = _gact_torch.check_oom_thrower("CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0")
+print(repr(seen))
+"""
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so")),
+                    reason="this build has no libgact.so (no CUDA headers)")
+def test_use_allocator_gives_the_library_torchs_out_of_memory_thrower():
+    """Under use_allocator() an exhausted device raised gact's own error, a RuntimeError to torch, which
+    cuDNN's workspace fallback and users' `except torch.OutOfMemoryError` do not catch. use_allocator() now
+    gives gact_torch_alloc the thrower of _gact_torch (built against this torch's c10): the library holds
+    its address, and it throws c10::OutOfMemoryError, the type torch raises as torch.OutOfMemoryError.
+    (That an exhausted pool reaches it is tests/cuda/test_c_abi.cpp's; torch's translation of the type is
+    torch's own, and gpu-check sees it on a device.)"""
+    try:
+        import _gact_torch  # noqa: F401
+    except ImportError:
+        pytest.skip("no _gact_torch in this build (no c10 headers)")
+    lib = os.path.normpath(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so"))
+    fake = os.path.normpath(os.path.join(os.path.dirname(lib), "..", "tests", "fake_cudart"))
+    if not os.path.isfile(os.path.join(fake, "libcudart.so.13")):
+        pytest.skip("this build has no fake CUDA runtime")
+    env = dict(os.environ, GACT_LIBRARY=lib, LD_LIBRARY_PATH=fake + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    pkg = os.path.dirname(os.path.abspath(galloc.__file__))
+    r = subprocess.run([sys.executable, "-c", _OOM_THROWER_SCRIPT, pkg], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (the script's own repr)
+    assert seen == {"error": "torch.OutOfMemoryError", "wired": True,
+                    "throws": "CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0"}

@@ -500,7 +500,7 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
         "swap_check": {"resnet50": {"status": "pass", "verdict": "equal", "bitwise_equal": True,
                                     "rel_l2_swap_vs_no_swap": 0.0, "rel_l2_fp32_run_to_run": 0.0}},
         "max_batch": {"resnet50": {"fp32": {"max_batch": 96}, "bits2": {"max_batch": 384, "vs_fp32": 4.0}}},
-        "memory_cap_mib": 8192}
+        "memory_cap_mib": 8192, "max_batch_oom_errors": {"torch.OutOfMemoryError": 7}}
     rep["python_module"] = {"available": True, "reason": ""}
     md = open(report.write_report(rep, str(tmp_path))["md"]).read()
     doc = json.loads((tmp_path / "report.json").read_text())
@@ -512,6 +512,9 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
                            "step 1.50x of fp32, gact peak 0.25x")
     assert t[3] == "swap's gradients against swap=False: resnet50 equal"
     assert t[4] == "largest batch under 8192 MiB: resnet50 fp32 96 -> bits2 384 (4.00x)"
+    assert t[5] == "out-of-memory errors of the batch search: torch.OutOfMemoryError x7"
+    rep["stages"]["train"]["figures"]["max_batch_oom_errors"] = {"builtins.RuntimeError": 2}
+    assert "NOT all torch's OutOfMemoryError" in report.truths(rep)[5]
     assert md.index("## Findings") < md.index("## Kernels beside") < md.index("## Training steps") \
         < md.index("## Swap") < md.index("## Largest batch") < md.index("## Stages")
     assert "| float32 | quant | 2 | 1,700 | 0.85 | 2,400 | 1.20 | yes | yes |" in md

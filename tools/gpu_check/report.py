@@ -281,6 +281,11 @@ def truths(report: Mapping[str, object]) -> List[str]:
             lines.append(f"{m} fp32 {base}" + (f" -> {rest}" if rest else ""))
     if lines:
         out.append(f"largest batch under {_fmt(t.get('memory_cap_mib'))} MiB: " + "; ".join(lines))
+    ooms = t.get("max_batch_oom_errors") or {}
+    if isinstance(ooms, Mapping) and ooms:
+        theirs = all(str(k).endswith("OutOfMemoryError") for k in ooms)
+        out.append("out-of-memory errors of the batch search: " + ", ".join(f"{k} x{v}" for k, v in ooms.items()) +
+                   ("" if theirs else " (NOT all torch's OutOfMemoryError: retry loops and cuDNN's fallback miss them)"))
     for stage in ("sanitizers", "preload", "native", "unit"):
         st = _status(report, stage)
         if st not in ("pending", "not run"):

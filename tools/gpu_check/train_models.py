@@ -126,6 +126,7 @@ class Trainer:
         self.gact = None if a.no_module else __import__("gact")
         self.stats = GactStats(None)
         self.torch_allocator = a.allocator == "torch" or not self.cuda
+        self.oom_errors: Dict[str, int] = {}  # the batch search's out-of-memory errors by type
 
     def left(self) -> float:
         return self.t_end - time.monotonic()
@@ -313,6 +314,10 @@ class Trainer:
         except Exception as exc:
             if not wm.is_oom(exc):
                 raise
+            # which error an exhausted pool raised: torch.OutOfMemoryError is what users' retry loops and
+            # cuDNN's workspace fallback catch (under use_allocator, only with gact's thrower set)
+            kind = type(exc).__module__ + "." + type(exc).__name__
+            self.oom_errors[kind] = self.oom_errors.get(kind, 0) + 1
             if comp is not None:
                 # free the failed step's blobs now: the caught exception still holds its graph
                 getattr(comp, "abort_step", comp.step)()
@@ -438,10 +443,14 @@ class Trainer:
             f["device_allocators"] = names
             f["activation_peak_bytes_in_torch_allocator"] = act
         self.search_batches(inputs)
+        f["max_batch_oom_errors"] = dict(self.oom_errors)
         if self.cuda and not self.torch_allocator:
             d = self.stats.device(0)
             # read again after the search, which is where out-of-memory events happen
             f["gact_num_ooms"] = int(d.get("num_ooms", 0) or 0)
+            # every out-of-memory of the search as torch's own type (gact.allocator.set_oom_thrower)
+            f["oom_errors_are_torchs"] = bool(self.oom_errors) and all(
+                k.endswith("OutOfMemoryError") for k in self.oom_errors)
             # handles alive once every search step is over: a failed step's blobs must not outlive it
             f["store_live_handles_after_search"] = int((self.stats.document().get("store") or {}).get("live_handles", 0) or 0)
         problems = [f"{m}/{arm}: {r.get('error')}" for m, mo in f["models"].items()

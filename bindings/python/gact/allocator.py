@@ -50,8 +50,9 @@ ALLOC_FN = "gact_torch_alloc"
 FREE_FN = "gact_free"
 
 #: what the last :func:`use_allocator` installed: ``{"library": path, "hooks": [torch setters
-#: wired], "shared_with_store": bool}`` (true when the library is the ``_gact`` module, whose
-#: activation store uses the same device allocators); None before
+#: wired], "oom_error": the error an exhausted device raises (see set_oom_thrower), "shared_with_store":
+#: bool}`` (true when the library is the ``_gact`` module, whose activation store uses the same
+#: device allocators); None before
 installed: Optional[Dict[str, object]] = None
 
 
@@ -140,12 +141,31 @@ def use_allocator() -> str:
         torch.backends.cudnn.benchmark = False
     torch.cuda.memory.change_current_allocator(alloc)
     serve_torch_memory_api(lib)
+    oom_error = set_oom_thrower(lib)
     import _gact
 
     global installed
-    installed = {"library": path, "hooks": wired,
+    installed = {"library": path, "hooks": wired, "oom_error": oom_error,
                  "shared_with_store": os.path.realpath(path) == os.path.realpath(_gact.__file__)}
     return path
+
+
+def set_oom_thrower(lib: ctypes.CDLL) -> str:
+    """Make ``lib``'s gact_torch_alloc fail with torch's own out-of-memory error (``torch.OutOfMemoryError``,
+    which cuDNN's workspace fallback and users' retry loops catch) by giving it the thrower of ``_gact_torch``,
+    which is built against this torch's c10. Returns the name of the error an exhausted device raises: without
+    ``_gact_torch`` (no c10 headers where gact was built) or an older library it stays a RuntimeError."""
+    if not hasattr(lib, "gact_set_oom_thrower"):
+        return "RuntimeError"
+    try:
+        import _gact_torch
+        addr = _gact_torch.oom_thrower()
+    except (ImportError, AttributeError):
+        return "RuntimeError"
+    lib.gact_set_oom_thrower.restype = ctypes.c_void_p
+    lib.gact_set_oom_thrower.argtypes = [ctypes.c_void_p]
+    lib.gact_set_oom_thrower(ctypes.c_void_p(addr))
+    return "torch.OutOfMemoryError"
 
 
 # ---- torch's memory API under use_allocator ------------------------------------------------------
