@@ -436,6 +436,10 @@ struct activation_store::counters {
   std::uint64_t current_stored = 0;
   std::uint64_t peak_stored = 0;
   std::uint64_t current_in = 0;  // numel*elem of live entries
+  std::uint64_t bytes_encoded = 0;  // input bytes of every encode pass: upgrades and refused encodes too
+  // the last completed step's bytes stored (bytes_in), encoded and decoded, and the totals at its start
+  std::uint64_t last_in = 0, last_encoded = 0, last_decoded = 0;
+  std::uint64_t mark_in = 0, mark_encoded = 0, mark_decoded = 0;
 };
 
 /// What encode() produced.
@@ -450,6 +454,8 @@ struct activation_store::encoded {
   bool in_range = false;
   role served = role::values;
   codec::predicate_params pred{};
+  bool boundary = false;           // a boundary blob serving `pred` as well (put_params::boundary)
+  std::uint64_t encoded_bytes = 0;  // input bytes of every encode pass (a refused one included)
   double sum_sq_ranges = 0.0;
   std::uint64_t groups = 0;
 };
@@ -565,7 +571,15 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
     bool const f64_on_device = !host && v.dtype == codec::dtype::float64;
     if (fl && p.bits <= 8 && !f64_on_device) {
       ep.codec = codec::codec_id::quant;
-      if (p.norm_count > 0) {
+      if (what == role::values && p.boundary && p.norm_count == 0 && upgradable(p.pred)) {
+        // as the upgrade of a predicate entry in put(): one blob for the values and the predicate
+        ep.variant = std::uint8_t(codec::quant_mode::boundary);
+        ep.bits = std::max(p.bits, 2);
+        bool const open = codec::predicate(p.pred.pred) == codec::predicate::open;
+        ep.boundary = {p.pred.a, open ? p.pred.b : 0.0f, open ? 1u : 0u, 0u};
+        out.boundary = true;
+        out.pred = p.pred;
+      } else if (p.norm_count > 0) {
         ep.variant = std::uint8_t(codec::quant_mode::normalized);
         ep.norm_count = p.norm_count;
         ep.norm_inner = p.norm_inner;
@@ -588,6 +602,7 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   }
 
   auto run = [&](codec::encode_params const& e) {
+    out.encoded_bytes += numel * element_size(v.dtype);
     std::size_t const cap = codec::blob_size(v.dtype, shp, e);
     out.blob = arena_block(arena, cap, p.stream, alloc::tag_activation);
     codec::encode_result r{};
@@ -604,6 +619,16 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
     return r;
   };
   codec::encode_result r = run(ep);
+  if (r.refused == codec::refusal::out_of_range && out.boundary) {
+    // not a clamp's output after all: plain values (the predicate save then encodes its own mask)
+    out.blob.reset();
+    out.boundary = false;
+    out.pred = {};
+    ep.variant = 0;
+    ep.bits = p.bits;
+    ep.boundary = {};
+    r = run(ep);
+  }
   if (r.refused != codec::refusal::none) {
     out.blob.reset();
     if (r.refused == codec::refusal::nonfinite || r.refused == codec::refusal::float64_range) {
@@ -638,7 +663,7 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   out.bytes = r.bytes;
   out.codec = r.codec;
   out.variant = ep.codec == codec::codec_id::quant || ep.codec == codec::codec_id::mask ? ep.variant : 0;
-  out.in_range = r.in_range || (!host && p.clamped);
+  out.in_range = r.in_range || (!host && p.clamped) || out.boundary;
   out.bits = out.codec == codec::codec_id::quant || out.codec == codec::codec_id::window ? ep.bits
              : out.codec == codec::codec_id::mask                                       ? 1
                                                                                         : int(element_size(v.dtype) * 8);
@@ -796,6 +821,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         ++k->upgrades;
         ++k->dedup_hits;
         k->dedup_bytes += bytes_in;
+        k->bytes_encoded += static_cast<std::uint64_t>(e.numel) * es;  // the entry's image, encoded again
       }
       // The entry is now a quant blob: move it from the mask codec's counts to quant's (for the store
       // and the entry's owner, whose tensor it is).
@@ -866,7 +892,7 @@ fresh:
     ent->in_range = enc.in_range;
     // a two-level (ne) mask decodes to its exact values as well
     ent->info.values = enc.served != role::predicate || codec::predicate(enc.pred.pred) == codec::predicate::ne;
-    ent->info.predicate = enc.served == role::predicate;
+    ent->info.predicate = enc.served == role::predicate || enc.boundary;  // (a boundary blob serves both)
     ent->info.pred = enc.pred;
   } else {
     ent->info.codec = codec::codec_id::raw;
@@ -901,6 +927,7 @@ fresh:
     c.current_stored += ent->info.bytes_stored;
     c.current_in += bytes_in;
     c.peak_stored = std::max(c.peak_stored, c.current_stored);
+    c.bytes_encoded += enc.encoded_bytes;
   }
   if (!unversioned) {
     ent->has_identity = true;
@@ -908,7 +935,7 @@ fresh:
   }
   trace_store_event(alloc::event_trace::event_kind::store_put, *ent);
   entries_.emplace(h, std::move(ent));
-  return {h, 0, false, false, dense ? strides_in : dstr};
+  return {h, 0, false, enc.boundary, dense ? strides_in : dstr};
 }
 
 // Hand the entry's blob to the offloader of its device, if one is set.
@@ -1200,6 +1227,12 @@ std::size_t activation_store::end_step(owner_id owner, bool count_step) noexcept
     if (!count_step) continue;
     k->leaks_last_step = n;
     ++k->steps;
+    k->last_in = k->bytes_in - k->mark_in;
+    k->last_encoded = k->bytes_encoded - k->mark_encoded;
+    k->last_decoded = k->decode_bytes - k->mark_decoded;
+    k->mark_in = k->bytes_in;
+    k->mark_encoded = k->bytes_encoded;
+    k->mark_decoded = k->decode_bytes;
   }
   if (n > 0) GACT_WARN_CAPPED(4, "activation_store: {} handles still alive at the end of step {}", n, step_);
   return n;
@@ -1270,6 +1303,9 @@ nlohmann::json activation_store::counters_json(counters const& c, std::size_t li
   j["gets"] = c.gets;
   j["decodes"] = c.decodes;
   j["decode_bytes"] = c.decode_bytes;
+  j["bytes_encoded"] = c.bytes_encoded;
+  // one step's traffic beside what it saved: encoded == stored means each tensor was encoded once
+  j["last_step"] = {{"bytes_in", c.last_in}, {"bytes_encoded", c.last_encoded}, {"bytes_decoded", c.last_decoded}};
   j["releases"] = c.releases;
   j["bad_releases"] = c.bad_releases;
   j["live_handles"] = live;

@@ -116,6 +116,12 @@ struct put_params {
   /// range (a ReLU's result), so it may later be upgraded to a boundary blob (the CPU encoder checks
   /// this itself).
   bool clamped = false;
+  /// values, float input, with `pred` an upgradable predicate (x > lo, lo < x < hi) the tensor is known to
+  /// satisfy at its boundaries (a ReLU's or clamp's output, unchanged since): encode one boundary blob that
+  /// also serves that predicate, so that the op's own predicate save (made after this one) is a dedup hit
+  /// instead of a mask encoded first and upgraded later. A refused boundary encode (a value outside the
+  /// range, on the CPU) stores plain values.
+  bool boundary = false;
   /// indices: the pooling geometry (codecs/format.hpp window_params); `inner` must describe the view's
   /// memory image.
   codec::window_params window{};

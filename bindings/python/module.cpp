@@ -402,7 +402,7 @@ PYBIND11_MODULE(_gact, m) {
       [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
          std::int64_t version, std::uintptr_t storage, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
          std::uintptr_t stream, std::string const& role, int threads, py::object norm, py::object pred, bool clamped,
-         py::object window, gact::store::owner_id owner) {
+         py::object window, gact::store::owner_id owner, bool boundary) {
         gact::store::tensor_view v;
         v.data = reinterpret_cast<void const*>(ptr);
         v.dtype = gact::store::parse_dtype(dtype);
@@ -453,6 +453,7 @@ PYBIND11_MODULE(_gact, m) {
           fill("dilation", p.window.dilation);
         }
         p.owner = owner;
+        p.boundary = boundary;
         runtime& r = rt();
         if (device >= 0) r.ensure_device(device);
         gact::store::put_result res;
@@ -470,12 +471,13 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
       py::arg("stream") = 0, py::arg("role") = "values", py::arg("threads") = 0, py::arg("norm") = py::none(),
       py::arg("pred") = py::none(), py::arg("clamped") = false, py::arg("window") = py::none(),
-      py::arg("owner") = 0,
+      py::arg("owner") = 0, py::arg("boundary") = false,
       "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index (-1 = CPU), "
       "version counter, storage address) for a reader with role 'values', 'predicate' or 'indices'; returns "
       "(handle, offset of the view in the decoded image, served by an earlier entry, the view's strides in the "
-      "decoded image, a predicate entry upgraded to values by this put). owner: store_new_owner()'s id, "
-      "whose counters count it too (0 = none).");
+      "decoded image, a predicate entry upgraded to values by this put, or values stored as a boundary blob). "
+      "owner: store_new_owner()'s id, whose counters count it too (0 = none). boundary: values of a clamp's "
+      "output whose predicate `pred` a later predicate save reads (one blob serves both).");
   m.def(
       "store_get",
       [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream, bool predicate,

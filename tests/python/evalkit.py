@@ -40,6 +40,8 @@ STORE_KEYS = {
     "leaks": ("leaks", "leaked_handles"),
     "upgrades": ("upgrades",),
     "decodes": ("decodes",),
+    "bytes_encoded": ("bytes_encoded",),
+    "decode_bytes": ("decode_bytes",),
 }
 
 

@@ -312,6 +312,112 @@ TEST_CASE("roles: a ReLU's mask is upgraded to one boundary blob when the next l
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
+TEST_CASE("roles: values stored as a boundary blob serve the ReLU's predicate save that follows (encoded once)") {
+  fixture f;
+  auto x = randn(4096, 10);
+  for (auto& v : x) v = std::max(v, 0.f);  // a ReLU's output
+  gact::codec::predicate_params const gt{std::uint32_t(gact::codec::predicate::gt), 0.f, 0.f, 0.f};
+  // the next layer's values save comes first, told the predicate the ReLU's own save reads
+  put_params vals = bits(2, 7);
+  vals.boundary = true;
+  vals.pred = gt;
+  auto v = f.store.put(view(x.data(), dtype::float32, {64, 64}), vals);
+  CHECK_FALSE(v.shared);
+  CHECK(v.upgraded);  // (the policy is told so, as for an upgrade)
+  auto info = f.store.info(v.h);
+  CHECK(info.codec == codec_id::quant);
+  CHECK(info.variant == std::uint8_t(gact::codec::quant_mode::boundary));
+  CHECK(info.values);
+  CHECK(info.predicate);
+  // the ReLU's predicate save: the same handle, no second encode
+  put_params mask = bits(4);
+  mask.what = gact::store::role::predicate;
+  mask.pred = gt;
+  auto m = f.store.put(view(x.data(), dtype::float32, {64, 64}), mask);
+  CHECK(m.shared);
+  CHECK(m.h == v.h);
+  auto st = f.store.stats_json();
+  CHECK(st["bytes_in"] == 4096 * 4);
+  CHECK(st["bytes_encoded"] == 4096 * 4);
+  CHECK(st["upgrades"] == 0);
+  // the same blob as a mask upgraded by the same values save (same key, bits and step)
+  fixture g;
+  auto gm = g.store.put(view(x.data(), dtype::float32, {64, 64}), mask);
+  auto gv = g.store.put(view(x.data(), dtype::float32, {64, 64}), bits(2, 7));
+  CHECK(gv.h == gm.h);
+  CHECK(g.store.stats_json()["bytes_encoded"] == 2 * 4096 * 4);  // the mask, then the values again
+  gact::store::get_params pg;
+  pg.predicate = true;
+  auto a = f.store.get_shared(v.h);
+  auto b = g.store.get_shared(gv.h);
+  auto pa = f.store.get_shared(m.h, pg);
+  auto const* ad = static_cast<float const*>(a->data());
+  auto const* bd = static_cast<float const*>(b->data());
+  auto const* pd = static_cast<float const*>(pa->data());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    REQUIRE(ad[i] == bd[i]);
+    REQUIRE(pd[i] == (x[i] > 0.f ? 1.f : 0.f));
+  }
+  a.reset();
+  b.reset();
+  pa.reset();
+  f.store.release(v.h);
+  f.store.release(m.h);
+  g.store.release(gv.h);
+  g.store.release(gm.h);
+  CHECK(f.arena.allocated_bytes() == 0);
+  CHECK(g.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("roles: a boundary values save of data outside the range stores plain values; its mask is its own") {
+  fixture f;
+  auto x = randn(4096, 11);  // negative values too: not a clamp's output
+  gact::codec::predicate_params const gt{std::uint32_t(gact::codec::predicate::gt), 0.f, 0.f, 0.f};
+  put_params vals = bits(4);
+  vals.boundary = true;
+  vals.pred = gt;
+  auto v = f.store.put(view(x.data(), dtype::float32, {4096}), vals);
+  CHECK_FALSE(v.upgraded);
+  auto info = f.store.info(v.h);
+  CHECK(info.codec == codec_id::quant);
+  CHECK(info.variant == 0);
+  CHECK_FALSE(info.predicate);
+  put_params mask = bits(4);
+  mask.what = gact::store::role::predicate;
+  mask.pred = gt;
+  auto m = f.store.put(view(x.data(), dtype::float32, {4096}), mask);
+  CHECK(m.h != v.h);
+  CHECK(f.store.info(m.h).codec == codec_id::mask);
+  // the refused boundary pass counts as encoded bytes
+  CHECK(f.store.stats_json()["bytes_encoded"] == 3 * 4096 * 4);
+  f.store.release(v.h);
+  f.store.release(m.h);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("stats: the last step's bytes stored, encoded and decoded") {
+  fixture f;
+  auto x = randn(2048, 12);
+  f.store.begin_step(0);
+  auto h = f.store.put(view(x.data(), dtype::float32, {2048}), bits(4)).h;
+  auto img = f.store.get_shared(h);
+  img.reset();
+  img = f.store.get_shared(h);  // decoded again: its image was released
+  img.reset();
+  f.store.release(h);
+  f.store.end_step();
+  auto last = f.store.stats_json()["last_step"];
+  CHECK(last["bytes_in"] == 2048 * 4);
+  CHECK(last["bytes_encoded"] == 2048 * 4);
+  CHECK(last["bytes_decoded"] == 2 * 2048 * 4);
+  f.store.begin_step(1);
+  f.store.end_step();  // a step that stores nothing
+  last = f.store.stats_json()["last_step"];
+  CHECK(last["bytes_in"] == 0);
+  CHECK(last["bytes_encoded"] == 0);
+  CHECK(last["bytes_decoded"] == 0);
+}
+
 TEST_CASE("roles: a mask of data that is not a clamp's output stays a mask; the values get their own blob") {
   fixture f;
   auto x = randn(4096, 11);  // an input to leaky_relu: negative values too

@@ -444,6 +444,13 @@ class Compressor:
         self._warned_memory = False
         self._warned_derivative = False
         self._live: list = []
+        # A clamp's output saved for its predicate (a ReLU's x > 0) waits here for the values save of the same
+        # tensor that usually follows (the next layer's input): both are then one boundary blob, encoded once,
+        # instead of a mask encoded first and encoded again as values. [(weakref to the _Packed, tensor,
+        # key, decision)], resolved (the mask stored) at the latest when the forward's `with` block ends,
+        # before any unpack, at step() or when MAX_DEFERRED wait.
+        self._deferred: list = []
+        self._deferred_lock = threading.Lock()
         # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.
         weakref.finalize(self, _release_compressor, self._module_hooks, self._owner)
         if model is not None:
@@ -608,6 +615,8 @@ class Compressor:
         local.depth = depth - 1
         if depth == 1:
             self._stack().clear()
+            if self._deferred:
+                self._resolve_deferred()
             hooks, tracker = local.ctx
             local.ctx = None
             local.tracker = None
@@ -648,6 +657,8 @@ class Compressor:
             if self._policy is None or not hasattr(self._policy, "closure"):
                 raise ValueError("gact.Compressor.step: a closure is used only with bits='auto'")
             self._policy.closure = closure
+        if self._deferred:
+            self._resolve_deferred()
         leaks = _C.store_end_step(self._owner)
         self._step += 1
         self._step_open = False
@@ -674,6 +685,8 @@ class Compressor:
                 ...
         """
         n = 0
+        with self._deferred_lock:
+            self._deferred.clear()  # (their _Packed are in _live, marked aborted below)
         live, self._live = self._live, []
         for r in live:
             p = r()
@@ -873,14 +886,18 @@ class Compressor:
         return q
 
     def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
-               normalized: bool = False, keep: torch.Tensor | None = None) -> Any:
+               normalized: bool = False, keep: torch.Tensor | None = None, defer: bool = True) -> Any:
         """Store `t` as `d` says; a _Packed, or `t` itself (`keep`, when given) when the arena could not hold
         it. `min_bits`: the fewest bits it is stored with; `normalized`: a normalization layer's input (told to
         the policy)."""
         kind = d.kind
         min_bits = max(min_bits, d.min_bits)
         role, pred, window, decode = "values", None, None, None
+        boundary = False
         if kind == _saved.PREDICATE:
+            if defer and d.clamped and keep is None and self._probe is None and \
+                    getattr(self._local, "depth", 0) > 0 and t.is_floating_point():
+                return self._defer(t, key, d)
             role, pred, decode = "predicate", d.pred, d.decode
             bits = self._bits_for(key, t.numel()) if pred[0] == "ne" else 1  # `ne` may fall back to values
         elif kind == _saved.INDICES:
@@ -895,6 +912,15 @@ class Compressor:
                 bits = max(bits, min_bits)
         else:
             bits = 1
+        waiting = None
+        if self._deferred and role == "values":
+            waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES else None
+            if waiting is not None:
+                pred, boundary = waiting[3].pred, True  # one boundary blob for these values and its predicate
+            else:
+                # the stored values save after a clamp reads other data: the waiting masks are stored now (their
+                # tensors are not kept alive through the forward)
+                self._resolve_deferred()
         src = t
         dense = True
         if t.is_cuda:
@@ -909,9 +935,13 @@ class Compressor:
             h, offset, shared, strides, upgraded = _C.store_put(
                 ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
                 ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
-                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner)
+                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary)
         except _C.OutOfMemoryError as e:
+            if waiting is not None:
+                self._resolve_one(waiting)
             return self._out_of_memory(t if keep is None else keep, e)
+        if waiting is not None:
+            self._resolve_one(waiting)  # its predicate save: served by the blob just stored
         p = _Packed(h, t, key, decode, self._owner)
         self._note_live(p)
         p.offset = offset
@@ -944,6 +974,56 @@ class Compressor:
                 # codec, bits, bytes, groups and sum_sq_ranges (the online estimator's input)
                 policy.on_stored(key, info)
         return p
+
+    #: predicate saves that wait for a values save of their tensor at most (the oldest is stored when one more comes)
+    MAX_DEFERRED = 4
+
+    def _defer(self, t: torch.Tensor, key: str, d: Any) -> "_Packed":
+        """A clamp's output saved for its predicate: wait for a values save of the same tensor (see _deferred)."""
+        p = _Packed(0, t, key, d.decode, self._owner)
+        self._note_live(p)
+        b = t._base
+        p.vref = weakref.ref(t if b is None else b)
+        entry = (weakref.ref(p), t, key, d)
+        with self._deferred_lock:
+            self._deferred.append(entry)
+            oldest = self._deferred.pop(0) if len(self._deferred) > self.MAX_DEFERRED else None
+        if oldest is not None:
+            self._resolve_one(oldest)
+        return p
+
+    def _take_deferred(self, t: torch.Tensor) -> tuple | None:
+        """The waiting predicate save of this very tensor (same memory, layout and version), taken off the list."""
+        ptr, shape, stride, version = t.data_ptr(), t.shape, t.stride(), t._version
+        with self._deferred_lock:
+            for i, e in enumerate(self._deferred):
+                w = e[1]
+                if w.data_ptr() == ptr and w._version == version and w.shape == shape and w.stride() == stride \
+                        and w.dtype == t.dtype and w.device == t.device:
+                    return self._deferred.pop(i)
+        return None
+
+    def _resolve_one(self, entry: tuple) -> None:
+        """Store a waiting predicate save (a dedup hit when its values were just stored as a boundary blob)."""
+        ref, t, key, d = entry
+        p = ref()
+        if p is None or p.aborted:
+            return  # its graph is gone: nothing reads it
+        q = self._store(t, key, d, keep=None, defer=False)
+        if isinstance(q, _Packed):
+            p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
+            q.handle, q.ref = 0, None
+        else:
+            p.alias = q.t if isinstance(q, _Kept) else q  # the arena could not hold it: kept as it is
+
+    def _resolve_deferred(self) -> None:
+        """Store every waiting predicate save (the forward ended, backward began, or the step ends)."""
+        while True:
+            with self._deferred_lock:
+                if not self._deferred:
+                    return
+                entry = self._deferred.pop(0)
+            self._resolve_one(entry)
 
     def _on_alias(self, t: torch.Tensor) -> None:
         """``t.data`` was taken in the forward: writes through it move no version counter of ``t``'s, so
@@ -1078,6 +1158,8 @@ class Compressor:
         self._step_open = False
 
     def _unpack(self, obj: Any) -> Any:
+        if self._deferred:
+            self._resolve_deferred()
         unpack = getattr(type(obj), "unpack", None)
         if unpack is not None:
             return unpack(obj)
