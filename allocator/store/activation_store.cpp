@@ -16,6 +16,7 @@
 #include "allocator/store/activation_store.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <span>
 #include <string_view>
@@ -386,6 +387,20 @@ struct activation_store::entry {
   };
   mutable std::mutex mu;        // guards blob/mover/info.codec while decoding or upgrading, and the cache
   mutable std::vector<cache_slot> cache;
+  /// The values image decoded for one reader while others still hold the handle (a ReLU's output read by
+  /// the next layer's backward, then by the ReLU's): kept until the last of them takes it from the cache,
+  /// so that it is decoded once. Counted in the store's held bytes (capped: activation_store::k_held_cap).
+  struct held_image {
+    std::shared_ptr<decoded_image const> image;
+    std::atomic<std::uint64_t>* total = nullptr;
+    std::uint64_t bytes = 0;
+    held_image(std::shared_ptr<decoded_image const> i, std::atomic<std::uint64_t>* t, std::uint64_t b)
+        : image(std::move(i)), total(t), bytes(b) {}
+    held_image(held_image const&) = delete;
+    held_image& operator=(held_image const&) = delete;
+    ~held_image() { total->fetch_sub(bytes, std::memory_order_relaxed); }
+  };
+  mutable std::unique_ptr<held_image> held;  // guarded by mu
 
   entry() = default;
   entry(entry const&) = delete;
@@ -810,6 +825,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         e.info.groups = groups;
         e.info.sum_sq_ranges = ssr;
         e.cache.clear();  // images of the mask stay valid for their readers; new ones come from the new blob
+        e.held.reset();
         trace_store_event(alloc::event_trace::event_kind::store_put, e);  // the boundary blob comes
       }
       offload(e);
@@ -987,7 +1003,17 @@ std::shared_ptr<decoded_image const> activation_store::decode_image(std::shared_
     if (gp.predicate && (codec::hd::float_bits(s.tv) != codec::hd::float_bits(gp.true_value) ||
                          codec::hd::float_bits(s.fv) != codec::hd::float_bits(gp.false_value)))
       continue;
-    if (auto img = s.image.lock()) return img;
+    if (auto img = s.image.lock()) {
+      if (e->held != nullptr) {
+        std::uint32_t refs = 0;
+        {
+          std::lock_guard lock(mu_);  // (entry, then store: the order the counters below take them in)
+          refs = e->info.refcount;
+        }
+        if (refs <= 1) e->held.reset();  // the last reader has it
+      }
+      return img;
+    }
   }
   auto img = std::make_shared<decoded_image>(*e->arena, e->info.bytes_in, gp.stream, decoded_tag_);
   trace_store_event(alloc::event_trace::event_kind::store_get, *e);
@@ -1014,12 +1040,22 @@ std::shared_ptr<decoded_image const> activation_store::decode_image(std::shared_
 #endif
     }
   }
+  bool hold = false;
   {
     std::lock_guard lock(mu_);
     for (counters* k : {c_.get(), owner_counters(e->owner)}) {
       if (k == nullptr) continue;
       ++k->decodes;
       k->decode_bytes += e->info.bytes_in;
+    }
+    hold = !gp.predicate && e->info.refcount > 1;
+  }
+  if (hold && e->held == nullptr) {
+    std::uint64_t const b = e->info.bytes_in;
+    if (held_bytes_.fetch_add(b, std::memory_order_relaxed) + b <= k_held_cap) {
+      e->held = std::make_unique<entry::held_image>(img, &held_bytes_, b);
+    } else {
+      held_bytes_.fetch_sub(b, std::memory_order_relaxed);  // over the cap: decoded again by the next reader
     }
   }
   std::erase_if(e->cache, [](entry::cache_slot const& s) { return s.image.expired(); });

@@ -52,6 +52,7 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -347,6 +348,9 @@ class activation_store {
   alloc::tag_id decoded_tag_;
 
   mutable std::mutex mu_;
+  /// Bytes of decoded images entries keep for their next reader (entry::held_image), and the most they keep.
+  mutable std::atomic<std::uint64_t> held_bytes_{0};
+  static constexpr std::uint64_t k_held_cap = std::uint64_t(256) << 20;
   std::unordered_map<handle, std::shared_ptr<entry>> entries_;
   std::unordered_map<storage_key, std::vector<handle>, storage_key_hash> by_storage_;
   std::set<std::pair<std::uintptr_t, owner_id>> unversioned_;  // forget_storage(): (storage, who said so)

@@ -85,12 +85,13 @@ def test_no_leak_and_no_growth_over_200_steps():
     assert k.store_delta(start, end, "bytes_stored") == 200 * first
 
 
-def test_each_saved_tensor_is_encoded_once_with_the_same_blobs():
+def test_each_saved_tensor_is_encoded_and_decoded_once_with_the_same_blobs():
     """A ReLU saves its output for its mask, and the next layer saves the same tensor for its values. The mask
-    was encoded first and encoded again as a boundary blob when the values save came (an upgrade): 1.4x the
-    bytes encoded on resnet50. The ReLU's save now waits for the values save, which stores the boundary blob
-    at once. Per step, bytes encoded equal bytes stored, and the blobs (so the gradients) are bit for bit
-    those of the upgrade path (MAX_DEFERRED = 0 stores each mask at once). A ReLU output that no values save
+    was encoded first and encoded again as a boundary blob when the values save came (an upgrade), and decoded
+    twice in backward (values, then the mask): 1.4x the bytes encoded and 1.48x decoded on resnet50. The
+    ReLU's save now waits for the values save, which stores the boundary blob at once, and the ReLU reads the
+    values image the next layer decoded. Per step, bytes encoded and decoded equal bytes stored, and the
+    gradients are bit for bit those of the upgrade path (MAX_DEFERRED = 0 stores each mask at once). A ReLU output that no values save
     reads (one fed to a max pool) is stored as a mask when the next stored values save reads other data."""
     import torchvision
 
@@ -123,6 +124,10 @@ def test_each_saved_tensor_is_encoded_once_with_the_same_blobs():
     assert last1["bytes_in"] == last0["bytes_in"] > 0
     assert last1["bytes_encoded"] == last1["bytes_in"]
     assert last0["bytes_encoded"] > 1.2 * last0["bytes_in"]  # every ReLU output read by a conv: twice
+    # decoded once too: a ReLU reads the values image its next layer's backward decoded (kept for it), where
+    # a mask on its own is decoded for the ReLU apart
+    assert last1["bytes_decoded"] == last1["bytes_in"]
+    assert last0["bytes_decoded"] > 1.2 * last0["bytes_in"]
     assert s1["upgrades"] == 0 and s0["upgrades"] > 0
     # the stem's ReLU (read by the max pool, not stored as values): a mask of its own in both
     assert s1["codecs"]["mask"]["tensors"] == s0["codecs"]["mask"]["tensors"] > 0

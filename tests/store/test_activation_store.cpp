@@ -269,6 +269,49 @@ TEST_CASE("decode once: readers share a live image; a released image is decoded 
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
+TEST_CASE("decode once: an image decoded while other readers hold the handle is kept for the last of them") {
+  fixture f;
+  auto x = randn(5000, 13);
+  tensor_view const v = view(x.data(), dtype::float32, {5000});
+  auto h = f.store.put(v, bits(4)).h;
+  CHECK(f.store.put(v, bits(4)).h == h);  // a second reader of the same tensor (refcount 2)
+  CHECK(f.store.put(v, bits(4)).h == h);  // and a third
+  std::size_t const blob_only = f.arena.allocated_bytes();
+  auto a = f.store.get_shared(h);  // the first reader's backward: decoded, and kept
+  auto const* first = a.get();
+  a.reset();
+  CHECK(f.arena.allocated_bytes() > blob_only);
+  f.store.release(h);              // that reader is done
+  auto b = f.store.get_shared(h);  // the second: the kept image, not decoded again
+  CHECK(b.get() == first);
+  b.reset();
+  f.store.release(h);
+  auto c = f.store.get_shared(h);  // the last reader takes it, and the entry lets it go
+  CHECK(c.get() == first);
+  CHECK(f.store.stats_json()["decodes"] == 1);
+  c.reset();
+  CHECK(f.arena.allocated_bytes() == blob_only);
+  // a single reader's image is not kept
+  auto d = f.store.get_shared(h);
+  d.reset();
+  CHECK(f.arena.allocated_bytes() == blob_only);
+  CHECK(f.store.stats_json()["decodes"] == 2);
+  f.store.release(h);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
+TEST_CASE("decode once: a kept image goes with its entry when the readers are released unread") {
+  fixture f;
+  auto x = randn(4096, 14);
+  tensor_view const v = view(x.data(), dtype::float32, {4096});
+  auto h = f.store.put(v, bits(2)).h;
+  CHECK(f.store.put(v, bits(2)).h == h);
+  f.store.get_shared(h).reset();  // kept for the other reader
+  f.store.release(h);
+  f.store.release(h);  // which never reads it (its graph was dropped)
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
 TEST_CASE("roles: a ReLU's mask is upgraded to one boundary blob when the next layer reads the values") {
   fixture f;
   auto x = randn(4096, 10);

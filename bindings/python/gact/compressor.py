@@ -941,7 +941,10 @@ class Compressor:
                 self._resolve_one(waiting)
             return self._out_of_memory(t if keep is None else keep, e)
         if waiting is not None:
-            self._resolve_one(waiting)  # its predicate save: served by the blob just stored
+            # its predicate save: served by the blob just stored; a ReLU's backward tests result > 0, which the
+            # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values
+            # image the next layer's backward decodes (kept for it: decoded once), not a mask decoded apart
+            self._resolve_one(waiting, values=upgraded)
         p = _Packed(h, t, key, decode, self._owner)
         self._note_live(p)
         p.offset = offset
@@ -1003,8 +1006,9 @@ class Compressor:
                     return self._deferred.pop(i)
         return None
 
-    def _resolve_one(self, entry: tuple) -> None:
-        """Store a waiting predicate save (a dedup hit when its values were just stored as a boundary blob)."""
+    def _resolve_one(self, entry: tuple, values: bool = False) -> None:
+        """Store a waiting predicate save (a dedup hit when its values were just stored as a boundary blob:
+        ``values``, and then a ReLU's save reads them)."""
         ref, t, key, d = entry
         p = ref()
         if p is None or p.aborted:
@@ -1013,6 +1017,8 @@ class Compressor:
         if isinstance(q, _Packed):
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None
+            if values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 and d.decode == (1.0, 0.0):
+                p.decode = None
         else:
             p.alias = q.t if isinstance(q, _Kept) else q  # the arena could not hold it: kept as it is
 
