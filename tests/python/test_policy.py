@@ -1880,6 +1880,43 @@ def test_probe_replays_the_rows_together_when_a_tensor_is_shared_by_them(monkeyp
     comp.close()
 
 
+def test_keys_follow_the_saves_when_a_decision_depends_on_the_batch(monkeypatch):
+    """x * w.exp() saves w.exp() (256 values) for x's gradient: exact at the step (x has 8 rows: 8x its
+    elements, a broadcast factor) but values in a one-row replay (as many elements as x). An exact save took
+    no key, so every key after it moved by one in the replay (under torch 2.6 the probe then met tensors of
+    other sizes under the step's keys). Exact saves are keyed too: the same key names the same save."""
+    torch.manual_seed(10)
+    m = ScaledWeight()
+    comp = gact.Compressor(m, bits=2, adapt_interval=10**6)
+    seen = []
+    real = gact.Compressor._next_key
+
+    def spy(self):
+        key = real(self)
+        frame = self._local.tracker.current()
+        seen.append((key, frame.name if frame is not None else None))
+        return key
+
+    monkeypatch.setattr(gact.Compressor, "_next_key", spy)
+
+    def keys(rows):
+        seen.clear()
+        comp._row_share = rows / 8  # as the probe's replay of `rows` of the step's 8
+        try:
+            with comp:
+                out = m(torch.randn(rows, 64))
+        finally:
+            comp._row_share = 1.0
+        del out
+        comp.abort_step()
+        return list(seen)
+
+    step, replay = keys(8), keys(1)
+    assert step == replay, (step, replay)
+    assert ("<root>:1", "mul") in step  # w.exp(), saved by the mul, exact at the step
+    comp.close()
+
+
 def test_probe_pass_rows_is_checked_and_obeyed():
     torch.manual_seed(7)
     m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10))

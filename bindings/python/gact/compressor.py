@@ -833,6 +833,11 @@ class Compressor:
                 frame.stats.append(t)
             return self._keep(t, "stats")
         if kind == _saved.EXACT:
+            # keyed as a stored save is: whether a tensor is exact can depend on sizes (an operand broadcast
+            # over one with 8x its elements is exact), which a replay of fewer rows changes; the keys of the
+            # saves after it must not move with it
+            if t.dtype in _compat.FLOAT_DTYPES or t.dtype in _compat.MASK_DTYPES:
+                self._next_key()
             return self._keep(t, "exact")
         if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES and kind != _saved.INDICES:
             return self._keep(t, "dtype")
