@@ -493,7 +493,8 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
                                            "codec_bench": stages.codec_bench_figures(_bench_doc())}
     arms = {"fp32": {"status": "pass", "step_ms": 100.0, "gact_peak_mib": 8000.0, "grad_cosine": 1.0},
             "bits2": {"status": "pass", "step_ms": 150.0, "step_time_vs_fp32": 1.5, "gact_peak_mib": 2000.0,
-                      "gact_peak_vs_fp32": 0.25, "store_ratio": 14.0, "grad_cosine": 0.97},
+                      "gact_peak_vs_fp32": 0.25, "store_ratio": 14.0, "grad_cosine": 0.97,
+                      "encoded_vs_saved": 1.0, "decoded_vs_saved": 1.0},
             "auto_swap": {"status": "skipped", "note": "out of time"}}
     rep["stages"]["train"]["figures"] = {
         "models": {"resnet50": {"source": "torchvision.models.resnet50(weights=None)", "arms": arms}},
@@ -520,6 +521,8 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
     assert "| float32 | quant | 2 | 1,700 | 0.85 | 2,400 | 1.20 | yes | yes |" in md
     assert "| resnet50 | bits2 | pass | 150 | 1.50 | 2,000 | 0.25 | – | 14.00 | 0.97 | – |" in md
     assert "| resnet50 | auto_swap | skipped |" in md and "out of time" in md
+    assert "Bytes encoded / decoded per byte saved (1.00 / 1.00: each saved tensor encoded and decoded once): " \
+        "resnet50 bits2 1.00 / 1.00." in md
 
 
 def test_module_missing_is_said_first_and_fails_a_gpu_run(tmp_path):

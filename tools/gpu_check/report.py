@@ -408,6 +408,14 @@ def render_markdown(report: Mapping[str, object]) -> str:
         srcs = ", ".join(f"{m}: {mo.get('source')}" for m, mo in models.items() if isinstance(mo, Mapping))
         out.append("")
         out.append(f"Models: {srcs}.")
+        traffic = [f"{m} {n} {_fmt(r.get('encoded_vs_saved'))} / {_fmt(r.get('decoded_vs_saved'))}"
+                   for m, mo in models.items() if isinstance(mo, Mapping)
+                   for n, r in (mo.get("arms") or {}).items()
+                   if isinstance(r, Mapping) and r.get("encoded_vs_saved") is not None]
+        if traffic:
+            out.append("")
+            out.append("Bytes encoded / decoded per byte saved (1.00 / 1.00: each saved tensor encoded and decoded "
+                       "once): " + "; ".join(traffic) + ".")
     sw = tf.get("swap_check") or {}
     if sw:
         out.append("")

@@ -222,6 +222,10 @@ class Trainer:
                 out["store"] = delta
                 if delta.get("bytes_stored"):
                     out["store_ratio"] = round(delta["bytes_in"] / delta["bytes_stored"], 3)
+                if delta.get("bytes_in"):
+                    # 1.0 each when every saved tensor is encoded once and decoded once (issue 30)
+                    out["encoded_vs_saved"] = round(delta.get("bytes_encoded", 0) / delta["bytes_in"], 3)
+                    out["decoded_vs_saved"] = round(delta.get("decode_bytes", 0) / delta["bytes_in"], 3)
                 pol = getattr(comp, "policy", None)
                 if pol is not None and getattr(pol, "decisions", 0):
                     per = pol.estimate_seconds / pol.decisions / statistics.median(times)
@@ -242,7 +246,8 @@ class Trainer:
             self.cleanup()
         return out
 
-    STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes")
+    STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes", "bytes_encoded",
+                      "decode_bytes")
 
     def store_counters(self, comp) -> Dict[str, int]:
         if comp is None:
