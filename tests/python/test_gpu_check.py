@@ -658,4 +658,10 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
         for m, mo in models.items():
             assert all(a["status"] == "pass" for a in mo["arms"].values()), json.dumps(mo)[:3000]
             assert 0.0 < mo["arms"]["bits4"]["grad_cosine"] < 1.0 and mo["arms"]["bits2"]["store_ratio"] > 4
+        # the profile of one compressed step (kernels and device waits are a GPU's; none on the CPU)
+        prof = doc["stages"]["train"]["figures"]["profile"]
+        assert prof["status"] == "pass" and prof["model"] == "resnet50", prof
+        assert prof["saved_tensors"] > 50 and prof["unpacks"] > 0 and prof["host_us_per_saved_tensor"] > 0
+        assert prof["sync_count"] == 0 and prof["encode_kernels_ms"] == 0.0 and prof["allocations"] is None
+        assert any(line.startswith("profile of one resnet50 step at 4 bits: gact host ") for line in doc["truths"])
         assert all(c["verdict"] == "equal" for c in doc["stages"]["train"]["figures"]["swap_check"].values())

@@ -267,6 +267,15 @@ def truths(report: Mapping[str, object]) -> List[str]:
                 parts.append(f"{m} 2-bit: step {_fmt(r.get('step_time_vs_fp32'))}x of fp32{peak}, "
                              f"grad cosine {_fmt(r.get('grad_cosine'))}")
         out.append(line + ("; " + "; ".join(parts) if parts else ""))
+    pr = t.get("profile") or {}
+    if isinstance(pr, Mapping) and pr.get("status") == "pass":
+        out.append(f"profile of one {pr.get('model')} step at 4 bits: gact host {_fmt(pr.get('host_us_per_saved_tensor'))} "
+                   f"us per saved tensor ({pr.get('saved_tensors')} saved; pack {_fmt(pr.get('pack_us'))}, unpack "
+                   f"{_fmt(pr.get('unpack_us'))} us), encode/decode kernels {_fmt(pr.get('encode_kernels_ms'))} / "
+                   f"{_fmt(pr.get('decode_kernels_ms'))} ms of {_fmt(pr.get('all_kernels_ms'))} ms on the device, "
+                   f"{pr.get('sync_count')} waits for the device, {pr.get('allocations')} allocations")
+    elif isinstance(pr, Mapping) and pr.get("status") == "fail":
+        out.append(f"profile: FAILED ({pr.get('error')})")
     sw = t.get("swap_check") or {}
     if sw:
         out.append("swap's gradients against swap=False: " + ", ".join(

@@ -308,6 +308,89 @@ class Trainer:
                 torch.backends.cudnn.deterministic = False
             self.cleanup()
 
+    # -- a profile of one compressed step ------------------------------------------------
+    #: profiler event names of the runtime calls that wait for the device
+    SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "cudaStreamWaitEvent")
+
+    def profile(self, w: wm.Workload, init, x, y, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """One compressed step (after two warm-up steps) under torch.profiler, reduced to what says where its
+        time goes: gact's host time per saved tensor (its pack and unpack hooks, timed around the calls),
+        the device time of gact's encode and decode kernels beside all kernels, the runtime calls that wait
+        for the device, and the allocations of the step."""
+        from torch.profiler import ProfilerActivity, profile
+        w.model.load_state_dict(init)
+        opt = torch.optim.SGD(w.model.parameters(), lr=1e-3)
+        comp = self.compressor(w.model, kw)
+        timed = {"pack": [0.0, 0], "unpack": [0.0, 0]}
+
+        def wrap(name, fn):
+            acc = timed[name]
+
+            def hook(t):
+                t0 = time.perf_counter()
+                try:
+                    return fn(t)
+                finally:
+                    acc[0] += time.perf_counter() - t0
+                    acc[1] += 1
+            return hook
+
+        try:
+            for _ in range(2):
+                self.step(w, opt, comp, x, y)
+            self.sync()
+            comp._pack, comp._unpack = wrap("pack", comp._pack), wrap("unpack", comp._unpack)  # read at `with`
+            allocs0 = self.allocation_count()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                self.step(w, opt, comp, x, y)
+                self.sync()
+            step_ms = 1000 * (time.perf_counter() - t0)
+            allocs = self.allocation_count() - allocs0 if allocs0 is not None else None
+            kern = {"encode": 0.0, "decode": 0.0, "all": 0.0}
+            syncs: Dict[str, int] = {}
+            for e in prof.events():
+                name = e.name or ""
+                dev_us = float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) or 0.0) \
+                    if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA") else 0.0
+                if dev_us:
+                    kern["all"] += dev_us
+                    if "_encode_kernel" in name:
+                        kern["encode"] += dev_us
+                    elif name.startswith("decode_kernel") or "decode_kernel<" in name:
+                        kern["decode"] += dev_us
+                if name in self.SYNC_CALLS:
+                    syncs[name] = syncs.get(name, 0) + 1
+            packs = max(1, timed["pack"][1])
+            return {"status": "pass", "model": w.name, "arm": kw, "step_ms_profiled": round(step_ms, 3),
+                    "saved_tensors": timed["pack"][1], "unpacks": timed["unpack"][1],
+                    "host_us_per_saved_tensor": round(1e6 * (timed["pack"][0] + timed["unpack"][0]) / packs, 2),
+                    "pack_us": round(1e6 * timed["pack"][0] / packs, 2),
+                    "unpack_us": round(1e6 * timed["unpack"][0] / max(1, timed["unpack"][1]), 2),
+                    "encode_kernels_ms": round(kern["encode"] / 1000, 3),
+                    "decode_kernels_ms": round(kern["decode"] / 1000, 3),
+                    "all_kernels_ms": round(kern["all"] / 1000, 3),
+                    "syncs": syncs, "sync_count": sum(syncs.values()), "allocations": allocs}
+        except Exception as exc:
+            return {"status": "fail", "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        finally:
+            if comp is not None:
+                comp.close()
+            del opt
+            self.cleanup()
+
+    def allocation_count(self) -> Optional[int]:
+        """Allocations served so far on the device (torch's count; gact's under use_allocator, which
+        answers torch's memory_stats), or on the CPU none counted."""
+        if not self.cuda:
+            return None
+        try:
+            return int(torch.cuda.memory_stats(0).get("allocation.all.allocated", 0))
+        except Exception:  # a torch whose pluggable allocator has no statistics
+            return None
+
     # -- largest batch under a cap -------------------------------------------------------
     def fits(self, w: wm.Workload, opt, comp, b: int, gen: torch.Generator) -> bool:
         ok = False
@@ -429,6 +512,10 @@ class Trainer:
                 for k in ("gact_peak_mib", "torch_peak_mib"):
                     if r.get(k) and base.get(k):
                         r[k.replace("_mib", "_vs_fp32")] = round(r[k] / base[k], 3)
+            if self.gact is not None and "profile" not in f and self.arms_left() > 5:
+                # where a compressed step's time goes, for the first model (resnet50 in the default list)
+                f["profile"] = self.profile(w, init, x, y, {"bits": 4})
+                self.res.save()
             if self.gact is not None and not self.a.no_swap_check:
                 if self.arms_left() > 5:
                     f["swap_check"][m] = self.swap_check(w, init, x, y)
