@@ -436,6 +436,7 @@ struct activation_store::counters {
   std::uint64_t dedup_bytes = 0;
   std::uint64_t view_hits = 0;               // of which: a different view of the same storage
   std::uint64_t upgrades = 0;                // predicate entries turned into boundary blobs
+  std::uint64_t boundary_blobs = 0;          // boundary blobs stored (upgrades and boundary values puts)
   std::uint64_t nonfinite_fallbacks = 0;
   std::uint64_t refusal_fallbacks = 0;       // predicate/window encodes refused and stored another way
   std::uint64_t gathers = 0;
@@ -835,6 +836,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
       for (counters* k : {c_.get(), owner_counters(p.owner)}) {
         if (k == nullptr) continue;
         ++k->upgrades;
+        ++k->boundary_blobs;
         ++k->dedup_hits;
         k->dedup_bytes += bytes_in;
         k->bytes_encoded += static_cast<std::uint64_t>(e.numel) * es;  // the entry's image, encoded again
@@ -944,6 +946,7 @@ fresh:
     c.current_in += bytes_in;
     c.peak_stored = std::max(c.peak_stored, c.current_stored);
     c.bytes_encoded += enc.encoded_bytes;
+    if (enc.boundary) ++c.boundary_blobs;
   }
   if (!unversioned) {
     ent->has_identity = true;
@@ -1333,6 +1336,7 @@ nlohmann::json activation_store::counters_json(counters const& c, std::size_t li
   j["dedup_bytes"] = c.dedup_bytes;
   j["view_hits"] = c.view_hits;
   j["upgrades"] = c.upgrades;
+  j["boundary_blobs"] = c.boundary_blobs;  // a ReLU's (clamp's) output stored once for its mask and its values
   j["nonfinite_fallbacks"] = c.nonfinite_fallbacks;
   j["refusal_fallbacks"] = c.refusal_fallbacks;
   j["gathers"] = c.gathers;

@@ -133,6 +133,31 @@ def test_each_saved_tensor_is_encoded_and_decoded_once_with_the_same_blobs():
     assert s1["codecs"]["mask"]["tensors"] == s0["codecs"]["mask"]["tensors"] > 0
 
 
+def test_encoded_once_when_installed_for_the_whole_process():
+    """gact-run installs a Compressor for the whole process (no `with` block ends the forward): a ReLU's save
+    waits there too, and what still waits is stored at backward's first unpack. A ReLU at the end of the
+    forward (read by the loss only) is stored as a mask, before backward reads it."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1),
+                            torch.nn.ReLU())
+    x = torch.randn(2, 3, 32, 32)
+    g0 = torch.autograd.grad(m(x).sum(), list(m.parameters()))
+    comp = gact.Compressor(m, bits=8)
+    comp.install_global()
+    try:
+        loss = m(x).sum()  # (sum saves nothing: the last ReLU's output is read by no values save)
+        assert len(comp._deferred) == 1  # the last ReLU's save: nothing after it saves its values
+        grads = torch.autograd.grad(loss, list(m.parameters()))
+        assert comp._deferred == []
+        comp.step()
+        last = comp.stats()["store"]["last_step"]
+    finally:
+        comp.uninstall_global()
+    assert last["bytes_encoded"] == last["bytes_in"] > 0
+    for a, b in zip(grads, g0):
+        assert torch.nn.functional.cosine_similarity(a.reshape(-1), b.reshape(-1), 0) > 0.999
+
+
 # Regression: with cross_entropy, log_softmax's small output was skipped and handed back
 # as is, so the graph held itself and was never freed when backward did not run.
 @pytest.mark.parametrize("loss_kind", ["sum", "cross_entropy"])

@@ -228,8 +228,10 @@ def test_stats_keys():
     s = C.store_stats()
     for k in ("tensors_in", "bytes_in", "bytes_stored", "ratio", "codecs", "quant_bits", "skipped",
               "skipped_tensors", "skipped_bytes", "dedup_hits", "nonfinite_fallbacks", "live_handles",
-              "bytes_stored_current", "bytes_stored_peak", "leaks", "leaks_last_step", "steps"):
+              "bytes_stored_current", "bytes_stored_peak", "leaks", "leaks_last_step", "steps", "bytes_encoded",
+              "boundary_blobs", "last_step"):
         assert k in s, k
+    assert set(s["last_step"]) == {"bytes_in", "bytes_encoded", "bytes_decoded"}
     assert set(s["codecs"]) == {"raw", "quant", "mask", "window"}
     assert set(s["skipped"]) == {"parameter", "small", "dtype", "excluded", "input", "layout", "device", "stats",
                                  "exact", "memory"}

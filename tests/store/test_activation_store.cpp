@@ -383,12 +383,14 @@ TEST_CASE("roles: values stored as a boundary blob serve the ReLU's predicate sa
   CHECK(st["bytes_in"] == 4096 * 4);
   CHECK(st["bytes_encoded"] == 4096 * 4);
   CHECK(st["upgrades"] == 0);
+  CHECK(st["boundary_blobs"] == 1);
   // the same blob as a mask upgraded by the same values save (same key, bits and step)
   fixture g;
   auto gm = g.store.put(view(x.data(), dtype::float32, {64, 64}), mask);
   auto gv = g.store.put(view(x.data(), dtype::float32, {64, 64}), bits(2, 7));
   CHECK(gv.h == gm.h);
   CHECK(g.store.stats_json()["bytes_encoded"] == 2 * 4096 * 4);  // the mask, then the values again
+  CHECK(g.store.stats_json()["boundary_blobs"] == 1);
   gact::store::get_params pg;
   pg.predicate = true;
   auto a = f.store.get_shared(v.h);

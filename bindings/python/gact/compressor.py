@@ -900,8 +900,10 @@ class Compressor:
         role, pred, window, decode = "values", None, None, None
         boundary = False
         if kind == _saved.PREDICATE:
+            # (inside a `with` block, whose end stores what still waits, or installed for the whole process
+            # by gact-run, where backward's first unpack and step() do)
             if defer and d.clamped and keep is None and self._probe is None and \
-                    getattr(self._local, "depth", 0) > 0 and t.is_floating_point():
+                    (self._global_depth > 0 or getattr(self._local, "depth", 0) > 0) and t.is_floating_point():
                 return self._defer(t, key, d)
             role, pred, decode = "predicate", d.pred, d.decode
             bits = self._bits_for(key, t.numel()) if pred[0] == "ne" else 1  # `ne` may fall back to values
