@@ -158,6 +158,29 @@ def test_encoded_once_when_installed_for_the_whole_process():
         assert torch.nn.functional.cosine_similarity(a.reshape(-1), b.reshape(-1), 0) > 0.999
 
 
+def test_relu_output_whose_data_is_taken_keeps_its_own_mask():
+    """`.data` taken from a ReLU's output between its save and the next layer's: the storage gets blobs of its
+    own for the rest of the step (no blob serves another save of it), so the ReLU's save is a mask apart from
+    the next layer's values, and its backward reads that mask (it asked the values of a mask-only blob and
+    failed: "holds only a predicate")."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    x = torch.randn(32, 64)
+    g0 = torch.autograd.grad(m(x).square().mean(), list(m.parameters()))
+    comp = gact.Compressor(m, bits=8)
+    with comp:
+        h = m[0](x)
+        r = torch.relu(h)
+        alias = r.data  # noqa: F841 (an alias whose writes move no version counter)
+        loss = m[2](r).square().mean()
+        del h, r, alias
+    g = torch.autograd.grad(loss, list(m.parameters()))
+    comp.step()
+    for a, b in zip(g, g0):
+        assert torch.nn.functional.cosine_similarity(a.reshape(-1), b.reshape(-1), 0) > 0.999
+    assert comp.stats()["store"]["codecs"]["mask"]["tensors"] == 1
+
+
 # Regression: with cross_entropy, log_softmax's small output was skipped and handed back
 # as is, so the graph held itself and was never freed when backward did not run.
 @pytest.mark.parametrize("loss_kind", ["sum", "cross_entropy"])

@@ -951,7 +951,7 @@ class Compressor:
             # its predicate save: served by the blob just stored; a ReLU's backward tests result > 0, which the
             # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values
             # image the next layer's backward decodes (kept for it: decoded once), not a mask decoded apart
-            self._resolve_one(waiting, values=upgraded)
+            self._resolve_one(waiting, values=h if upgraded else 0)
         p = _Packed(h, t, key, decode, self._owner)
         self._note_live(p)
         p.offset = offset
@@ -1013,9 +1013,9 @@ class Compressor:
                     return self._deferred.pop(i)
         return None
 
-    def _resolve_one(self, entry: tuple, values: bool = False) -> None:
-        """Store a waiting predicate save (a dedup hit when its values were just stored as a boundary blob:
-        ``values``, and then a ReLU's save reads them)."""
+    def _resolve_one(self, entry: tuple, values: int = 0) -> None:
+        """Store a waiting predicate save: a dedup hit when its values were just stored as the boundary blob of
+        handle ``values``, whose values image a ReLU's save then reads."""
         ref, t, key, d = entry
         p = ref()
         if p is None or p.aborted:
@@ -1024,7 +1024,9 @@ class Compressor:
         if isinstance(q, _Packed):
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None
-            if values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 and d.decode == (1.0, 0.0):
+            # (served by that very blob: a storage whose .data was taken gets blobs of its own, a mask here)
+            if values and p.handle == values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 \
+                    and d.decode == (1.0, 0.0):
                 p.decode = None
         else:
             p.alias = q.t if isinstance(q, _Kept) else q  # the arena could not hold it: kept as it is
