@@ -177,6 +177,16 @@ bool upgradable(codec::predicate_params const& q) noexcept {
   return p == codec::predicate::gt || p == codec::predicate::open || p == codec::predicate::gt_or_nan;
 }
 
+/// The boundary variant of quant for data read by the upgradable predicate `q` (codes 0 and 2^b - 1 exactly
+/// its bounds), at `bits` but at least 2: at 1 bit the mask (1) and the values (1) would cost the same and
+/// serve worse.
+void set_boundary(codec::encode_params& ep, codec::predicate_params const& q, int bits) noexcept {
+  ep.variant = std::uint8_t(codec::quant_mode::boundary);
+  ep.bits = std::max(bits, 2);
+  bool const open = codec::predicate(q.pred) == codec::predicate::open;
+  ep.boundary = {q.a, open ? q.b : 0.0f, open ? 1u : 0u, 0u};
+}
+
 bool same_predicate(codec::predicate_params const& a, codec::predicate_params const& b) noexcept {
   return a.pred == b.pred && codec::hd::float_bits(a.a) == codec::hd::float_bits(b.a) &&
          codec::hd::float_bits(a.b) == codec::hd::float_bits(b.b);
@@ -589,10 +599,7 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
       ep.codec = codec::codec_id::quant;
       if (what == role::values && p.boundary && p.norm_count == 0 && upgradable(p.pred)) {
         // as the upgrade of a predicate entry in put(): one blob for the values and the predicate
-        ep.variant = std::uint8_t(codec::quant_mode::boundary);
-        ep.bits = std::max(p.bits, 2);
-        bool const open = codec::predicate(p.pred.pred) == codec::predicate::open;
-        ep.boundary = {p.pred.a, open ? p.pred.b : 0.0f, open ? 1u : 0u, 0u};
+        set_boundary(ep, p.pred, p.bits);
         out.boundary = true;
         out.pred = p.pred;
       } else if (p.norm_count > 0) {
@@ -785,15 +792,11 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
     auto const* image = reinterpret_cast<void const*>(storage + static_cast<std::uintptr_t>(e.span_lo) * es);
     codec::encode_params ep;
     ep.codec = codec::codec_id::quant;
-    ep.variant = std::uint8_t(codec::quant_mode::boundary);
-    // A boundary blob needs 2 bits; at 1 bit the mask (1) and the values (1) would cost the same and serve worse.
-    int const ubits = std::max(p.bits, 2);
-    ep.bits = ubits;
+    set_boundary(ep, e.info.pred, p.bits);
+    int const ubits = ep.bits;
     ep.group_size = p.group_size;
     ep.seed = mix64(p.seed ^ mix64(step));
     ep.key = p.key;
-    bool const open = codec::predicate(e.info.pred.pred) == codec::predicate::open;
-    ep.boundary = {e.info.pred.a, open ? e.info.pred.b : 0.0f, open ? 1u : 0u, 0u};
     std::int64_t const flat[1] = {e.numel};
     std::size_t const cap = codec::blob_size(v.dtype, std::span<std::int64_t const>(flat), ep);
     arena_block blob(arena, cap, p.stream, alloc::tag_activation);

@@ -156,7 +156,7 @@ def test_codecs_gpu_program_reads_quick_mode_and_skips_without_a_device():
         assert r.returncode == 0, r.stdout[-2000:]
 
 
-_MEMORY_API_SCRIPT = r"""
+_ALLOCATOR_ALONE = r"""
 import ctypes, importlib, os, sys, types
 import torch
 # gact.allocator alone, with libgact.so over the fake CUDA runtime (the _gact module links the real one)
@@ -166,6 +166,9 @@ pkg.__path__ = [sys.argv[1]]
 sys.modules["gact"] = pkg
 galloc = importlib.import_module("gact.allocator")
 lib = ctypes.CDLL(os.environ["GACT_LIBRARY"])
+"""
+
+_MEMORY_API_SCRIPT = r"""
 galloc.serve_torch_memory_api(lib)
 lib.gact_alloc.restype = ctypes.c_void_p
 lib.gact_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -190,6 +193,21 @@ print(repr(seen))
 """
 
 
+def _run_with_libgact(script: str) -> dict:
+    """Run `script` (gact.allocator alone, with libgact.so over the fake CUDA runtime) in its own process; the
+    dict it printed last (its repr)."""
+    lib = os.path.normpath(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so"))
+    fake = os.path.normpath(os.path.join(os.path.dirname(lib), "..", "tests", "fake_cudart"))
+    if not os.path.isfile(os.path.join(fake, "libcudart.so.13")):
+        pytest.skip("this build has no fake CUDA runtime")
+    env = dict(os.environ, GACT_LIBRARY=lib, LD_LIBRARY_PATH=fake + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    pkg = os.path.dirname(os.path.abspath(galloc.__file__))
+    r = subprocess.run([sys.executable, "-c", _ALLOCATOR_ALONE + script, pkg], env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (the script's own repr)
+
+
 @pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so")),
                     reason="this build has no libgact.so (no CUDA headers)")
 def test_torch_memory_api_answers_with_gacts_figures_under_use_allocator():
@@ -198,16 +216,7 @@ def test_torch_memory_api_answers_with_gacts_figures_under_use_allocator():
     use_allocator(). gact answers instead: memory_allocated, max_memory_allocated, memory_reserved,
     max_memory_reserved, reset_peak_memory_stats, memory_stats and memory_summary follow gact's allocator,
     here libgact.so over the fake CUDA runtime (a separate process: torch's functions are replaced)."""
-    lib = os.path.normpath(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so"))
-    fake = os.path.normpath(os.path.join(os.path.dirname(lib), "..", "tests", "fake_cudart"))
-    if not os.path.isfile(os.path.join(fake, "libcudart.so.13")):
-        pytest.skip("this build has no fake CUDA runtime")
-    env = dict(os.environ, GACT_LIBRARY=lib, LD_LIBRARY_PATH=fake + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    pkg = os.path.dirname(os.path.abspath(galloc.__file__))
-    r = subprocess.run([sys.executable, "-c", _MEMORY_API_SCRIPT, pkg], env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (the script's own repr)
+    seen = _run_with_libgact(_MEMORY_API_SCRIPT)
     MiB = 1 << 20
     assert seen["before"] == (0, 0)
     allocated, peak, reserved, max_reserved = seen["two"]
@@ -221,15 +230,7 @@ def test_torch_memory_api_answers_with_gacts_figures_under_use_allocator():
 
 
 _OOM_THROWER_SCRIPT = r"""
-import ctypes, importlib, os, sys, types
-import torch
-sys.modules["_gact"] = types.ModuleType("_gact")  # gact.allocator alone (as _MEMORY_API_SCRIPT)
-pkg = types.ModuleType("gact")
-pkg.__path__ = [sys.argv[1]]
-sys.modules["gact"] = pkg
-galloc = importlib.import_module("gact.allocator")
 import _gact_torch
-lib = ctypes.CDLL(os.environ["GACT_LIBRARY"])
 seen = {"error": galloc.set_oom_thrower(lib)}
 lib.gact_set_oom_thrower.restype = ctypes.c_void_p
 lib.gact_set_oom_thrower.argtypes = [ctypes.c_void_p]
@@ -252,15 +253,6 @@ def test_use_allocator_gives_the_library_torchs_out_of_memory_thrower():
         import _gact_torch  # noqa: F401
     except ImportError:
         pytest.skip("no _gact_torch in this build (no c10 headers)")
-    lib = os.path.normpath(os.path.join(os.path.dirname(_gact.__file__), "..", "libgact.so"))
-    fake = os.path.normpath(os.path.join(os.path.dirname(lib), "..", "tests", "fake_cudart"))
-    if not os.path.isfile(os.path.join(fake, "libcudart.so.13")):
-        pytest.skip("this build has no fake CUDA runtime")
-    env = dict(os.environ, GACT_LIBRARY=lib, LD_LIBRARY_PATH=fake + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    pkg = os.path.dirname(os.path.abspath(galloc.__file__))
-    r = subprocess.run([sys.executable, "-c", _OOM_THROWER_SCRIPT, pkg], env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    seen = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 (the script's own repr)
+    seen = _run_with_libgact(_OOM_THROWER_SCRIPT)
     assert seen == {"error": "torch.OutOfMemoryError", "wired": True,
                     "throws": "CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0"}

@@ -306,7 +306,9 @@ TEST_CASE("decode once: a kept image goes with its entry when the readers are re
   tensor_view const v = view(x.data(), dtype::float32, {4096});
   auto h = f.store.put(v, bits(2)).h;
   CHECK(f.store.put(v, bits(2)).h == h);
+  std::size_t const blob_only = f.arena.allocated_bytes();
   f.store.get_shared(h).reset();  // kept for the other reader
+  CHECK(f.arena.allocated_bytes() > blob_only);
   f.store.release(h);
   f.store.release(h);  // which never reads it (its graph was dropped)
   CHECK(f.arena.allocated_bytes() == 0);
