@@ -156,17 +156,33 @@ char const* status_name(hd::blob_status s) noexcept;
 /// The "codecs" statistics section (counters since process start).
 nlohmann::json stats_json();
 
+/// Where a device quant encode reports, without a host synchronization, whether it met a value it could
+/// not quantize (NaN/±Inf, a boundary blob's value outside [lo, hi], bad normalization statistics): the
+/// kernel's blocks write `word[1] = 1` when one of their groups did, and the block that finishes last
+/// writes `word[0] = seq`. `word` is mapped page-locked host memory (the host reads it without a CUDA
+/// call; see codecs/verdict.hpp), `counter` one device word that is 0 before the launch and that the
+/// last block sets back to 0. The host must set word[0] != seq and word[1] = 0 before the launch.
+struct device_verdict {
+  std::uint32_t* word = nullptr;     ///< [done seq, bad], host-mapped (a device-visible address)
+  std::uint32_t* counter = nullptr;  ///< device memory: blocks finished
+  std::uint32_t seq = 0;             ///< nonzero; what word[0] becomes when the encode has run
+};
+
 #if defined(GACT_HAVE_KERNELS) && GACT_HAVE_KERNELS
 /// Encode a contiguous device tensor into a device blob: one kernel launch on `stream`, no host
 /// synchronization, the same bytes as encode_cpu for finite input. A group holding NaN/±Inf cannot
 /// be reported to the host without a sync: it is stored with (NaN, NaN) metadata and decodes to NaN
-/// on every executor (parse() reports the count); `nonfinite` is therefore always false here.
+/// on every executor (parse() reports the count); `nonfinite` is therefore always false here. With
+/// `verdict` (quant only; ignored by the other codecs, which have nothing to report), the kernel
+/// tells the host through mapped memory whether such a group exists, once it has run: the caller
+/// then keeps the tensor exact instead (the store and the Compressor do; codecs/verdict.hpp).
 /// Mask on the device takes bool tensors only (a uint8 tensor cannot be checked for 0/1 without a
 /// sync; store it raw or check it on the host).
 /// @throws gact::invalid_argument as encode_cpu (parameters, capacity, mask with uint8)
 /// @throws gact::cuda_error if the launch fails
 encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t const> shape,
-                          encode_params const& p, void* blob, std::size_t capacity, cudaStream_t stream);
+                          encode_params const& p, void* blob, std::size_t capacity, cudaStream_t stream,
+                          device_verdict const* verdict = nullptr);
 
 /// Decode a device blob into device memory: one kernel launch on `stream`, no host sync. The kernel
 /// validates the header and each group's metadata itself (same checks as parse). On a corrupt blob it

@@ -16,8 +16,10 @@
 // argument); the normalized variant's statistics are copied into the blob by a
 // grid-stride loop over every block.
 // A group holding NaN/±Inf (or, in a boundary blob, a value outside [lo, hi]) is
-// written as (NaN, NaN) metadata with zero codes; every decoder turns it into NaN
-// (the host is not told: that would need a sync).
+// written as (NaN, NaN) metadata with zero codes; every decoder turns it into NaN.
+// With a device_verdict the launch also says so through mapped host memory once
+// it has run (no sync: the host reads a word), and its caller keeps the tensor
+// exact instead (codecs/verdict.hpp).
 //
 // decode: a grid-stride loop over 8-element chunks, with a grid sized to the
 // device (a few blocks per multiprocessor), so the header is validated once per
@@ -197,34 +199,45 @@ struct quant_args {
   float const* shift;  // normalized: device arrays of count values
   float const* scale;
   boundary_params boundary;
+  device_verdict verdict;  // word == nullptr: not asked
 };
 
 // ---- encode kernels ---------------------------------------------------------------------------
 
-/// One warp per group; CPL = chunks per lane (G / 256, at least 1); V = quant_mode.
+/// Tell the host, through mapped memory, that this launch met a group it could not quantize, and (the
+/// block that finishes last) that the launch has run. A flag store is made visible system-wide (its
+/// writer fences, then the block meets at a barrier) before the block counts itself, and the last block
+/// fences again before writing the sequence number, so a host
+/// that reads word[0] == seq then reads the final word[1] (the pattern of CUDA's threadFenceReduction
+/// sample, at system scope).
+__device__ __forceinline__ void report_verdict(device_verdict const& v, bool bad) {
+  if (v.word == nullptr) return;  // (uniform over the grid: a kernel argument)
+  if (bad) {
+    *reinterpret_cast<volatile std::uint32_t*>(v.word + 1) = 1u;
+    __threadfence_system();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    unsigned const before = atomicAdd(v.counter, 1u);
+    if (before == gridDim.x - 1) {
+      *v.counter = 0u;  // ready for the slot's next launch (ordered after this one on any stream: the host
+                        // reuses a slot only after reading this launch's seq)
+      __threadfence_system();
+      *reinterpret_cast<volatile std::uint32_t*>(v.word) = v.seq;
+    }
+  }
+}
+
+/// One group of quant_encode_kernel (one warp); true when the group holds a value it cannot quantize
+/// (then written as the (NaN, NaN) marker with zero codes).
 template <int Dt, int CPL, bool Vec, int V>
-__global__ void __launch_bounds__(32 * k_warps_per_block)
-    quant_encode_kernel(typename dev_io<Dt>::storage const* __restrict__ src, quant_args a,
-                        unsigned char* __restrict__ blob, header_bytes_arg hdr) {
+__device__ __forceinline__ bool encode_group(typename dev_io<Dt>::storage const* __restrict__ src, quant_args const& a,
+                                             unsigned char* __restrict__ blob,
+                                             typename cub::WarpReduce<float>::TempStorage& temp, std::uint64_t g,
+                                             int lane) {
   using M = meta_dev<Dt, V>;
   using warp_reduce = cub::WarpReduce<float>;
-  __shared__ typename warp_reduce::TempStorage temp[k_warps_per_block];
-  write_header_block0(blob, hdr);
-  std::uint64_t const gtid = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  std::uint64_t const gstride = std::uint64_t(gridDim.x) * blockDim.x;
-  if constexpr (V == k_normalized) {  // the statistics section, as the decoder will read it
-    for (std::uint64_t b = gtid; b < a.count; b += gstride)
-      hd::store_stat(blob + a.stats_off, b, hd::round_bf16(a.shift[b]), hd::round_bf16(a.scale[b]));
-    for (std::uint64_t i = a.stats_off + std::uint64_t(hd::k_stat_bytes) * a.count + gtid; i < a.meta_off; i += gstride)
-      blob[i] = 0;
-  }
-  {  // the metadata section's zero padding
-    std::uint64_t const used = a.meta_off + a.n_groups * 2 * sizeof(typename M::storage);
-    for (std::uint64_t i = used + gtid; i < a.meta_pad_end; i += gstride) blob[i] = 0;
-  }
-  int const warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  std::uint64_t const g = std::uint64_t(blockIdx.x) * k_warps_per_block + std::uint64_t(warp);
-  if (g >= a.n_groups) return;
   std::uint64_t const e0 = g * std::uint64_t(a.G);
   std::uint64_t const end = e0 + std::uint64_t(a.G) < a.numel ? e0 + std::uint64_t(a.G) : a.numel;
   int const chunks = a.G / 8;
@@ -272,10 +285,10 @@ __global__ void __launch_bounds__(32 * k_warps_per_block)
     }
   }
   bad = __any_sync(0xFFFFFFFFu, bad);
-  lo = warp_reduce(temp[warp]).Reduce(lo, cuda::minimum<>{});
+  lo = warp_reduce(temp).Reduce(lo, cuda::minimum<>{});
   lo = __shfl_sync(0xFFFFFFFFu, lo, 0);
   __syncwarp();
-  hi = warp_reduce(temp[warp]).Reduce(hi, cuda::maximum<>{});
+  hi = warp_reduce(temp).Reduce(hi, cuda::maximum<>{});
   hi = __shfl_sync(0xFFFFFFFFu, hi, 0);
   if constexpr (V == k_boundary) {
     if (lo > hi) {  // no interior value: the (lo, lo) placeholder
@@ -319,6 +332,35 @@ __global__ void __launch_bounds__(32 * k_warps_per_block)
     }
     store_codes(blob + a.code_off + (e / 8) * std::uint64_t(a.bits), a.bits, word);
   }
+  return bad;
+}
+
+/// One warp per group; CPL = chunks per lane (G / 256, at least 1); V = quant_mode.
+template <int Dt, int CPL, bool Vec, int V>
+__global__ void __launch_bounds__(32 * k_warps_per_block)
+    quant_encode_kernel(typename dev_io<Dt>::storage const* __restrict__ src, quant_args a,
+                        unsigned char* __restrict__ blob, header_bytes_arg hdr) {
+  using M = meta_dev<Dt, V>;
+  using warp_reduce = cub::WarpReduce<float>;
+  __shared__ typename warp_reduce::TempStorage temp[k_warps_per_block];
+  write_header_block0(blob, hdr);
+  std::uint64_t const gtid = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  std::uint64_t const gstride = std::uint64_t(gridDim.x) * blockDim.x;
+  if constexpr (V == k_normalized) {  // the statistics section, as the decoder will read it
+    for (std::uint64_t b = gtid; b < a.count; b += gstride)
+      hd::store_stat(blob + a.stats_off, b, hd::round_bf16(a.shift[b]), hd::round_bf16(a.scale[b]));
+    for (std::uint64_t i = a.stats_off + std::uint64_t(hd::k_stat_bytes) * a.count + gtid; i < a.meta_off; i += gstride)
+      blob[i] = 0;
+  }
+  {  // the metadata section's zero padding
+    std::uint64_t const used = a.meta_off + a.n_groups * 2 * sizeof(typename M::storage);
+    for (std::uint64_t i = used + gtid; i < a.meta_pad_end; i += gstride) blob[i] = 0;
+  }
+  int const warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  std::uint64_t const g = std::uint64_t(blockIdx.x) * k_warps_per_block + std::uint64_t(warp);
+  // (no early return for the warps past the last group: every thread reaches report_verdict's barrier)
+  bool const bad = g < a.n_groups && encode_group<Dt, CPL, Vec, V>(src, a, blob, temp[warp], g, lane);
+  report_verdict(a.verdict, bad && lane == 0);
 }
 
 /// Byte mask: one thread per output byte (8 elements, element e at bit e % 8); bool input, nonzero is 1.
@@ -663,7 +705,7 @@ unsigned device_grid_cap() {
 }  // namespace
 
 encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t const> shape, encode_params const& p,
-                          void* blob, std::size_t capacity, cudaStream_t stream) {
+                          void* blob, std::size_t capacity, cudaStream_t stream, device_verdict const* verdict) {
   detail::ensure_stats_registered();
   hd::blob_layout lay;
   blob_header const h = detail::make_header(dt, shape, p, &lay);
@@ -709,6 +751,11 @@ encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t cons
       a.shift = p.norm_shift;
       a.scale = p.norm_scale;
       std::memcpy(&a.boundary, params, variant == std::uint8_t(quant_mode::boundary) ? sizeof a.boundary : 0);
+      if (verdict != nullptr) {
+        GACT_EXPECTS(verdict->word != nullptr && verdict->counter != nullptr && verdict->seq != 0,
+                     "encode_cuda: a verdict needs its mapped word, its device counter and a nonzero seq");
+        a.verdict = *verdict;
+      }
       bool const vec = reinterpret_cast<std::uintptr_t>(src) % 16 == 0;
       if (dt == dtype::float32) launch_quant_dt<0>(variant, src, vec, a, out, hdr, stream);
       else if (dt == dtype::float16) launch_quant_dt<1>(variant, src, vec, a, out, hdr, stream);

@@ -12,12 +12,15 @@
 // The variants (normalized with statistics in device memory, boundary values and
 // predicates, predicate masks, the window codec, float64) get the same
 // byte-for-byte comparison.
+// Every quant encode also asks for a verdict (codecs/verdict.hpp): clean for finite
+// input, bad for the non-finite marker's input, and the slot's counter back at 0.
 // Exit status 0 when every check passed; each failure prints one line.
 // GACT_GPU_TEST_QUICK=1 (tools/gpu-check sets it under compute-sanitizer) runs a
 // reduced matrix: one group size and one tail size per dtype and bit width, and
 // 100 corrupt blobs instead of 2000.
 #include "codecs/codec.hpp"
 #include "codecs/float16.hpp"
+#include "codecs/verdict.hpp"
 
 #include "allocator/error.hpp"
 
@@ -35,6 +38,7 @@ using namespace gact::codec;
 namespace {
 
 int g_checks = 0, g_failures = 0;
+verdict_ring* g_ring = nullptr;  // made in main()
 
 #define CHECK_GPU(cond, ...)                          \
   do {                                                \
@@ -97,8 +101,20 @@ void compare(std::vector<unsigned char> const& host, dtype dt, std::vector<std::
     pd.norm_shift = static_cast<float const*>(shift.p);
     pd.norm_scale = static_cast<float const*>(scale.p);
   }
-  encode_cuda(s, dt, shape, pd, blob.p, bs, nullptr);
+  device_verdict dv;
+  bool const asks = p.codec == codec_id::quant;  // (the other codecs ignore a verdict: its slot would never report)
+  verdict_ring::ticket ticket;
+  if (asks) ticket = g_ring->acquire(&dv);
+  encode_cuda(s, dt, shape, pd, blob.p, bs, nullptr, asks ? &dv : nullptr);
   cuda_ok(cudaMemcpy(gpu_blob.data(), blob.p, bs, cudaMemcpyDeviceToHost), "D2H");
+  if (asks) {
+    verdict_state const v = g_ring->wait(ticket, std::chrono::seconds(5));
+    CHECK_GPU(v == verdict_state::clean, "%s: verdict %d for finite input", what, int(v));
+    std::uint32_t counter = 1;
+    cuda_ok(cudaMemcpy(&counter, dv.counter, 4, cudaMemcpyDeviceToHost), "D2H");
+    CHECK_GPU(counter == 0, "%s: verdict counter left at %u", what, counter);
+    g_ring->release(ticket);
+  }
   std::size_t diff = 0;
   while (diff < bs && cpu_blob[diff] == gpu_blob[diff]) ++diff;
   CHECK_GPU(diff == bs, "%s: blobs differ first at byte %zu of %zu", what, diff, bs);
@@ -125,6 +141,8 @@ int main() {
     std::printf("no CUDA device: nothing to check\n");
     return 77;  // meson's "skipped"
   }
+  auto ring = verdict_ring::create_device(64);  // (64 slots: compare() reuses them, round robin)
+  g_ring = ring.get();
   char what[160];
   // 1. Every dtype x bits x group size, sizes with tails, aligned and unaligned sources.
   for (dtype dt : {dtype::float32, dtype::float16, dtype::bfloat16}) {
@@ -189,9 +207,14 @@ int main() {
     std::size_t const bs = blob_size(dt, shape, p);
     dev_buf src(host.size()), blob(bs);
     cuda_ok(cudaMemcpy(src.p, host.data(), host.size(), cudaMemcpyHostToDevice), "H2D");
-    encode_cuda(src.p, dt, shape, p, blob.p, bs, nullptr);
+    device_verdict dv;
+    auto const ticket = g_ring->acquire(&dv);
+    encode_cuda(src.p, dt, shape, p, blob.p, bs, nullptr, &dv);
     std::vector<unsigned char> gb(bs);
     cuda_ok(cudaMemcpy(gb.data(), blob.p, bs, cudaMemcpyDeviceToHost), "D2H");
+    CHECK_GPU(g_ring->wait(ticket, std::chrono::seconds(5)) == verdict_state::bad, "%s: verdict of a NaN group not bad",
+              dtype_name(dt));
+    g_ring->release(ticket);
     auto info = parse(gb.data(), bs);
     CHECK_GPU(info.nonfinite_groups == 1, "%s: nonfinite_groups %llu", dtype_name(dt),
               (unsigned long long)info.nonfinite_groups);

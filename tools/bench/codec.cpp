@@ -31,6 +31,7 @@
 // rows, and a ratio against a figure from another moment would carry the drift.
 #include "codecs/codec.hpp"
 #include "codecs/float16.hpp"
+#include "codecs/verdict.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -207,6 +208,7 @@ nlohmann::json bench_cuda(std::size_t numel, int reps, bool print) {
                   "dec GB/s", "/copy", "same as CPU (blob, decode)");
     }
     nlohmann::json rows = nlohmann::json::array();
+    auto const ring = verdict_ring::create_device();
     for (config const& c : codec_configs()) {
       std::size_t const in_bytes = numel * dtype_size(c.dt);
       encode_params const p = params_of(c);
@@ -216,8 +218,13 @@ nlohmann::json bench_cuda(std::size_t numel, int reps, bool print) {
       fill_input(c, values, host_in.data());
       device_buffer in(in_bytes), blob(bs), dec(in_bytes), status(sizeof(std::uint32_t));
       cuda_check(cudaMemcpy(in.p, host_in.data(), in_bytes, cudaMemcpyHostToDevice), "H2D");
+      // (quant as the store runs it: with a verdict, codecs/verdict.hpp)
+      bool const asks = c.codec == codec_id::quant;
       double const te = device_seconds(reps, inner, stream, [&] {
-        (void)encode_cuda(in.p, c.dt, shape, p, blob.p, bs, stream);
+        device_verdict dv;
+        verdict_ring::ticket const t = asks ? ring->acquire(&dv) : verdict_ring::ticket{};
+        (void)encode_cuda(in.p, c.dt, shape, p, blob.p, bs, stream, asks ? &dv : nullptr);
+        if (asks) ring->release(t);
       });
       double const td = device_seconds(reps, inner, stream, [&] {
         decode_cuda(blob.p, bs, dec.p, in_bytes, stream, static_cast<std::uint32_t*>(status.p));
