@@ -415,7 +415,15 @@ struct activation_store::entry {
   entry() = default;
   entry(entry const&) = delete;
   entry& operator=(entry const&) = delete;
-  ~entry() { free_blob(); }
+  // the device encode's verdict (codecs/verdict.hpp): asked of `ring` until read, then `bad`; guarded by the
+  // store's mu_ once published
+  codec::verdict_ring* ring = nullptr;
+  codec::verdict_ring::ticket ticket;
+  bool bad = false;
+  ~entry() {
+    if (ring != nullptr) ring->release(ticket);
+    free_blob();
+  }
   void free_blob() noexcept {
     if (mover != nullptr) {
       mover->release(swap_id);
@@ -448,6 +456,7 @@ struct activation_store::counters {
   std::uint64_t upgrades = 0;                // predicate entries turned into boundary blobs
   std::uint64_t boundary_blobs = 0;          // boundary blobs stored (upgrades and boundary values puts)
   std::uint64_t nonfinite_fallbacks = 0;
+  std::uint64_t device_nonfinite = 0;         // device blobs whose encode reported a non-finite group
   std::uint64_t refusal_fallbacks = 0;       // predicate/window encodes refused and stored another way
   std::uint64_t gathers = 0;
   std::uint64_t gets = 0;
@@ -482,6 +491,8 @@ struct activation_store::encoded {
   codec::predicate_params pred{};
   bool boundary = false;           // a boundary blob serving `pred` as well (put_params::boundary)
   std::uint64_t encoded_bytes = 0;  // input bytes of every encode pass (a refused one included)
+  codec::verdict_ring* ring = nullptr;  // a device quant encode's verdict
+  codec::verdict_ring::ticket ticket;
   double sum_sq_ranges = 0.0;
   std::uint64_t groups = 0;
 };
@@ -633,7 +644,19 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
       r = codec::encode_cpu(src, v.dtype, shp, e, out.blob.p, cap, threads);
     } else {
 #if defined(GACT_HAVE_KERNELS)
-      r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, reinterpret_cast<cudaStream_t>(p.stream));
+      codec::device_verdict dv;
+      codec::verdict_ring* const ring = e.codec == codec::codec_id::quant ? verdict_ring_for(v.device) : nullptr;
+      codec::verdict_ring::ticket const t = ring != nullptr ? ring->acquire(&dv) : codec::verdict_ring::ticket{};
+      try {
+        r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, reinterpret_cast<cudaStream_t>(p.stream),
+                               ring != nullptr ? &dv : nullptr);
+      } catch (...) {
+        if (ring != nullptr) ring->cancel(t);
+        throw;
+      }
+      if (out.ring != nullptr) out.ring->release(out.ticket);  // (a pass before this one)
+      out.ring = ring;
+      out.ticket = t;
 #else
       GACT_FAIL("activation_store::put: tensor on CUDA device " + std::to_string(v.device) +
                 " but this build of gact has no CUDA kernels");
@@ -765,8 +788,10 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
           case role::predicate: serves = e.info.predicate && same_predicate(e.info.pred, p.pred); break;
           case role::indices: serves = e.info.values && !is_float(e.info.dtype); break;
         }
+        // (not on a device: there a boundary blob that met NaN/Inf is known only later, through its verdict, and
+        // the mask's earlier reader keeps no tensor to fall back to; codecs/README.md, "Non-finite input")
         if (!serves && p.what == role::values && e.info.predicate && !e.info.values && e.dense && e.in_range &&
-            upgradable(e.info.pred) && is_float(v.dtype) && p.bits <= 8 && p.norm_count == 0) {
+            upgradable(e.info.pred) && is_float(v.dtype) && p.bits <= 8 && p.norm_count == 0 && v.device < 0) {
           upgrade = eit->second;  // a clamp's mask, now also read for its values: one boundary blob
           break;
         }
@@ -800,19 +825,12 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
     std::int64_t const flat[1] = {e.numel};
     std::size_t const cap = codec::blob_size(v.dtype, std::span<std::int64_t const>(flat), ep);
     arena_block blob(arena, cap, p.stream, alloc::tag_activation);
-    codec::encode_result r{};
-    if (v.device < 0) {
-      r = codec::encode_cpu(image, v.dtype, std::span<std::int64_t const>(flat), ep, blob.p, cap,
-                            p.threads > 0 ? p.threads : opts_.threads);
-    } else {
-#if defined(GACT_HAVE_KERNELS)
-      r = codec::encode_cuda(image, v.dtype, std::span<std::int64_t const>(flat), ep, blob.p, cap,
-                             reinterpret_cast<cudaStream_t>(p.stream));
-#endif
-    }
+    GACT_ASSERT_INTERNAL(v.device < 0);  // (host entries only: see above)
+    codec::encode_result const r = codec::encode_cpu(image, v.dtype, std::span<std::int64_t const>(flat), ep, blob.p,
+                                                     cap, p.threads > 0 ? p.threads : opts_.threads);
     if (r.refused == codec::refusal::none) {
       std::uint64_t groups = 0;
-      double const ssr = v.device < 0 ? sum_sq_ranges(blob.p, r.bytes, &groups) : 0.0;
+      double const ssr = sum_sq_ranges(blob.p, r.bytes, &groups);
       std::size_t old_bytes = 0;
       {
         std::lock_guard elock(e.mu);
@@ -904,6 +922,8 @@ fresh:
     }
     enc = encode(v, p, p.what, src, numel, step, arena);
     ent->blob = enc.blob.release();
+    ent->ring = std::exchange(enc.ring, nullptr);
+    ent->ticket = enc.ticket;
     ent->info.codec = enc.codec;
     ent->info.variant = enc.variant;
     ent->info.bits = enc.bits;
@@ -1124,6 +1144,77 @@ std::int64_t activation_store::release(handle h) noexcept {
   return 0;
 }
 
+codec::verdict_ring* activation_store::verdict_ring_for(int device) const {
+  GACT_EXPECTS(device >= 0 && device < 64, "activation_store: device " + std::to_string(device) + " out of range");
+  std::lock_guard lock(rings_mu_);
+  auto& r = rings_[std::size_t(device)];
+#if defined(GACT_HAVE_KERNELS)
+  if (r == nullptr) {
+    int cur = 0;
+    if (cudaGetDevice(&cur) != cudaSuccess) cur = device;
+    if (cur != device) (void)cudaSetDevice(device);
+    try {
+      r = codec::verdict_ring::create_device();
+    } catch (...) {
+      if (cur != device) (void)cudaSetDevice(cur);
+      throw;
+    }
+    if (cur != device) (void)cudaSetDevice(cur);
+    // every slot in flight for seconds: the device is far behind or stuck; synchronizing it answers them
+    r->stall = [device] {
+      int c = 0;
+      if (cudaGetDevice(&c) != cudaSuccess) c = device;
+      if (c != device) (void)cudaSetDevice(device);
+      (void)cudaDeviceSynchronize();
+      if (c != device) (void)cudaSetDevice(c);
+    };
+  }
+#endif
+  return r.get();
+}
+
+int activation_store::verdict(handle h, bool wait) {
+  std::shared_ptr<entry> e;
+  {
+    std::lock_guard lock(mu_);
+    e = lookup(h, "activation_store::verdict");
+  }
+  std::unique_lock elock(e->mu);
+  if (e->ring == nullptr) return e->bad ? 1 : 0;
+  codec::verdict_ring* const ring = e->ring;
+  codec::verdict_ring::ticket const t = e->ticket;
+  codec::verdict_state v = ring->poll(t);
+  if (v == codec::verdict_state::pending && wait) {
+    elock.unlock();
+    v = ring->wait(t, std::chrono::seconds(5));
+#if defined(GACT_HAVE_KERNELS)
+    if (v == codec::verdict_state::pending) {
+      (void)cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(e->stream));
+      v = ring->wait(t, std::chrono::milliseconds(100));
+    }
+#endif
+    elock.lock();
+    if (e->ring != ring || e->ticket.seq != t.seq) return e->bad ? 1 : 0;  // answered meanwhile
+    if (v == codec::verdict_state::pending) {
+      GACT_WARN_CAPPED(4, "activation_store::verdict: the device encode of handle {} never reported; its tensor is "
+                          "kept exact", h);
+      v = codec::verdict_state::bad;
+    }
+  }
+  if (v == codec::verdict_state::pending) return -1;
+  e->bad = v == codec::verdict_state::bad;
+  ring->release(t);
+  e->ring = nullptr;
+  e->ticket = {};
+  if (e->bad) {
+    elock.unlock();
+    std::lock_guard lock(mu_);
+    for (counters* k : {c_.get(), owner_counters(e->owner)})
+      if (k != nullptr) ++k->device_nonfinite;
+  }
+  return e->bad ? 1 : 0;
+}
+
 void activation_store::forget(handle h) noexcept {
   std::lock_guard lock(mu_);
   auto it = entries_.find(h);
@@ -1341,6 +1432,7 @@ nlohmann::json activation_store::counters_json(counters const& c, std::size_t li
   j["upgrades"] = c.upgrades;
   j["boundary_blobs"] = c.boundary_blobs;  // a ReLU's (clamp's) output stored once for its mask and its values
   j["nonfinite_fallbacks"] = c.nonfinite_fallbacks;
+  j["device_nonfinite"] = c.device_nonfinite;
   j["refusal_fallbacks"] = c.refusal_fallbacks;
   j["gathers"] = c.gathers;
   j["gets"] = c.gets;

@@ -67,6 +67,7 @@
 #include "allocator/device/backend.hpp"
 #include "allocator/store/offloader.hpp"
 #include "codecs/codec.hpp"
+#include "codecs/verdict.hpp"
 
 namespace gact::store {
 
@@ -281,6 +282,16 @@ class activation_store {
   /// are not affected (the note may outlive the storage, whose address a new one can take).
   void forget_storage(std::uintptr_t storage, owner_id owner = 0) noexcept;
 
+  /// Whether the device encode of `h` met a value it could not quantize (NaN/±Inf; in a boundary blob a
+  /// value outside its range; bad normalization statistics): such groups are stored as the non-finite
+  /// marker and decode to NaN, so the caller should keep its tensor exact instead. The device tells
+  /// through mapped memory once the encode has run, with no host synchronization (codecs/verdict.hpp).
+  /// @returns -1 while the encode has not run (with `wait`: only if it has not run within a few seconds
+  ///          and after a synchronization of its stream, which does not happen with a working device),
+  ///          1 if it met such a value, 0 otherwise (host entries, and device blobs of other codecs: 0).
+  /// @throws gact::invalid_argument for an unknown handle.
+  int verdict(handle h, bool wait = false);
+
   /// Facts about a live handle. @throws gact::invalid_argument for an unknown handle.
   tensor_info info(handle h) const;
 
@@ -347,6 +358,9 @@ class activation_store {
   std::uint64_t stats_token_ = 0;
   alloc::tag_id decoded_tag_;
 
+  // (declared before entries_, whose tickets they outlive)
+  mutable std::mutex rings_mu_;
+  mutable std::array<std::unique_ptr<codec::verdict_ring>, 64> rings_{};
   mutable std::mutex mu_;
   /// Bytes of decoded images entries keep for their next reader (entry::held_image), and the most they keep.
   mutable std::atomic<std::uint64_t> held_bytes_{0};
@@ -358,6 +372,8 @@ class activation_store {
   std::uint64_t step_ = 0;
   std::unique_ptr<counters> c_;
   std::unordered_map<owner_id, std::unique_ptr<counters>> owners_;
+  /// Per device: the slots through which device encodes report (created on a device's first quant put).
+  codec::verdict_ring* verdict_ring_for(int device) const;
   owner_id next_owner_ = 1;
 };
 

@@ -524,6 +524,16 @@ PYBIND11_MODULE(_gact, m) {
   m.def("store_forget", [](std::uint64_t h) { rt().store.forget(h); }, py::arg("handle"),
         "The tensor saved under this handle died: never dedup against it again.");
   m.def(
+      "store_verdict",
+      [](std::uint64_t h, bool wait) {
+        if (!wait) return rt().store.verdict(h, false);
+        py::gil_scoped_release nogil;  // (waits for the device)
+        return rt().store.verdict(h, true);
+      },
+      py::arg("handle"), py::arg("wait") = false,
+      "Whether the device encode of this handle met NaN/Inf (or another value it cannot quantize): -1 not run "
+      "yet, 1 yes (keep the tensor exact), 0 no; host entries answer 0. wait: until it has run.");
+  m.def(
       "store_forget_storage",
       [](std::uintptr_t storage, gact::store::owner_id o) { rt().store.forget_storage(storage, o); },
       py::arg("storage"), py::arg("owner") = 0,

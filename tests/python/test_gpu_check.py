@@ -665,3 +665,8 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
         assert prof["sync_count"] == 0 and prof["encode_kernels_ms"] == 0.0 and prof["allocations"] is None
         assert any(line.startswith("profile of one resnet50 step at 4 bits: gact host ") for line in doc["truths"])
         assert all(c["verdict"] == "equal" for c in doc["stages"]["train"]["figures"]["swap_check"].values())
+        # the NaN/Inf contract ran first, and its line is in the report
+        nf = doc["stages"]["train"]["figures"]["nonfinite"]
+        assert nf["failures"] == [] and nf["cases"] == 8 and nf["device_nonfinite"] == 0, nf
+        assert any(line.startswith("NaN/Inf in saved tensors come back exactly") and ": yes (8 cases" in line
+                   for line in doc["truths"])

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy import stats as sps
 
+import _gact as C
 import evalkit as k
 import gact
 
@@ -398,6 +399,24 @@ def test_nonfinite_values_survive_exactly():
     comp.close()
     assert k.store_delta(start, gact.stats(), "tensors_in") == 1
     assert torch.equal(out[0].isnan(), t.isnan()) and torch.equal(out[0][~t.isnan()], t[~t.isnan()])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or not C.have_kernels, reason="no CUDA device (gpu-check runs it on one)"))])
+def test_the_nonfinite_contract(device):
+    """tools/gpu_check/nonfinite_contract.py, the check gpu-check's train stage runs on the GPU: NaN/Inf come
+    back exactly in every dtype, the finite tensor beside them is still compressed, and a policy with masked
+    (-inf) actions gets finite gradients close to fp32's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    from gpu_check import nonfinite_contract
+    r = nonfinite_contract.run(device, gact)
+    assert r["failures"] == [] and r["cases"] == 8
+    # the host refuses NaN at encode and never reports it later; a device reports each tensor that held it
+    if device == "cpu":
+        assert r["device_nonfinite"] == 0
+    else:  # (the six echoed tensors, and the masked log-probabilities where they are stored)
+        assert r["device_nonfinite"] >= 6
 
 
 def test_bf16_model_trains_compressed():

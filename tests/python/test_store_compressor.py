@@ -5,6 +5,7 @@ gradient of a small MLP stays within a cosine of 0.999 of fp32 (measured ~0.9997
 the test asks for 0.99 as the task states.
 """
 
+import collections
 import gc
 import os
 import subprocess
@@ -779,3 +780,157 @@ def test_activation_masks_give_torchs_gradient_at_nan_and_inf(name):
     assert torch.equal(ref.isnan(), got.isnan()), f"{name}: NaN gradients at other places than torch's"
     fin = ~ref.isnan()
     assert torch.equal(ref[fin], got[fin]), f"{name}: gradient differs from torch's (max {(ref - got)[fin].abs().max()})"
+
+
+# ---- device verdicts: a tensor kept until its encode says whether it met NaN/Inf ----------------------------
+#
+# On a GPU the encode cannot answer at once (codecs/verdict.hpp): the Compressor keeps each device tensor until
+# the answer is read and serves it as it is when the encode met NaN/Inf. Here host tensors take that path with
+# a stand-in for the device's answer, so the bookkeeping is tested where no GPU is; the real answers are checked
+# on a GPU by tools/gpu_check/nonfinite_contract.py (test_integration.py runs it on the CPU as well).
+
+def _verdict_net():
+    torch.manual_seed(3)
+    # ReLU (its mask read as the next layer's boundary blob), ReLU6 and Hardtanh (masks of a closed range: a
+    # predicate decode evaluated on the kept tensor), GELU (a stored derivative)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU6(), nn.Linear(256, 256),
+                         nn.Hardtanh(-0.5, 0.5), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+
+def _verdict_grads(net, comp, x):
+    net.zero_grad()
+    if comp is None:
+        loss = net(x).square().mean()
+    else:
+        with comp:
+            loss = net(x).square().mean()
+    loss.backward()
+    if comp is not None:
+        comp.step()
+    return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+
+def _stand_in_verdicts(monkeypatch, answer):
+    """Host tensors wait for verdicts; ``answer(calls_so_far, wait)`` gives each one. Returns the log of calls."""
+    from gact import compressor as cm
+    monkeypatch.setattr(cm.Compressor, "_VERDICTS_ON_HOST", True)
+    log = {"calls": {}, "waits": 0}
+
+    def verdict(h, wait=False):
+        n = log["calls"][h] = log["calls"].get(h, 0) + 1
+        log["waits"] += bool(wait)
+        return answer(n, wait)
+
+    monkeypatch.setattr(cm._C, "store_verdict", verdict)
+    return log
+
+
+def _holds(comp):
+    return [p for p, _ in comp._verdicts if p.hold is not None]
+
+
+@pytest.mark.parametrize("when", ["before backward", "at backward"])
+def test_a_blob_whose_encode_met_nonfinite_values_is_served_as_the_tensor_kept_for_it(monkeypatch, when):
+    """Every verdict says "met NaN/Inf": every stored tensor is then served exactly as it was saved, so the
+    gradients equal fp32's bit for bit (ReLU6 and Hardtanh read predicates, evaluated on the kept tensor).
+    Answered before backward (read by the next saves), or still pending when backward reads it."""
+    x = torch.randn(32, 64)
+    net = _verdict_net()
+    ref = _verdict_grads(net, None, x)
+    pending_until = 2 if when == "before backward" else 10 ** 9
+    log = _stand_in_verdicts(monkeypatch, lambda n, wait: -1 if n < pending_until else 1)
+    comp = gact.Compressor(net, bits=2)
+    start = comp.stats()["store"]
+    g = _verdict_grads(net, comp, x)
+    st = comp.stats()["store"]
+    comp.close()
+    assert torch.equal(g, ref)
+    assert st["tensors_in"] - start["tensors_in"] >= 5 and len(log["calls"]) >= 5
+    assert _holds(comp) == [] and comp._verdict_bytes == 0
+    assert log["waits"] == 0
+
+
+def test_a_clean_verdict_drops_the_kept_tensor_and_the_blob_is_decoded(monkeypatch):
+    """Verdicts that come in clean change nothing: the same gradients as without them, and no tensor is kept
+    once its answer was read (the next save reads it)."""
+    x = torch.randn(32, 64)
+    net = _verdict_net()
+    comp = gact.Compressor(net, bits=2, seed=5)
+    plain = _verdict_grads(net, comp, x)
+    comp.close()
+    log = _stand_in_verdicts(monkeypatch, lambda n, wait: -1 if n < 2 else 0)
+    comp = gact.Compressor(net, bits=2, seed=5)
+    with comp:
+        loss = net(x).square().mean()
+    # all read by now but the last save's (nothing polled after it)
+    assert len(_holds(comp)) <= 1 and len(log["calls"]) >= 5
+    net.zero_grad()
+    loss.backward()
+    comp.step()
+    g = torch.cat([p.grad.flatten() for p in net.parameters()])
+    comp.close()
+    assert torch.equal(g, plain)
+    assert _holds(comp) == [] and comp._verdict_bytes == 0
+
+
+def test_past_the_window_a_save_waits_for_the_oldest_verdict(monkeypatch):
+    """With nothing allowed to wait unread (VERDICT_WINDOW 0), each save waits for the verdicts before it: none
+    is left for backward, which decodes every blob as usual."""
+    from gact import compressor as cm
+    x = torch.randn(32, 64)
+    net = _verdict_net()
+    comp = gact.Compressor(net, bits=4, seed=5)
+    plain = _verdict_grads(net, comp, x)
+    comp.close()
+    monkeypatch.setattr(cm.Compressor, "VERDICT_WINDOW", 0)
+    log = _stand_in_verdicts(monkeypatch, lambda n, wait: 0 if wait else -1)
+    comp = gact.Compressor(net, bits=4, seed=5)
+    with comp:
+        loss = net(x).square().mean()
+    assert log["waits"] >= 4 and len(_holds(comp)) <= 1
+    net.zero_grad()
+    loss.backward()
+    comp.step()
+    g = torch.cat([p.grad.flatten() for p in net.parameters()])
+    comp.close()
+    assert torch.equal(g, plain)
+
+
+def test_abort_step_drops_the_kept_tensors(monkeypatch):
+    _stand_in_verdicts(monkeypatch, lambda n, wait: -1)
+    net = _verdict_net()
+    comp = gact.Compressor(net, bits=2)
+    with comp:
+        loss = net(torch.randn(32, 64)).square().mean()
+    held = _holds(comp)
+    assert len(held) >= 5 and comp._verdict_bytes > 0
+    assert comp.abort_step() >= 5
+    assert comp._verdicts == collections.deque() and comp._verdict_bytes == 0
+    assert all(p.hold is None for p in held)
+    with pytest.raises(RuntimeError, match="abort_step"):
+        loss.backward()
+    comp.close()
+
+
+@pytest.mark.parametrize("pred", [("gt_or_nan", 0.0, 0.0), ("gt", 0.25, 0.0), ("ge", 0.25, 0.0), ("lt", -0.5, 0.0),
+                                  ("le", -0.5, 0.0), ("open", -1.0, 1.0), ("closed", -1.0, 1.0)])
+def test_a_predicate_evaluated_on_the_kept_tensor_equals_the_mask_codecs(pred):
+    """What a predicate save decodes to, computed by torch on the exact tensor (a device blob that met NaN/Inf)
+    equals the mask codec's decode, at NaN and ±Inf too."""
+    from gact.compressor import _predicate_of
+    from gact import _compat
+    x = torch.randn(4096)
+    x[::97] = float("nan")
+    x[5::89] = float("inf")
+    x[7::83] = float("-inf")
+    x[11::61] = pred[1]  # on the threshold
+    h = C.store_put(x.data_ptr(), "float32", (4096,), (1,), -1, x._version, _compat.storage_base(x), 7, 1, 256, 0,
+                    0, role="predicate", pred=pred)[0]
+    try:
+        assert C.store_info(h)["codec"] == "mask"
+        tv, fv = 3.0, -2.0
+        dec = torch.utils.dlpack.from_dlpack(C.store_get_dlpack(h, (4096,), (1,), 0, 0, 1, True, tv, fv))
+        mine = torch.full_like(x, fv).masked_fill_(_predicate_of(x, pred), tv)
+        assert torch.equal(dec, mine)
+    finally:
+        C.store_release(h)

@@ -584,7 +584,13 @@ TEST_CASE("NaN and Inf are stored raw and counted") {
   CHECK(y[11] == x[11]);
   CHECK(std::memcmp(y.data(), x.data(), 10 * 4) == 0);
   CHECK(f.store.stats_json()["nonfinite_fallbacks"] == 1);
+  // the host encoder answers at once: no verdict is left to read (the device's comes later, codecs/verdict.hpp)
+  CHECK(f.store.verdict(h) == 0);
+  CHECK(f.store.verdict(h, true) == 0);
+  CHECK(f.store.stats_json()["device_nonfinite"] == 0);
   f.store.release(h);
+  CHECK_THROWS_WITH_AS((void)f.store.verdict(h), doctest::Contains("activation_store::verdict: unknown handle"),
+                       gact::invalid_argument);
 }
 
 TEST_CASE("bool and 0/1 uint8 go to the mask codec; other integers raw") {

@@ -187,7 +187,7 @@ def upstream_version(deb_version: str) -> str:
     """'1:1.10.0+ds-0.4' -> '1.10.0' (epoch, Debian revision and +suffix removed)."""
     v = deb_version.split(":", 1)[-1]
     v = v.rsplit("-", 1)[0] if "-" in v else v
-    return re.split(r"[+~]", v, 1)[0]
+    return re.split(r"[+~]", v, maxsplit=1)[0]
 
 
 def _sha256(path: str) -> str:

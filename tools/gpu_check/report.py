@@ -267,6 +267,16 @@ def truths(report: Mapping[str, object]) -> List[str]:
                 parts.append(f"{m} 2-bit: step {_fmt(r.get('step_time_vs_fp32'))}x of fp32{peak}, "
                              f"grad cosine {_fmt(r.get('grad_cosine'))}")
         out.append(line + ("; " + "; ".join(parts) if parts else ""))
+    nf = t.get("nonfinite") or {}
+    if isinstance(nf, Mapping) and nf:
+        if nf.get("error"):
+            out.append(f"NaN/Inf in saved tensors: NOT CHECKED ({nf['error']})")
+        else:
+            fails = nf.get("failures") or []
+            out.append(f"NaN/Inf in saved tensors come back exactly, their neighbours compressed, a masked policy's "
+                       f"gradients finite: {'yes' if not fails else 'NO'} ({nf.get('cases')} cases, "
+                       f"{nf.get('device_nonfinite')} device encodes reported NaN/Inf)" +
+                       ("" if not fails else ": " + "; ".join(str(x) for x in fails[:4])))
     pr = t.get("profile") or {}
     if isinstance(pr, Mapping) and pr.get("status") == "pass":
         out.append(f"profile of one {pr.get('model')} step at 4 bits: gact host {_fmt(pr.get('host_us_per_saved_tensor'))} "

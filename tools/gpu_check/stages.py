@@ -486,7 +486,8 @@ def stage_train(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
                                             "gact_num_ooms", "max_batch_oom_errors", "oom_errors_are_torchs")
                     if k in figs}
     out.figures = {k: figs.get(k) for k in ("models", "swap_check", "max_batch", "memory_cap_mib", "arms",
-                                           "python_module", "allocator", "max_batch_oom_errors", "profile")
+                                           "python_module", "allocator", "max_batch_oom_errors", "profile",
+                                           "nonfinite")
                    if k in figs}
     if not ctx.module_ok:
         out.note = f"Python module not available ({ctx.module_reason}): only the fp32 arms ran"

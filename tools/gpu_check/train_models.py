@@ -9,6 +9,9 @@ without the Python module, the same registration straight from ``--library libga
 so every figure below comes through gact's caching allocator; ``--allocator torch`` keeps
 torch's own (the "native" comparison, and the CPU).
 
+First the NaN/Inf contract (nonfinite_contract.py, the check the pytest suite runs on the CPU): saved
+tensors holding NaN/±Inf come back exactly, on the device through the encoders' verdicts.
+
 For each model (workload_models.py), on one fixed batch, five arms: ``fp32`` (no
 compression), ``bits4``, ``bits2``, ``auto`` (``bits="auto", budget=2``) and ``auto_swap``
 (the same with ``swap=True``), each through ``gact.Compressor``:
@@ -47,6 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+import nonfinite_contract
 import workload_models as wm
 
 ARMS: List[Tuple[str, Optional[Dict[str, Any]]]] = [
@@ -473,6 +477,13 @@ class Trainer:
         f["arms"] = [n for n, _ in arms]
         f["models"] = {}
         f["swap_check"] = {}
+        if self.gact is not None:
+            # the NaN/Inf contract, the same check the pytest suite runs on the CPU (a few seconds)
+            try:
+                f["nonfinite"] = nonfinite_contract.run(self.dev, self.gact)
+            except Exception as exc:
+                f["nonfinite"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            self.cleanup()
         self.res.save()
         inputs = {}
         for m in models:

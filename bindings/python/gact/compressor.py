@@ -53,6 +53,7 @@ saved-tensor hooks and function modes are per thread); the step and the statisti
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import threading
@@ -128,6 +129,26 @@ def _modified_error(t: torch.Tensor, version: int) -> RuntimeError:
         f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {hint}")
 
 
+def _predicate_of(t: torch.Tensor, pred: tuple) -> torch.Tensor:
+    """The predicate masks encode (codecs/README.md), evaluated by torch on the exact tensor."""
+    name, a, b = pred
+    if name == "gt_or_nan":
+        return ~(t <= a)
+    if name == "gt":
+        return t > a
+    if name == "ge":
+        return t >= a
+    if name == "lt":
+        return t < a
+    if name == "le":
+        return t <= a
+    if name == "open":
+        return (t > a) & (t < b)
+    if name == "closed":
+        return (t >= a) & (t <= b)
+    return t != 0
+
+
 class _Kept:
     """A saved tensor kept as it is (a parameter, a small or exact tensor, ...) and its version at pack: unpack
     raises torch's error if it was changed in place since."""
@@ -153,7 +174,7 @@ class _Packed:
     counter), or the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "vref", "aborted", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0) -> None:
         self.handle = handle
@@ -171,6 +192,10 @@ class _Packed:
         self.pending: Any = None  # a normalization input waiting for its layer's statistics
         self.vref: Any = None
         self.aborted = False  # released by Compressor.abort_step()
+        # a device blob whose encode has not told yet whether it met NaN/Inf (Compressor._settle): the stored
+        # tensor itself (detached), kept until then, and used as it is if it did
+        self.hold: torch.Tensor | None = None
+        self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
 
     def unpack(self) -> torch.Tensor:
         vref = self.vref
@@ -190,6 +215,11 @@ class _Packed:
                 _C.store_note_unstored("held", _compat.held_bytes(t), self.owner)
                 self.release()
                 return self.alias
+        if self.hold is not None and self.handle and _C.store_verdict(self.handle) != 0:
+            # the device found NaN/Inf in it (or has not run its encode yet): its groups decode to NaN, and
+            # the exact tensor is at hand
+            return self.keep_exact()
+        self.hold = None
         if self.handle == 0:
             if self.aborted:
                 raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
@@ -204,7 +234,19 @@ class _Packed:
         out = _from_dlpack(cap)
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
+    def keep_exact(self) -> torch.Tensor:
+        """Serve the held tensor itself from now on (what a predicate decode reads: evaluated on it) and free
+        the blob."""
+        hold, self.hold = self.hold, None
+        dec = self.decode
+        if dec is not None:
+            hold = torch.full_like(hold, dec[1]).masked_fill_(_predicate_of(hold, self.pred), dec[0])
+        self.alias = hold
+        self.release()
+        return hold
+
     def release(self) -> None:
+        self.hold = None
         h, self.handle = self.handle, 0
         if h:
             _release(h)
@@ -451,6 +493,12 @@ class Compressor:
         # before any unpack, at step() or when MAX_DEFERRED wait.
         self._deferred: list = []
         self._deferred_lock = threading.Lock()
+        # Device blobs whose encode has not yet told whether it met NaN/Inf, oldest first: [(_Packed, bytes held)].
+        # Each keeps its tensor (hold) until the verdict is read (a few loads of mapped memory, no sync), and serves
+        # it exactly if the encode met one (_settle).
+        self._verdicts: collections.deque = collections.deque()
+        self._verdict_bytes = 0
+        self._verdict_lock = threading.Lock()
         # A Compressor dropped without close(): its module hooks (which hold it weakly) and counters go too.
         weakref.finalize(self, _release_compressor, self._module_hooks, self._owner)
         if model is not None:
@@ -659,6 +707,8 @@ class Compressor:
             self._policy.closure = closure
         if self._deferred:
             self._resolve_deferred()
+        if self._verdicts:
+            self._settle()
         leaks = _C.store_end_step(self._owner)
         self._step += 1
         self._step_open = False
@@ -687,6 +737,7 @@ class Compressor:
         n = 0
         with self._deferred_lock:
             self._deferred.clear()  # (their _Packed are in _live, marked aborted below)
+        self._drop_verdicts()
         live, self._live = self._live, []
         for r in live:
             p = r()
@@ -956,6 +1007,8 @@ class Compressor:
         self._note_live(p)
         p.offset = offset
         p.stride = strides
+        if device >= 0 or self._VERDICTS_ON_HOST:
+            self._await_verdict(p, src, pred)
         v = t if keep is None else keep
         if keep is not None:
             p.version = keep._version
@@ -987,6 +1040,51 @@ class Compressor:
 
     #: predicate saves that wait for a values save of their tensor at most (the oldest is stored when one more comes)
     MAX_DEFERRED = 4
+
+    #: bytes of device tensors kept until their encode's verdict is read, at most: past it, a save waits for the
+    #: oldest encode to run (the host is then this far ahead of the device); and how many such tensors
+    VERDICT_WINDOW = 64 << 20
+    VERDICT_MAX = 1024
+    _VERDICTS_ON_HOST = False  # tests: host tensors wait for a (stand-in) verdict as device tensors do
+
+    def _await_verdict(self, p: "_Packed", src: torch.Tensor, pred: Any) -> None:
+        """Keep the device tensor ``src`` stored under ``p`` until its encode has told whether it met NaN/Inf."""
+        if _C.store_verdict(p.handle) == 0:
+            return  # another codec (a mask, raw), or a blob stored earlier and settled already
+        p.hold = src.detach()
+        p.pred = pred
+        n = src.numel() * src.element_size()
+        with self._verdict_lock:
+            self._verdicts.append((p, n))
+            self._verdict_bytes += n
+        self._settle()
+
+    def _settle(self) -> None:
+        """Read the verdicts that are in, oldest first: a clean blob drops its tensor, one that met NaN/Inf (its
+        groups would decode to NaN) is freed and the tensor served as it is. Waits for the oldest encode only
+        while more than VERDICT_WINDOW bytes (or VERDICT_MAX tensors) wait."""
+        with self._verdict_lock:
+            q = self._verdicts
+            while q:
+                p, n = q[0]
+                if p.hold is not None and p.handle:
+                    full = self._verdict_bytes > self.VERDICT_WINDOW or len(q) > self.VERDICT_MAX
+                    v = _C.store_verdict(p.handle, full)
+                    if v < 0:
+                        return
+                    if v > 0:
+                        p.keep_exact()
+                    else:
+                        p.hold = None
+                q.popleft()
+                self._verdict_bytes -= n
+
+    def _drop_verdicts(self) -> None:
+        with self._verdict_lock:
+            for p, _ in self._verdicts:
+                p.hold = None
+            self._verdicts.clear()
+            self._verdict_bytes = 0
 
     def _defer(self, t: torch.Tensor, key: str, d: Any) -> "_Packed":
         """A clamp's output saved for its predicate: wait for a values save of the same tensor (see _deferred)."""
@@ -1021,9 +1119,15 @@ class Compressor:
         if p is None or p.aborted:
             return  # its graph is gone: nothing reads it
         q = self._store(t, key, d, keep=None, defer=False)
-        if isinstance(q, _Packed):
+        if isinstance(q, _Packed) and q.alias is not None:
+            p.alias = q.alias  # its device encode met NaN/Inf, said already (_settle): the mask of the kept tensor
+        elif isinstance(q, _Packed):
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None
+            if q.hold is not None:  # (its entry in _verdicts is dropped as released)
+                p.hold, p.pred, q.hold = q.hold, d.pred, None
+                with self._verdict_lock:
+                    self._verdicts.append((p, 0))
             # (served by that very blob: a storage whose .data was taken gets blobs of its own, a mask here)
             if values and p.handle == values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 \
                     and d.decode == (1.0, 0.0):
@@ -1082,6 +1186,10 @@ class Compressor:
                 continue
             p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
             q.handle, q.ref = 0, None
+            if q.hold is not None:  # (its entry in _verdicts is dropped as released)
+                p.hold, p.pred, q.hold = q.hold, d.pred, None
+                with self._verdict_lock:
+                    self._verdicts.append((p, 0))
 
     def _norm_params(self, frame: Any, t: torch.Tensor, stats: list) -> tuple:
         """(count, inner, shift pointer, scale pointer) normalizing `t` with its layer's statistics, and the
