@@ -157,7 +157,8 @@ char const* status_name(hd::blob_status s) noexcept;
 nlohmann::json stats_json();
 
 /// Where a device quant encode reports, without a host synchronization, whether it met a value it could
-/// not quantize (NaN/±Inf, a boundary blob's value outside [lo, hi], bad normalization statistics): the
+/// not quantize (NaN/±Inf, a boundary blob's value outside [lo, hi], bad normalization statistics; a
+/// window encode: an index outside its window): the
 /// kernel's blocks write `word[1] = 1` when one of their groups did, and the block that finishes last
 /// writes `word[0] = seq`. `word` is mapped page-locked host memory (the host reads it without a CUDA
 /// call; see codecs/verdict.hpp), `counter` one device word that is 0 before the launch and that the
@@ -173,7 +174,8 @@ struct device_verdict {
 /// synchronization, the same bytes as encode_cpu for finite input. A group holding NaN/±Inf cannot
 /// be reported to the host without a sync: it is stored with (NaN, NaN) metadata and decodes to NaN
 /// on every executor (parse() reports the count); `nonfinite` is therefore always false here. With
-/// `verdict` (quant only; ignored by the other codecs, which have nothing to report), the kernel
+/// `verdict` (quant, and window for an index outside its window; ignored by mask and raw, which have
+/// nothing to report), the kernel
 /// tells the host through mapped memory whether such a group exists, once it has run: the caller
 /// then keeps the tensor exact instead (the store and the Compressor do; codecs/verdict.hpp).
 /// Mask on the device takes bool tensors only (a uint8 tensor cannot be checked for 0/1 without a

@@ -19,7 +19,8 @@
 // written as (NaN, NaN) metadata with zero codes; every decoder turns it into NaN.
 // With a device_verdict the launch also says so through mapped host memory once
 // it has run (no sync: the host reads a word), and its caller keeps the tensor
-// exact instead (codecs/verdict.hpp).
+// exact instead (codecs/verdict.hpp). The window encoder reports an index outside
+// its window (written as code 0) the same way.
 //
 // decode: a grid-stride loop over 8-element chunks, with a grid sized to the
 // device (a few blocks per multiprocessor), so the header is validated once per
@@ -402,9 +403,10 @@ __global__ void predicate_encode_kernel(typename dev_io<Dt>::storage const* __re
 template <typename I>
 __global__ void window_encode_kernel(I const* __restrict__ src, std::uint64_t numel, int bits, window_params w,
                                      unsigned char* __restrict__ blob, std::uint64_t code_off, header_bytes_arg hdr,
-                                     std::uint32_t* status) {
+                                     std::uint32_t* status, device_verdict verdict) {
   write_header_block0(blob, hdr);
   hd::window_geometry const g = hd::make_window_geometry(w);
+  bool refused = false;
   std::uint64_t const nchunks = (numel + 7) / 8;
   for (std::uint64_t c = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < nchunks;
        c += std::uint64_t(gridDim.x) * blockDim.x) {
@@ -422,9 +424,11 @@ __global__ void window_encode_kernel(I const* __restrict__ src, std::uint64_t nu
     if (!ok) {
       word = 0;
       atomicMax(status, std::uint32_t(hd::blob_status::bad_codes));
+      refused = true;
     }
     for (int b = 0; b < bits; ++b) blob[code_off + c * std::uint64_t(bits) + std::uint64_t(b)] = std::uint8_t(word >> (8 * b));
   }
+  report_verdict(verdict, refused);  // (every thread gets here: a grid-stride loop, no early return)
 }
 
 /// Byte copy with 16-byte vectors when both ends are aligned.
@@ -787,12 +791,13 @@ encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t cons
       std::uint32_t* st = nullptr;
       GACT_CODEC_CUDA_TRY(cudaGetSymbolAddress(reinterpret_cast<void**>(&st), g_status_sink));
       unsigned const grid = grid_for((h.numel + 7) / 8, 256);
+      device_verdict const v = verdict != nullptr ? *verdict : device_verdict{};
       if (dt == dtype::int64)
         window_encode_kernel<<<grid, 256, 0, stream>>>(static_cast<std::int64_t const*>(src), h.numel, p.bits, w, out,
-                                                       code_off, hdr, st);
+                                                       code_off, hdr, st, v);
       else
         window_encode_kernel<<<grid, 256, 0, stream>>>(static_cast<std::int32_t const*>(src), h.numel, p.bits, w, out,
-                                                       code_off, hdr, st);
+                                                       code_off, hdr, st, v);
       break;
     }
     case codec_id::raw:

@@ -79,9 +79,9 @@ verdict_ring::ticket verdict_ring::acquire(device_verdict* out) {
   if (++seq_ == 0) seq_ = 1;  // 0 means "no ticket"
   s.seq = seq_;
   s.state = use::wanted;
-  store_relaxed(words_ + 2 * std::size_t(i), 0);
-  store_relaxed(words_ + 2 * std::size_t(i) + 1, 0);
-  std::atomic_thread_fence(std::memory_order_seq_cst);  // the reset is in memory before the launch is made
+  // (sequentially consistent stores: the reset is in memory before the launch is made)
+  std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i)]).store(0, std::memory_order_seq_cst);
+  std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i) + 1]).store(0, std::memory_order_seq_cst);
   out->word = device_words_ + 2 * std::size_t(i);
   out->counter = counters_ + i;
   out->seq = s.seq;

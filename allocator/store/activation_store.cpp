@@ -645,7 +645,8 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
     } else {
 #if defined(GACT_HAVE_KERNELS)
       codec::device_verdict dv;
-      codec::verdict_ring* const ring = e.codec == codec::codec_id::quant ? verdict_ring_for(v.device) : nullptr;
+      bool const reports = e.codec == codec::codec_id::quant || e.codec == codec::codec_id::window;
+      codec::verdict_ring* const ring = reports ? verdict_ring_for(v.device) : nullptr;
       codec::verdict_ring::ticket const t = ring != nullptr ? ring->acquire(&dv) : codec::verdict_ring::ticket{};
       try {
         r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, reinterpret_cast<cudaStream_t>(p.stream),

@@ -102,7 +102,8 @@ void compare(std::vector<unsigned char> const& host, dtype dt, std::vector<std::
     pd.norm_scale = static_cast<float const*>(scale.p);
   }
   device_verdict dv;
-  bool const asks = p.codec == codec_id::quant;  // (the other codecs ignore a verdict: its slot would never report)
+  // (mask and raw ignore a verdict: its slot would never report)
+  bool const asks = p.codec == codec_id::quant || p.codec == codec_id::window;
   verdict_ring::ticket ticket;
   if (asks) ticket = g_ring->acquire(&dv);
   encode_cuda(s, dt, shape, pd, blob.p, bs, nullptr, asks ? &dv : nullptr);
@@ -393,6 +394,23 @@ int main() {
       p.window = w;
       std::snprintf(what, sizeof what, "window cl=%d", int(cl));
       compare(t, dtype::int64, {2, 3, 5, 6}, p, 0, what);  // the shape is logical; `inner` gives the memory order
+      // an index outside its window: refused on the host, reported bad by the device's verdict
+      idx[7] = 0;
+      idx[n - 1] = 0;
+      std::memcpy(t.data(), idx.data(), t.size());
+      std::vector<std::int64_t> const shape{2, 3, 5, 6};
+      std::size_t const bs = blob_size(dtype::int64, shape, p);
+      std::vector<unsigned char> host_blob(bs);
+      CHECK_GPU(encode_cpu(t.data(), dtype::int64, shape, p, host_blob.data(), bs, 1).refused == refusal::not_window,
+                "%s: the host took an index outside its window", what);
+      dev_buf src(t.size()), blob(bs);
+      cuda_ok(cudaMemcpy(src.p, t.data(), t.size(), cudaMemcpyHostToDevice), "H2D");
+      device_verdict dv;
+      auto const ticket = g_ring->acquire(&dv);
+      encode_cuda(src.p, dtype::int64, shape, p, blob.p, bs, nullptr, &dv);
+      CHECK_GPU(g_ring->wait(ticket, std::chrono::seconds(5)) == verdict_state::bad,
+                "%s: verdict of an index outside its window not bad", what);
+      g_ring->release(ticket);
     }
   }
   cuda_ok(cudaDeviceSynchronize(), "sync");

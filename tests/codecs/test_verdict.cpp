@@ -27,8 +27,7 @@ struct ring_memory {
 void launch(device_verdict const& v, unsigned blocks, std::vector<unsigned> const& bad_blocks) {
   for (unsigned b = 0; b < blocks; ++b) {
     for (unsigned x : bad_blocks)
-      if (x == b) std::atomic_ref<std::uint32_t>(v.word[1]).store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (x == b) std::atomic_ref<std::uint32_t>(v.word[1]).store(1, std::memory_order_seq_cst);
     unsigned const before = std::atomic_ref<std::uint32_t>(*v.counter).fetch_add(1);
     if (before == blocks - 1) {
       *v.counter = 0;
