@@ -28,7 +28,13 @@
 //     sets an asynchronous error (cudaErrorIllegalAddress) that later
 //     synchronizing calls return until a test takes it;
 //   * every failing call sets the calling thread's last error (cudaGetLastError
-//     returns and clears it); every call is counted by name.
+//     returns and clears it); every call is counted by name;
+//   * kernels compiled by nvcc register and launch through it, but no device code
+//     runs: a launch is an empty operation on its stream (counted as
+//     "__cudaLaunchKernel"), a __device__ variable's address (cudaGetSymbolAddress)
+//     is a device allocation of its registered size, and the device has 4
+//     multiprocessors. Host code that launches kernels (the store's device path)
+//     is thereby testable for the calls it makes, not for the bytes it computes.
 //
 // The global state is created on first use and never destroyed, so calls made
 // from other libraries' exit handlers still work.
@@ -923,3 +929,121 @@ cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t event) {
   lk.unlock();
   return sticky_or(cudaSuccess);
 }
+
+// ---- kernels: registration and launches (no device code runs) -------------------------------
+
+namespace {
+struct launch_config {
+  dim3 grid, block;
+  std::size_t shared = 0;
+  cudaStream_t stream = nullptr;
+};
+thread_local std::vector<launch_config> t_configs;
+
+struct symbols {
+  std::mutex mu;
+  std::map<void const*, std::size_t> sizes;  // host shadow -> registered size
+  std::map<void const*, void*> device;       // host shadow -> its device allocation
+};
+symbols& syms() {
+  static auto* s = new symbols;  // (never destroyed, as the runtime's state)
+  return *s;
+}
+
+cudaError_t launch(cudaStream_t stream) {
+  count("__cudaLaunchKernel");
+  fake_stream* s = resolve_stream(stream);
+  if (s == nullptr) {
+    return fail(cudaErrorInvalidResourceHandle);
+  }
+  enqueue(s, [] {});
+  return cudaSuccess;
+}
+}  // namespace
+
+extern "C" {
+
+void** CUDARTAPI __cudaRegisterFatBinary(void* /*fatCubin*/) {
+  count(__func__);
+  static void* handle[4] = {};
+  return handle;
+}
+void CUDARTAPI __cudaRegisterFatBinaryEnd(void** /*handle*/) { count(__func__); }
+void CUDARTAPI __cudaUnregisterFatBinary(void** /*handle*/) { count(__func__); }
+void CUDARTAPI __cudaRegisterFunction(void** /*handle*/, const char* /*hostFun*/, char* /*deviceFun*/,
+                                      const char* /*deviceName*/, int /*thread_limit*/, uint3* /*tid*/, uint3* /*bid*/,
+                                      dim3* /*bDim*/, dim3* /*gDim*/, int* /*wSize*/) {
+  count(__func__);
+}
+void CUDARTAPI __cudaRegisterVar(void** /*handle*/, char* hostVar, char* /*deviceAddress*/, const char* /*deviceName*/,
+                                 int /*ext*/, size_t size, int /*constant*/, int /*global*/) {
+  count(__func__);
+  std::lock_guard lk(syms().mu);
+  syms().sizes[hostVar] = size;
+}
+unsigned CUDARTAPI __cudaPushCallConfiguration(dim3 gridDim, dim3 blockDim, size_t sharedMem, struct CUstream_st* stream) {
+  count(__func__);
+  t_configs.push_back(launch_config{gridDim, blockDim, sharedMem, stream});
+  return 0;
+}
+cudaError_t CUDARTAPI __cudaPopCallConfiguration(dim3* gridDim, dim3* blockDim, size_t* sharedMem, void* stream) {
+  count(__func__);
+  if (t_configs.empty()) {
+    return fail(cudaErrorMissingConfiguration);
+  }
+  launch_config const c = t_configs.back();
+  t_configs.pop_back();
+  *gridDim = c.grid;
+  *blockDim = c.block;
+  *sharedMem = c.shared;
+  *static_cast<cudaStream_t*>(stream) = c.stream;
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI __cudaGetKernel(cudaKernel_t* kernel, const void* fun) {
+  count(__func__);
+  *kernel = reinterpret_cast<cudaKernel_t>(const_cast<void*>(fun));
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI __cudaLaunchKernel(cudaKernel_t /*kernel*/, dim3 /*gridDim*/, dim3 /*blockDim*/, void** /*args*/,
+                                         size_t /*sharedMem*/, cudaStream_t stream) {
+  return launch(stream);
+}
+cudaError_t CUDARTAPI __cudaLaunchKernel_ptsz(cudaKernel_t /*kernel*/, dim3 /*gridDim*/, dim3 /*blockDim*/,
+                                              void** /*args*/, size_t /*sharedMem*/, cudaStream_t stream) {
+  return launch(stream);
+}
+cudaError_t CUDARTAPI cudaLaunchKernel(const void* /*func*/, dim3 /*gridDim*/, dim3 /*blockDim*/, void** /*args*/,
+                                       size_t /*sharedMem*/, cudaStream_t stream) {
+  return launch(stream);
+}
+cudaError_t CUDARTAPI cudaGetSymbolAddress(void** devPtr, const void* symbol) {
+  count(__func__);
+  if (devPtr == nullptr) {
+    return fail(cudaErrorInvalidValue);
+  }
+  symbols& y = syms();
+  std::lock_guard lk(y.mu);
+  auto const known = y.sizes.find(symbol);
+  if (known == y.sizes.end()) {
+    return fail(cudaErrorInvalidSymbol);
+  }
+  void*& d = y.device[symbol];
+  if (d == nullptr) {
+    cudaError_t const e = allocate(&d, std::max<std::size_t>(known->second, 16), false);
+    if (e != cudaSuccess) {
+      return e;
+    }
+  }
+  *devPtr = d;
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  count(__func__);
+  if (value == nullptr || device < 0 || device >= st().devices) {
+    return fail(cudaErrorInvalidValue);
+  }
+  *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0;
+  return cudaSuccess;
+}
+
+}  // extern "C"
