@@ -218,7 +218,9 @@ class _Packed:
         if self.hold is not None and self.handle and _C.store_verdict(self.handle) != 0:
             # the device found NaN/Inf in it (or has not run its encode yet): its groups decode to NaN, and
             # the exact tensor is at hand
-            return self.keep_exact()
+            kept = self.keep_exact()
+            if kept is not None:
+                return kept
         self.hold = None
         if self.handle == 0:
             if self.aborted:
@@ -234,10 +236,12 @@ class _Packed:
         out = _from_dlpack(cap)
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
-    def keep_exact(self) -> torch.Tensor:
+    def keep_exact(self) -> torch.Tensor | None:
         """Serve the held tensor itself from now on (what a predicate decode reads: evaluated on it) and free
-        the blob."""
+        the blob; None when there is none to serve (taken meanwhile, not kept)."""
         hold, self.hold = self.hold, None
+        if hold is None:
+            return self.alias  # (another thread took it: the Compressor's _settle, or a backward thread)
         dec = self.decode
         if dec is not None:
             hold = torch.full_like(hold, dec[1]).masked_fill_(_predicate_of(hold, self.pred), dec[0])
@@ -1069,7 +1073,10 @@ class Compressor:
                 p, n = q[0]
                 if p.hold is not None and p.handle:
                     full = self._verdict_bytes > self.VERDICT_WINDOW or len(q) > self.VERDICT_MAX
-                    v = _C.store_verdict(p.handle, full)
+                    try:
+                        v = _C.store_verdict(p.handle, full)
+                    except ValueError:  # released meanwhile (a backward thread read it)
+                        v = 0
                     if v < 0:
                         return
                     if v > 0:
