@@ -665,6 +665,14 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
         assert prof["sync_count"] == 0 and prof["encode_kernels_ms"] == 0.0 and prof["allocations"] is None
         assert any(line.startswith("profile of one resnet50 step at 4 bits: gact host ") for line in doc["truths"])
         assert all(c["verdict"] == "equal" for c in doc["stages"]["train"]["figures"]["swap_check"].values())
+        # what the counters promise at the fp32 peak, and what stays uncompressed, by reason (on a GPU the
+        # device peaks give "realized" beside it; the CPU smoke run measures no peak)
+        for m, mo in models.items():
+            assert mo["arms"]["fp32"]["saved_mib"] > 0, m
+            b2 = mo["arms"]["bits2"]
+            assert 0 < b2["promised_mib"] < mo["arms"]["fp32"]["saved_mib"], (m, b2)
+            assert set(b2["per_step_mib"]) == {"stored", "kept", "held"} and b2["per_step_mib"]["stored"] > 0
+            assert isinstance(b2["kept_mib_by_reason"], dict)
         # the NaN/Inf contract ran first, and its line is in the report
         nf = doc["stages"]["train"]["figures"]["nonfinite"]
         assert nf["failures"] == [] and nf["cases"] == 8 and nf["device_nonfinite"] == 0, nf

@@ -264,6 +264,14 @@ def truths(report: Mapping[str, object]) -> List[str]:
         for m, n, r in arms:
             if n == "bits2" and r.get("status") == "pass":
                 peak = f", gact peak {_fmt(r['gact_peak_vs_fp32'])}x" if r.get("gact_peak_vs_fp32") else ""
+                real = r.get("gact_realized", r.get("torch_realized"))
+                if real is not None:
+                    peak += f" (realized {_fmt(real)} of the {_fmt(r.get('promised_mib'))} MiB the counters promise)"
+                kept = {k: v for k, v in (r.get("kept_mib_by_reason") or {}).items()
+                        if k not in ("parameter", "input") and isinstance(v, (int, float)) and v > 0}
+                if kept:
+                    peak += ", kept uncompressed per step: " + ", ".join(
+                        f"{k} {_fmt(float(v))} MiB" for k, v in list(kept.items())[:3])
                 parts.append(f"{m} 2-bit: step {_fmt(r.get('step_time_vs_fp32'))}x of fp32{peak}, "
                              f"grad cosine {_fmt(r.get('grad_cosine'))}")
         out.append(line + ("; " + "; ".join(parts) if parts else ""))

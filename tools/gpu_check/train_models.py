@@ -220,10 +220,13 @@ class Trainer:
                        samples_per_s=round(x.shape[0] / statistics.median(times), 2),
                        losses=[round(v, 4) for v in losses])
             out.update(self.peaks())
+            if comp is None and self.gact is not None:
+                out["saved_mib"] = round(self.saved_bytes(w, x, y) / MIB, 3)
             if comp is not None:
                 after = self.store_counters(comp)
                 delta = {k: after[k] - before.get(k, 0) for k in after}
-                out["store"] = delta
+                out["store"] = {k: v for k, v in delta.items() if "." not in k}
+                self.step_bytes(out, delta)
                 if delta.get("bytes_stored"):
                     out["store_ratio"] = round(delta["bytes_in"] / delta["bytes_stored"], 3)
                 if delta.get("bytes_in"):
@@ -251,13 +254,71 @@ class Trainer:
         return out
 
     STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes", "bytes_encoded",
-                      "decode_bytes")
+                      "decode_bytes", "device_nonfinite")
+    #: skip reasons that keep no memory of their own: the model's parameters and inputs exist anyway
+    FREE_SKIPS = ("parameter", "input")
 
     def store_counters(self, comp) -> Dict[str, int]:
+        """The store's counters of this Compressor, with skipped.<reason> and unstored.<kind> bytes flattened."""
         if comp is None:
             return {}
         store = comp.stats().get("store") or {}
-        return {k: int(store[k]) for k in self.STORE_COUNTERS if isinstance(store.get(k), (int, float))}
+        out = {k: int(store[k]) for k in self.STORE_COUNTERS if isinstance(store.get(k), (int, float))}
+        for section in ("skipped", "unstored"):
+            for reason, v in (store.get(section) or {}).items():
+                if isinstance(v, dict) and isinstance(v.get("bytes"), (int, float)):
+                    out[f"{section}.{reason}"] = int(v["bytes"])
+        return out
+
+    @classmethod
+    def step_bytes(cls, out: Dict[str, Any], delta: Dict[str, int]) -> None:
+        """Per step: bytes stored, kept (by reason: what stays uncompressed and why) and held, from counter
+        deltas over the arm's steps; run() turns them into what compression promises at the fp32 peak."""
+        steps = max(1, delta.get("steps", 0))
+        kept = {k.split(".", 1)[1]: v / steps for k, v in delta.items() if k.startswith("skipped.") and v > 0}
+        out["per_step_mib"] = {
+            "stored": round(delta.get("bytes_stored", 0) / steps / MIB, 3),
+            "kept": round(sum(v for r, v in kept.items() if r not in cls.FREE_SKIPS) / MIB, 3),
+            "held": round(delta.get("unstored.held", 0) / steps / MIB, 3)}
+        out["kept_mib_by_reason"] = {r: round(v / MIB, 3) for r, v in sorted(kept.items(), key=lambda kv: -kv[1])}
+
+    def saved_bytes(self, w: wm.Workload, x, y) -> int:
+        """Bytes autograd's saves keep alive in one fp32 step: each storage a saved tensor lives in, once, whole;
+        parameters, buffers and the batch left out (gact-bench train's definition)."""
+        from gact import _compat
+        skip = {_compat.storage_base(t) for t in list(w.model.parameters()) + list(w.model.buffers()) + [x, y]}
+        seen, total = set(), [0]
+
+        def pack(t):
+            base = _compat.storage_base(t)
+            if base not in skip and base not in seen:
+                seen.add(base)
+                total[0] += (t.untyped_storage() if _compat.HAS_UNTYPED_STORAGE else t.storage()).nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = w.loss(x, y)
+        loss.backward()
+        w.model.zero_grad(set_to_none=True)
+        return total[0]
+
+    @staticmethod
+    def realized(mo: Dict[str, Any]) -> None:
+        """Beside each compressed arm: what its counters promise the peak drops by (the fp32 step's saved bytes
+        less what the arm stored, kept and found held) and the part of it the device peak realized."""
+        base = mo["arms"].get("fp32") or {}
+        saved = base.get("saved_mib")
+        if base.get("status") != "pass" or not saved:
+            return
+        for arm, r in mo["arms"].items():
+            per = r.get("per_step_mib")
+            if arm == "fp32" or r.get("status") != "pass" or not per:
+                continue
+            promised = saved - per["stored"] - per["kept"] - per["held"]
+            r["promised_mib"] = round(promised, 3)
+            for k in ("gact_peak_mib", "torch_peak_mib"):
+                if r.get(k) is not None and base.get(k) is not None and promised > 0:
+                    r[k.replace("_peak_mib", "_realized")] = round((base[k] - r[k]) / promised, 3)
 
     def reset_peaks(self) -> None:
         self.stats.reset_peaks()
@@ -515,6 +576,7 @@ class Trainer:
                 mo["arms"][arm] = self.arm(w, arm, kw, init, ref, x, y)
                 self.res.save()
             del ref
+            self.realized(mo)
             base = mo["arms"].get("fp32", {})
             for arm, r in mo["arms"].items():
                 if arm == "fp32" or r.get("status") != "pass" or base.get("status") != "pass":
