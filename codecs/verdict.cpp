@@ -47,45 +47,49 @@ bool verdict_ring::bad_locked(std::uint32_t i) const noexcept {
 verdict_ring::ticket verdict_ring::acquire(device_verdict* out) {
   GACT_EXPECTS(out != nullptr, "verdict_ring::acquire: out is null");
   std::unique_lock lock(mu_);
-  std::uint32_t const i = next_;
-  next_ = next_ + 1 == n_ ? 0 : next_ + 1;
-  slot& s = slots_[i];
-  if (s.state != use::free) {
-    // the oldest slot (round robin): wait for its launch if it has not run, keep its answer if still wanted
-    if (!done_locked(i)) {
-      ++waits_;
-      auto const start = std::chrono::steady_clock::now();
-      bool stalled = false;
-      int spins = 0;
-      while (!done_locked(i)) {
-        lock.unlock();
-        if (++spins < 64) std::this_thread::yield();
-        else std::this_thread::sleep_for(std::chrono::microseconds(20));
-        lock.lock();
-        if (slots_[i].state == use::free) break;  // cancelled meanwhile
-        if (!stalled && std::chrono::steady_clock::now() - start > stall_after) {
+  for (std::uint32_t tries = 0; tries < n_; ++tries) {
+    std::uint32_t const i = next_;
+    next_ = next_ + 1 == n_ ? 0 : next_ + 1;
+    slot& s = slots_[i];
+    if (s.state == use::retired) continue;
+    if (s.state != use::free) {
+      // the oldest slot (round robin): wait for its launch if it has not run (the ring held: no other acquire
+      // can take the slot meanwhile), keep its answer if still wanted
+      if (!done_locked(i)) {
+        ++waits_;
+        auto const start = std::chrono::steady_clock::now();
+        bool stalled = false;
+        int spins = 0;
+        while (!done_locked(i)) {
+          if (++spins < 64) std::this_thread::yield();
+          else std::this_thread::sleep_for(std::chrono::microseconds(20));
+          if (std::chrono::steady_clock::now() - start <= stall_after) continue;
+          if (stalled) break;
           stalled = true;
-          if (stall) {
-            lock.unlock();
-            stall();
-            lock.lock();
-          }
-          if (slots_[i].state != use::free && !done_locked(i)) break;  // it never reported: taken anyway
+          if (stall) stall();
         }
       }
+      if (!done_locked(i)) {
+        // it never reported: retired for good (its launch may still write the slot), answered bad if wanted
+        if (s.state == use::wanted) answered_[s.seq] = true;
+        s.state = use::retired;
+        ++retired_;
+        continue;
+      }
+      if (s.state == use::wanted) answered_[s.seq] = bad_locked(i);
     }
-    if (s.state == use::wanted) answered_[s.seq] = !done_locked(i) || bad_locked(i);
+    if (++seq_ == 0) seq_ = 1;  // 0 means "no ticket"
+    s.seq = seq_;
+    s.state = use::wanted;
+    // (sequentially consistent stores: the reset is in memory before the launch is made)
+    std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i)]).store(0, std::memory_order_seq_cst);
+    std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i) + 1]).store(0, std::memory_order_seq_cst);
+    out->word = device_words_ + 2 * std::size_t(i);
+    out->counter = counters_ + i;
+    out->seq = s.seq;
+    return ticket{i, s.seq};
   }
-  if (++seq_ == 0) seq_ = 1;  // 0 means "no ticket"
-  s.seq = seq_;
-  s.state = use::wanted;
-  // (sequentially consistent stores: the reset is in memory before the launch is made)
-  std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i)]).store(0, std::memory_order_seq_cst);
-  std::atomic_ref<std::uint32_t>(words_[2 * std::size_t(i) + 1]).store(0, std::memory_order_seq_cst);
-  out->word = device_words_ + 2 * std::size_t(i);
-  out->counter = counters_ + i;
-  out->seq = s.seq;
-  return ticket{i, s.seq};
+  return ticket{};  // every slot retired
 }
 
 verdict_state verdict_ring::poll_locked(ticket t) {
@@ -97,7 +101,7 @@ verdict_state verdict_ring::poll_locked(ticket t) {
     return bad_locked(t.index) ? verdict_state::bad : verdict_state::clean;
   }
   auto const it = answered_.find(t.seq);
-  GACT_EXPECTS(it != answered_.end(), "verdict_ring: ticket " + std::to_string(t.seq) + " unknown or released");
+  if (it == answered_.end()) return verdict_state::released;
   return it->second ? verdict_state::bad : verdict_state::clean;
 }
 
@@ -133,18 +137,11 @@ void verdict_ring::release(ticket t) noexcept {
   }
 }
 
-void verdict_ring::cancel(ticket t) noexcept {
-  if (!t.valid() || t.index >= n_) return;
-  std::lock_guard lock(mu_);
-  slot& s = slots_[t.index];
-  if (s.seq == t.seq) s.state = use::free;  // the counter is untouched: no block ran
-}
-
 std::uint32_t verdict_ring::in_flight() const {
   std::lock_guard lock(mu_);
   std::uint32_t k = 0;
   for (std::uint32_t i = 0; i < n_; ++i)
-    if (slots_[i].state != use::free && !done_locked(i)) ++k;
+    if (slots_[i].state != use::free && slots_[i].state != use::retired && !done_locked(i)) ++k;
   return k;
 }
 

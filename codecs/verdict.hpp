@@ -9,7 +9,7 @@
 //   encode_cuda(..., stream, &dv);
 //   ...
 //   switch (ring.poll(t)) { pending | clean | bad }   // any time later, a few loads
-//   ring.release(t);                       // the caller no longer wants the answer
+//   ring.release(t);                       // the caller no longer wants the answer (verdict_claim does it)
 //
 // The answer of a slot is kept until its ticket is polled as done or released, also when the ring has to
 // reuse the slot (it is then moved to a small map), so no answer is ever lost. When every slot is busy with
@@ -29,11 +29,13 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace gact::codec {
 
-enum class verdict_state : int { pending = -1, clean = 0, bad = 1 };
+/// `released`: the ticket was released meanwhile (by another caller who read the answer); ask them.
+enum class verdict_state : int { pending = -1, clean = 0, bad = 1, released = 2 };
 
 class verdict_ring {
  public:
@@ -61,19 +63,20 @@ class verdict_ring {
   static std::unique_ptr<verdict_ring> create_device(std::uint32_t n = k_default_slots);
 #endif
 
-  /// A slot for one launch, reset, with `out` filled in for encode_cuda. Waits (spins, then sleeps) for the
-  /// oldest launch when every slot is in flight; `stall` (if set) is called once the wait has lasted
-  /// `stall_after`, for the caller to synchronize the launch's stream, after which the slot is taken anyway
-  /// when its launch still has not reported (its answer is then `bad`: the caller keeps the tensor exact).
+  /// A slot for one launch, reset, with `out` filled in for encode_cuda. Waits (spins, then sleeps, holding
+  /// the ring) for the oldest launch when every slot is in flight; `stall` (if set) is called once the wait
+  /// has lasted `stall_after`, for the caller to synchronize the device. A slot whose launch still has not
+  /// reported then is retired for good (its launch may yet write it: never reused; its answer is `bad`, so
+  /// the caller keeps the tensor exact) and the next one tried. With every slot retired: no ticket (invalid:
+  /// the caller must treat the encode as unverified and keep its tensor exact).
   ticket acquire(device_verdict* out);
   /// The answer, without waiting. A done answer stays readable until release().
   verdict_state poll(ticket t);
   /// The answer, waiting for it up to `timeout` (then pending).
   verdict_state wait(ticket t, std::chrono::microseconds timeout);
-  /// The caller wants no answer any more (its entry is gone); the slot is reused once its launch has run.
+  /// The caller wants no answer any more (its entry is gone, or its launch threw: it may have been queued
+  /// all the same); the slot is reused once its launch has run.
   void release(ticket t) noexcept;
-  /// The launch never happened (encode_cuda threw): the slot is free at once.
-  void cancel(ticket t) noexcept;
 
   std::uint32_t slots() const noexcept { return n_; }
   /// Slots whose launch has not been seen to run (for tests and stats).
@@ -86,7 +89,7 @@ class verdict_ring {
   std::chrono::microseconds stall_after{std::chrono::seconds(2)};
 
  private:
-  enum class use : std::uint8_t { free, wanted, released };
+  enum class use : std::uint8_t { free, wanted, released, retired };
   struct slot {
     std::uint32_t seq = 0;
     use state = use::free;
@@ -106,6 +109,41 @@ class verdict_ring {
   std::uint32_t seq_ = 0;
   std::unordered_map<std::uint32_t, bool> answered_;  // seq -> bad, for tickets whose slot was reused
   std::uint64_t waits_ = 0;
+  std::uint32_t retired_ = 0;
+};
+
+/// A ticket and its ring, released when dropped (move-only): what an encode holds until its entry takes it.
+class verdict_claim {
+ public:
+  verdict_claim() = default;
+  verdict_claim(verdict_ring* r, verdict_ring::ticket t) noexcept : ring_(r), t_(t) {}
+  verdict_claim(verdict_claim&& o) noexcept : ring_(std::exchange(o.ring_, nullptr)), t_(o.t_) {}
+  verdict_claim& operator=(verdict_claim&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ring_ = std::exchange(o.ring_, nullptr);
+      t_ = o.t_;
+    }
+    return *this;
+  }
+  verdict_claim(verdict_claim const&) = delete;
+  verdict_claim& operator=(verdict_claim const&) = delete;
+  ~verdict_claim() { reset(); }
+  void reset() noexcept {
+    if (ring_ != nullptr) ring_->release(t_);
+    ring_ = nullptr;
+  }
+  verdict_ring* ring() const noexcept { return ring_; }
+  verdict_ring::ticket ticket() const noexcept { return t_; }
+  /// Hand the ticket over (the claim no longer releases it).
+  verdict_ring::ticket take(verdict_ring** ring) noexcept {
+    *ring = std::exchange(ring_, nullptr);
+    return t_;
+  }
+
+ private:
+  verdict_ring* ring_ = nullptr;
+  verdict_ring::ticket t_;
 };
 
 }  // namespace gact::codec

@@ -415,8 +415,8 @@ struct activation_store::entry {
   entry() = default;
   entry(entry const&) = delete;
   entry& operator=(entry const&) = delete;
-  // the device encode's verdict (codecs/verdict.hpp): asked of `ring` until read, then `bad`; guarded by the
-  // store's mu_ once published
+  // the device encode's verdict (codecs/verdict.hpp): asked of `ring` until read, then `bad` (also set when the
+  // encode could not be verified); guarded by `mu` once published
   codec::verdict_ring* ring = nullptr;
   codec::verdict_ring::ticket ticket;
   bool bad = false;
@@ -457,6 +457,7 @@ struct activation_store::counters {
   std::uint64_t boundary_blobs = 0;          // boundary blobs stored (upgrades and boundary values puts)
   std::uint64_t nonfinite_fallbacks = 0;
   std::uint64_t device_nonfinite = 0;         // device blobs whose encode reported a non-finite group
+  std::uint64_t verdict_waits = 0;            // verdict(wait) calls that found the encode not run yet
   std::uint64_t refusal_fallbacks = 0;       // predicate/window encodes refused and stored another way
   std::uint64_t gathers = 0;
   std::uint64_t gets = 0;
@@ -491,8 +492,8 @@ struct activation_store::encoded {
   codec::predicate_params pred{};
   bool boundary = false;           // a boundary blob serving `pred` as well (put_params::boundary)
   std::uint64_t encoded_bytes = 0;  // input bytes of every encode pass (a refused one included)
-  codec::verdict_ring* ring = nullptr;  // a device quant encode's verdict
-  codec::verdict_ring::ticket ticket;
+  codec::verdict_claim verdict;  // a device quant or window encode's verdict, to ask
+  bool unverified = false;       // a device encode that could ask for none (stream capture, no slot left)
   double sum_sq_ranges = 0.0;
   std::uint64_t groups = 0;
 };
@@ -646,18 +647,26 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
 #if defined(GACT_HAVE_KERNELS)
       codec::device_verdict dv;
       bool const reports = e.codec == codec::codec_id::quant || e.codec == codec::codec_id::window;
-      codec::verdict_ring* const ring = reports ? verdict_ring_for(v.device) : nullptr;
-      codec::verdict_ring::ticket const t = ring != nullptr ? ring->acquire(&dv) : codec::verdict_ring::ticket{};
-      try {
-        r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, reinterpret_cast<cudaStream_t>(p.stream),
-                               ring != nullptr ? &dv : nullptr);
-      } catch (...) {
-        if (ring != nullptr) ring->cancel(t);
-        throw;
+      auto const stream = reinterpret_cast<cudaStream_t>(p.stream);
+      // Under stream capture the kernel is recorded, not run: its verdict would come at each replay, into a slot
+      // reused meanwhile. Such an encode asks for none and counts as unverified (its tensor kept exact).
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      if (reports && cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        (void)cudaGetLastError();  // (the legacy stream while another captures: treated as capturing)
+        capture = cudaStreamCaptureStatusActive;
       }
-      if (out.ring != nullptr) out.ring->release(out.ticket);  // (a pass before this one)
-      out.ring = ring;
-      out.ticket = t;
+      codec::verdict_ring* const ring =
+          reports && capture == cudaStreamCaptureStatusNone ? verdict_ring_for(v.device) : nullptr;
+      codec::verdict_claim claim;
+      if (ring != nullptr) {
+        codec::verdict_ring::ticket const t = ring->acquire(&dv);
+        if (t.valid()) claim = codec::verdict_claim(ring, t);
+      }
+      out.unverified = reports && !claim.ring();
+      // (a launch that throws may still have been queued: the claim releases its slot, which is reused only once
+      // that launch, if any, has reported)
+      r = codec::encode_cuda(src, v.dtype, shp, e, out.blob.p, cap, stream, claim.ring() ? &dv : nullptr);
+      out.verdict = std::move(claim);
 #else
       GACT_FAIL("activation_store::put: tensor on CUDA device " + std::to_string(v.device) +
                 " but this build of gact has no CUDA kernels");
@@ -923,8 +932,8 @@ fresh:
     }
     enc = encode(v, p, p.what, src, numel, step, arena);
     ent->blob = enc.blob.release();
-    ent->ring = std::exchange(enc.ring, nullptr);
-    ent->ticket = enc.ticket;
+    ent->ticket = enc.verdict.take(&ent->ring);
+    ent->bad = enc.unverified;  // (kept exact: verdict() answers 1)
     ent->info.codec = enc.codec;
     ent->info.variant = enc.variant;
     ent->info.bits = enc.bits;
@@ -1187,6 +1196,11 @@ int activation_store::verdict(handle h, bool wait) {
   codec::verdict_state v = ring->poll(t);
   if (v == codec::verdict_state::pending && wait) {
     elock.unlock();
+    {
+      std::lock_guard lock(mu_);
+      for (counters* k : {c_.get(), owner_counters(e->owner)})
+        if (k != nullptr) ++k->verdict_waits;
+    }
     v = ring->wait(t, std::chrono::seconds(5));
 #if defined(GACT_HAVE_KERNELS)
     if (v == codec::verdict_state::pending) {
@@ -1195,7 +1209,8 @@ int activation_store::verdict(handle h, bool wait) {
     }
 #endif
     elock.lock();
-    if (e->ring != ring || e->ticket.seq != t.seq) return e->bad ? 1 : 0;  // answered meanwhile
+    if (e->ring != ring || e->ticket.seq != t.seq || v == codec::verdict_state::released)
+      return e->bad ? 1 : 0;  // answered meanwhile, by another caller
     if (v == codec::verdict_state::pending) {
       GACT_WARN_CAPPED(4, "activation_store::verdict: the device encode of handle {} never reported; its tensor is "
                           "kept exact", h);
@@ -1434,6 +1449,7 @@ nlohmann::json activation_store::counters_json(counters const& c, std::size_t li
   j["boundary_blobs"] = c.boundary_blobs;  // a ReLU's (clamp's) output stored once for its mask and its values
   j["nonfinite_fallbacks"] = c.nonfinite_fallbacks;
   j["device_nonfinite"] = c.device_nonfinite;
+  j["verdict_waits"] = c.verdict_waits;
   j["refusal_fallbacks"] = c.refusal_fallbacks;
   j["gathers"] = c.gathers;
   j["gets"] = c.gets;

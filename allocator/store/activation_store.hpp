@@ -289,6 +289,7 @@ class activation_store {
   /// @returns -1 while the encode has not run (with `wait`: only if it has not run within a few seconds
   ///          and after a synchronization of its stream, which does not happen with a working device),
   ///          1 if it met such a value, 0 otherwise (host entries, and device blobs of other codecs: 0).
+  ///          Counted: `device_nonfinite` (answers 1), `verdict_waits` (a wait that found the encode not run).
   /// @throws gact::invalid_argument for an unknown handle.
   int verdict(handle h, bool wait = false);
 

@@ -78,7 +78,8 @@ TEST_SUITE("unit") {
     CHECK(r.poll(ta) == verdict_state::bad);  // from the side map
     CHECK(r.poll(tb) == verdict_state::clean);
     r.release(ta);
-    CHECK_THROWS_AS((void)r.poll(ta), gact::invalid_argument);  // released: no answer any more
+    CHECK(r.poll(ta) == verdict_state::released);  // no answer any more: whoever released it read it
+    CHECK(r.wait(ta, 1s) == verdict_state::released);
     launch(c, 2, {1});
     CHECK(r.poll(tc) == verdict_state::bad);
     r.release(tb);
@@ -104,31 +105,51 @@ TEST_SUITE("unit") {
     CHECK(r.wait(tb, 1s) == verdict_state::clean);
   }
 
-  TEST_CASE("verdict ring: a launch that never reports is answered bad (the caller keeps the tensor exact)") {
-    ring_memory m(1);
+  TEST_CASE("verdict ring: a launch that never reports retires its slot, answered bad (the tensor kept exact)") {
+    ring_memory m(2);
     verdict_ring r = m.make();
     int stalls = 0;
     r.stall_after = 1ms;
     r.stall = [&] { ++stalls; };
-    device_verdict a, b;
+    device_verdict a, b, c, d;
     auto const ta = r.acquire(&a);
     auto const tb = r.acquire(&b);
-    CHECK(stalls == 1);
+    auto const tc = r.acquire(&c);  // both slots wait for launches that never report: both retired
+    CHECK(stalls == 2);
+    CHECK_FALSE(tc.valid());  // no slot left: the caller keeps its tensor exact
     CHECK(r.poll(ta) == verdict_state::bad);
+    CHECK(r.poll(tb) == verdict_state::bad);
+    CHECK(r.in_flight() == 0);
+    // a late report of a retired slot's launch changes nothing
+    launch(a, 1, {});
+    CHECK(r.poll(ta) == verdict_state::bad);
+    r.release(ta);
+    r.release(tb);
+    CHECK_FALSE(r.acquire(&d).valid());  // (retired for good: at once, no wait)
+    CHECK(stalls == 2);
+  }
+
+  TEST_CASE("verdict ring: the stall hook's synchronization lets the oldest launch report") {
+    ring_memory m(1);
+    verdict_ring r = m.make();
+    r.stall_after = 1ms;
+    device_verdict a, b;
+    auto const ta = r.acquire(&a);
+    r.stall = [&] { launch(a, 3, {1}); };  // as cudaDeviceSynchronize: the queued launch runs
+    auto const tb = r.acquire(&b);
+    REQUIRE(tb.valid());
+    CHECK(tb.index == ta.index);
+    CHECK(r.poll(ta) == verdict_state::bad);  // its own answer, kept across the reuse
     CHECK(r.poll(tb) == verdict_state::pending);
     CHECK(r.wait(tb, 2ms) == verdict_state::pending);  // wait gives up after its timeout
   }
 
-  TEST_CASE("verdict ring: a slot whose launch threw is free at once; a released one once its launch ran") {
+  TEST_CASE("verdict ring: a released slot is reused once its launch has run") {
     ring_memory m(1);
     verdict_ring r = m.make();
-    device_verdict a, b, c;
-    auto const ta = r.acquire(&a);
-    r.cancel(ta);
-    CHECK(r.in_flight() == 0);
-    auto const tb = r.acquire(&b);  // no wait
-    CHECK(r.waits() == 0);
-    r.release(tb);  // not run yet: reused after it has
+    device_verdict b, c;
+    auto const tb = r.acquire(&b);
+    r.release(tb);  // not run yet (or a launch that threw and may be queued): reused after it reports
     std::thread gpu([&] {
       std::this_thread::sleep_for(10ms);
       launch(b, 2, {0});
@@ -138,6 +159,32 @@ TEST_SUITE("unit") {
     CHECK(r.waits() == 1);
     CHECK(r.poll(tc) == verdict_state::pending);
     CHECK(r.poll(verdict_ring::ticket{}) == verdict_state::clean);  // no ticket: nothing to report
+  }
+
+  TEST_CASE("verdict ring: a claim releases its ticket unless handed over") {
+    ring_memory m(1);
+    verdict_ring r = m.make();
+    device_verdict a, b;
+    {
+      verdict_claim c(&r, r.acquire(&a));
+      launch(a, 1, {});
+    }
+    auto const tb = r.acquire(&b);  // (released by the claim, and run: no wait)
+    CHECK(r.waits() == 0);
+    verdict_claim moved;
+    {
+      verdict_claim c(&r, tb);
+      moved = std::move(c);
+    }
+    CHECK(r.poll(tb) == verdict_state::pending);  // still held by `moved`
+    verdict_ring* owner = nullptr;
+    auto const t = moved.take(&owner);
+    CHECK(owner == &r);
+    CHECK(t.seq == tb.seq);
+    CHECK(moved.ring() == nullptr);
+    launch(b, 1, {0});
+    CHECK(r.poll(tb) == verdict_state::bad);
+    r.release(tb);
   }
 
   TEST_CASE("verdict ring: bad arguments are named") {

@@ -203,5 +203,31 @@ TEST_CASE("store on a device: a step's puts, verdicts, decodes and releases neve
   }
   INFO(calls);
   CHECK(waits == 0);
+  CHECK(f.store.stats_json()["verdict_waits"] == 0);
   CHECK(launches == 2 * saves);  // one encode and one decode per saved tensor
+}
+
+TEST_CASE("store on a device: an encode under stream capture asks for no verdict and counts as unverified") {
+  device_store f;
+  std::mt19937 g(3);
+  step_tensors t(g);
+  put_params p;
+  p.bits = 4;
+  p.stream = reinterpret_cast<gact::device::stream_t>(f.stream);
+  p.key = 9;
+  {  // (the arena's segment first: cudaMalloc is not allowed during capture)
+    handle const w = f.store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 7), p).h;
+    REQUIRE(f.store.release(w) == 0);
+  }
+  // the kernel would be recorded, not run: its verdict would arrive at each replay, into a slot reused meanwhile
+  REQUIRE(fake_cudart_begin_capture(f.stream) == cudaSuccess);
+  handle const h = f.store.put(view(t.x, dtype::float32, {8, 16, 12, 12}), p).h;
+  REQUIRE(fake_cudart_end_capture(f.stream) == cudaSuccess);
+  CHECK(f.store.verdict(h) == 1);  // the caller keeps the tensor exact
+  CHECK(f.store.stats_json()["verdict_waits"] == 0);
+  CHECK(f.store.release(h) == 0);
+  // outside capture, the same put asks for one (pending: no kernel runs here)
+  handle const h2 = f.store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 1), p).h;
+  CHECK(f.store.verdict(h2) == -1);
+  CHECK(f.store.release(h2) == 0);
 }

@@ -789,12 +789,25 @@ def test_activation_masks_give_torchs_gradient_at_nan_and_inf(name):
 # a stand-in for the device's answer, so the bookkeeping is tested where no GPU is; the real answers are checked
 # on a GPU by tools/gpu_check/nonfinite_contract.py (test_integration.py runs it on the CPU as well).
 
+class _TwoHeads(nn.Module):
+    """Two projections of one input (as q/k/v): the same tensor saved twice, one blob for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 128), nn.Linear(256, 128)
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x)], dim=-1)
+
+
 def _verdict_net():
     torch.manual_seed(3)
     # ReLU (its mask read as the next layer's boundary blob), ReLU6 and Hardtanh (masks of a closed range: a
-    # predicate decode evaluated on the kept tensor), GELU (a stored derivative)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU6(), nn.Linear(256, 256),
-                         nn.Hardtanh(-0.5, 0.5), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    # predicate decode evaluated on the kept tensor), GELU (a stored derivative), batch and layer norm (inputs
+    # stored normalized when the call returns), one input read by two layers
+    return nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU6(),
+                         _TwoHeads(), nn.LayerNorm(256), nn.Hardtanh(-0.5, 0.5), nn.Linear(256, 256), nn.GELU(),
+                         nn.Linear(256, 10))
 
 
 def _verdict_grads(net, comp, x):
@@ -836,7 +849,9 @@ def test_a_blob_whose_encode_met_nonfinite_values_is_served_as_the_tensor_kept_f
     Answered before backward (read by the next saves), or still pending when backward reads it."""
     x = torch.randn(32, 64)
     net = _verdict_net()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
     ref = _verdict_grads(net, None, x)
+    net.load_state_dict(state)  # (batch norm's running statistics as before the reference step)
     pending_until = 2 if when == "before backward" else 10 ** 9
     log = _stand_in_verdicts(monkeypatch, lambda n, wait: -1 if n < pending_until else 1)
     comp = gact.Compressor(net, bits=2)
@@ -883,7 +898,8 @@ def test_past_the_window_a_save_waits_for_the_oldest_verdict(monkeypatch):
     plain = _verdict_grads(net, comp, x)
     comp.close()
     monkeypatch.setattr(cm.Compressor, "VERDICT_WINDOW", 0)
-    log = _stand_in_verdicts(monkeypatch, lambda n, wait: 0 if wait else -1)
+    # (answered when waited for; the last save's, read at backward, is in by then)
+    log = _stand_in_verdicts(monkeypatch, lambda n, wait: 0 if wait or n >= 2 else -1)
     comp = gact.Compressor(net, bits=4, seed=5)
     with comp:
         loss = net(x).square().mean()
@@ -896,27 +912,38 @@ def test_past_the_window_a_save_waits_for_the_oldest_verdict(monkeypatch):
     assert torch.equal(g, plain)
 
 
-def test_abort_step_drops_the_kept_tensors(monkeypatch):
+def test_abort_step_drops_the_kept_tensors_of_its_step_only(monkeypatch):
+    """abort_step() lets go of the tensors its step kept; an earlier step's graph, still alive, keeps its own
+    until their verdicts are read (otherwise it would decode blobs no verdict cleared)."""
     _stand_in_verdicts(monkeypatch, lambda n, wait: -1)
     net = _verdict_net()
+    x = torch.randn(32, 64)
     comp = gact.Compressor(net, bits=2)
     with comp:
-        loss = net(torch.randn(32, 64)).square().mean()
-    held = _holds(comp)
-    assert len(held) >= 5 and comp._verdict_bytes > 0
+        earlier = net(x).square().mean()
+    comp.step()
+    kept_before = _holds(comp)
+    with comp:
+        loss = net(x).square().mean()
+    held = [p for p in _holds(comp) if p not in kept_before]
+    assert len(kept_before) >= 5 and len(held) >= 5
     assert comp.abort_step() >= 5
-    assert comp._verdicts == collections.deque() and comp._verdict_bytes == 0
     assert all(p.hold is None for p in held)
+    assert _holds(comp) == kept_before and comp._verdict_bytes > 0
     with pytest.raises(RuntimeError, match="abort_step"):
         loss.backward()
+    earlier.backward()  # served exactly: the kept tensors (their verdicts still out)
     comp.close()
+    assert comp._verdicts == collections.deque() or _holds(comp) == []
 
 
-@pytest.mark.parametrize("pred", [("gt_or_nan", 0.0, 0.0), ("gt", 0.25, 0.0), ("ge", 0.25, 0.0), ("lt", -0.5, 0.0),
-                                  ("le", -0.5, 0.0), ("open", -1.0, 1.0), ("closed", -1.0, 1.0)])
-def test_a_predicate_evaluated_on_the_kept_tensor_equals_the_mask_codecs(pred):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("pred", [("gt_or_nan", 0.0, 0.0), ("gt", 0.1, 0.0), ("ge", 0.1, 0.0), ("lt", -0.3, 0.0),
+                                  ("le", -0.3, 0.0), ("open", -1.0, 0.1), ("closed", -0.3, 1.0)])
+def test_a_predicate_evaluated_on_the_kept_tensor_equals_the_mask_codecs(pred, dtype):
     """What a predicate save decodes to, computed by torch on the exact tensor (a device blob that met NaN/Inf)
-    equals the mask codec's decode, at NaN and ±Inf too."""
+    equals the mask codec's decode, at NaN and ±Inf too, and next to bounds a 16-bit dtype cannot hold (the codec
+    compares in float32)."""
     from gact.compressor import _predicate_of
     from gact import _compat
     x = torch.randn(4096)
@@ -924,13 +951,31 @@ def test_a_predicate_evaluated_on_the_kept_tensor_equals_the_mask_codecs(pred):
     x[5::89] = float("inf")
     x[7::83] = float("-inf")
     x[11::61] = pred[1]  # on the threshold
-    h = C.store_put(x.data_ptr(), "float32", (4096,), (1,), -1, x._version, _compat.storage_base(x), 7, 1, 256, 0,
-                    0, role="predicate", pred=pred)[0]
+    x[13::59] = pred[2]
+    x = x.to(dtype)
+    h = C.store_put(x.data_ptr(), _compat.DTYPE_NAMES[dtype], (4096,), (1,), -1, x._version, _compat.storage_base(x),
+                    7, 1, 256, 0, 0, role="predicate", pred=pred)[0]
     try:
         assert C.store_info(h)["codec"] == "mask"
         tv, fv = 3.0, -2.0
         dec = torch.utils.dlpack.from_dlpack(C.store_get_dlpack(h, (4096,), (1,), 0, 0, 1, True, tv, fv))
         mine = torch.full_like(x, fv).masked_fill_(_predicate_of(x, pred), tv)
-        assert torch.equal(dec, mine)
+        assert dec.dtype == dtype and torch.equal(dec, mine)
     finally:
         C.store_release(h)
+
+
+def test_verdicts_that_come_in_at_once_under_bits_auto(monkeypatch):
+    """Verdicts read as soon as a later save polls them, all "met NaN/Inf", with the policy reading each stored
+    tensor's facts as it is stored: nothing is read of a blob already freed, and every tensor is served exactly."""
+    x = torch.randn(32, 64)
+    net = _verdict_net()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    ref = _verdict_grads(net, None, x)
+    _stand_in_verdicts(monkeypatch, lambda n, wait: -1 if n < 2 else 1)
+    comp = gact.Compressor(net, bits="auto", budget=2)
+    for _ in range(2):
+        net.load_state_dict(state)
+        g = _verdict_grads(net, comp, x)
+        assert torch.equal(g, ref)
+    comp.close()

@@ -588,6 +588,7 @@ TEST_CASE("NaN and Inf are stored raw and counted") {
   CHECK(f.store.verdict(h) == 0);
   CHECK(f.store.verdict(h, true) == 0);
   CHECK(f.store.stats_json()["device_nonfinite"] == 0);
+  CHECK(f.store.stats_json()["verdict_waits"] == 0);
   f.store.release(h);
   CHECK_THROWS_WITH_AS((void)f.store.verdict(h), doctest::Contains("activation_store::verdict: unknown handle"),
                        gact::invalid_argument);

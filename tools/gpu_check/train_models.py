@@ -254,7 +254,7 @@ class Trainer:
         return out
 
     STORE_COUNTERS = ("bytes_in", "bytes_stored", "tensors_in", "steps", "leaks", "skipped_bytes", "bytes_encoded",
-                      "decode_bytes", "device_nonfinite")
+                      "decode_bytes", "device_nonfinite", "verdict_waits")
     #: skip reasons that keep no memory of their own: the model's parameters and inputs exist anyway
     FREE_SKIPS = ("parameter", "input")
 

@@ -130,8 +130,13 @@ def _modified_error(t: torch.Tensor, version: int) -> RuntimeError:
 
 
 def _predicate_of(t: torch.Tensor, pred: tuple) -> torch.Tensor:
-    """The predicate masks encode (codecs/README.md), evaluated by torch on the exact tensor."""
+    """The predicate masks encode (codecs/README.md), evaluated by torch on the exact tensor as the codec does
+    (mask_math.hpp: eval_predicate): the values as float32 (16-bit ones widened, float64 narrowed), the bounds
+    float32 (torch alone would compare a 16-bit tensor with bounds rounded to its dtype)."""
     name, a, b = pred
+    if t.dtype != torch.float32:
+        t = t.float()
+    a, b = torch.tensor(a, dtype=torch.float32).item(), torch.tensor(b, dtype=torch.float32).item()
     if name == "gt_or_nan":
         return ~(t <= a)
     if name == "gt":
@@ -222,6 +227,8 @@ class _Packed:
             if kept is not None:
                 return kept
         self.hold = None
+        if self.alias is not None:  # (kept exact by another thread meanwhile)
+            return self.alias
         if self.handle == 0:
             if self.aborted:
                 raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
@@ -239,12 +246,13 @@ class _Packed:
     def keep_exact(self) -> torch.Tensor | None:
         """Serve the held tensor itself from now on (what a predicate decode reads: evaluated on it) and free
         the blob; None when there is none to serve (taken meanwhile, not kept)."""
-        hold, self.hold = self.hold, None
+        hold = self.hold
         if hold is None:
             return self.alias  # (another thread took it: the Compressor's _settle, or a backward thread)
         dec = self.decode
         if dec is not None:
             hold = torch.full_like(hold, dec[1]).masked_fill_(_predicate_of(hold, self.pred), dec[0])
+        # (the alias before the hold goes and the handle is freed: a thread reading this save between sees one)
         self.alias = hold
         self.release()
         return hold
@@ -615,6 +623,7 @@ class Compressor:
 
     def close(self) -> None:
         """Remove the module hooks this Compressor (and its policy) installed on the model."""
+        self._settle(drain=True)  # (a graph still alive reads its saves as they should be; no tensor stays kept)
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
@@ -741,7 +750,6 @@ class Compressor:
         n = 0
         with self._deferred_lock:
             self._deferred.clear()  # (their _Packed are in _live, marked aborted below)
-        self._drop_verdicts()
         live, self._live = self._live, []
         for r in live:
             p = r()
@@ -750,6 +758,7 @@ class Compressor:
                 p.aborted = True
                 p.release()
                 n += 1
+        self._drop_verdicts()  # (the released ones: release() let go of their tensors)
         if self._step_open:
             self._discard_step()
         return n
@@ -1055,28 +1064,34 @@ class Compressor:
         """Keep the device tensor ``src`` stored under ``p`` until its encode has told whether it met NaN/Inf."""
         if _C.store_verdict(p.handle) == 0:
             return  # another codec (a mask, raw), or a blob stored earlier and settled already
+        # (the verdicts of the saves before it first: this one's is read at a later save, when _store is done with
+        # it, and a save larger than the window never waits for its own encode)
+        if self._verdicts:
+            self._settle()
         p.hold = src.detach()
         p.pred = pred
         n = src.numel() * src.element_size()
         with self._verdict_lock:
             self._verdicts.append((p, n))
             self._verdict_bytes += n
-        self._settle()
 
-    def _settle(self) -> None:
+    def _settle(self, drain: bool = False) -> None:
         """Read the verdicts that are in, oldest first: a clean blob drops its tensor, one that met NaN/Inf (its
         groups would decode to NaN) is freed and the tensor served as it is. Waits for the oldest encode only
-        while more than VERDICT_WINDOW bytes (or VERDICT_MAX tensors) wait."""
+        while more than VERDICT_WINDOW bytes (or VERDICT_MAX tensors) wait, or for all of them with ``drain``."""
         with self._verdict_lock:
             q = self._verdicts
             while q:
                 p, n = q[0]
                 if p.hold is not None and p.handle:
-                    full = self._verdict_bytes > self.VERDICT_WINDOW or len(q) > self.VERDICT_MAX
+                    full = drain or self._verdict_bytes > self.VERDICT_WINDOW or len(q) > self.VERDICT_MAX
+                    h = p.handle
                     try:
-                        v = _C.store_verdict(p.handle, full)
-                    except ValueError:  # released meanwhile (a backward thread read it)
-                        v = 0
+                        v = _C.store_verdict(h, full)
+                    except ValueError:
+                        if p.handle == h:
+                            raise
+                        v = 0  # released meanwhile (a backward thread read it, or kept it exact)
                     if v < 0:
                         return
                     if v > 0:
@@ -1087,11 +1102,12 @@ class Compressor:
                 self._verdict_bytes -= n
 
     def _drop_verdicts(self) -> None:
+        """Forget the queued saves that no longer keep a tensor (released: abort_step); the others, an earlier
+        step's graph still alive, wait for their verdicts as before."""
         with self._verdict_lock:
-            for p, _ in self._verdicts:
-                p.hold = None
-            self._verdicts.clear()
-            self._verdict_bytes = 0
+            keep = [(p, n) for p, n in self._verdicts if p.hold is not None and p.handle]
+            self._verdicts = collections.deque(keep)
+            self._verdict_bytes = sum(n for _, n in keep)
 
     def _defer(self, t: torch.Tensor, key: str, d: Any) -> "_Packed":
         """A clamp's output saved for its predicate: wait for a values save of the same tensor (see _deferred)."""
@@ -1126,21 +1142,28 @@ class Compressor:
         if p is None or p.aborted:
             return  # its graph is gone: nothing reads it
         q = self._store(t, key, d, keep=None, defer=False)
-        if isinstance(q, _Packed) and q.alias is not None:
-            p.alias = q.alias  # its device encode met NaN/Inf, said already (_settle): the mask of the kept tensor
-        elif isinstance(q, _Packed):
-            p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
-            q.handle, q.ref = 0, None
-            if q.hold is not None:  # (its entry in _verdicts is dropped as released)
-                p.hold, p.pred, q.hold = q.hold, d.pred, None
-                with self._verdict_lock:
-                    self._verdicts.append((p, 0))
+        if isinstance(q, _Packed) and self._adopt(p, q):
             # (served by that very blob: a storage whose .data was taken gets blobs of its own, a mask here)
             if values and p.handle == values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 \
                     and d.decode == (1.0, 0.0):
                 p.decode = None
         else:
             p.alias = q.t if isinstance(q, _Kept) else q  # the arena could not hold it: kept as it is
+
+    def _adopt(self, p: "_Packed", q: "_Packed") -> bool:
+        """Give the save ``p`` (made before its blob) what ``_store`` made for it in ``q``: the blob, and the tensor
+        kept until its device verdict is read, or that tensor alone when the verdict already said NaN/Inf. True
+        when ``p`` got the blob."""
+        if q.alias is not None:
+            p.alias = q.alias
+            return False
+        p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
+        q.handle, q.ref = 0, None
+        if q.hold is not None:  # (q's entry in _verdicts is dropped as released)
+            p.hold, p.pred, q.hold = q.hold, q.pred, None
+            with self._verdict_lock:
+                self._verdicts.append((p, 0))
+        return True
 
     def _resolve_deferred(self) -> None:
         """Store every waiting predicate save (the forward ended, backward began, or the step ends)."""
@@ -1191,12 +1214,7 @@ class Compressor:
             if not isinstance(q, _Packed):
                 p.alias = q.t  # the arena could not hold it: kept as it is (p checks its version)
                 continue
-            p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
-            q.handle, q.ref = 0, None
-            if q.hold is not None:  # (its entry in _verdicts is dropped as released)
-                p.hold, p.pred, q.hold = q.hold, d.pred, None
-                with self._verdict_lock:
-                    self._verdicts.append((p, 0))
+            self._adopt(p, q)
 
     def _norm_params(self, frame: Any, t: torch.Tensor, stats: list) -> tuple:
         """(count, inner, shift pointer, scale pointer) normalizing `t` with its layer's statistics, and the
