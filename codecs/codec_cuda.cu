@@ -208,9 +208,8 @@ struct quant_args {
 /// Tell the host, through mapped memory, that this launch met a group it could not quantize, and (the
 /// block that finishes last) that the launch has run. A flag store is made visible system-wide (its
 /// writer fences, then the block meets at a barrier) before the block counts itself, and the last block
-/// fences again before writing the sequence number, so a host
-/// that reads word[0] == seq then reads the final word[1] (the pattern of CUDA's threadFenceReduction
-/// sample, at system scope).
+/// fences again before writing the sequence number, so a host that reads word[0] == seq then reads the
+/// final word[1] (the pattern of CUDA's threadFenceReduction sample, at system scope).
 __device__ __forceinline__ void report_verdict(device_verdict const& v, bool bad) {
   if (v.word == nullptr) return;  // (uniform over the grid: a kernel argument)
   if (bad) {
