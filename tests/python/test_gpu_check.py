@@ -673,6 +673,9 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
             assert 0 < b2["promised_mib"] < mo["arms"]["fp32"]["saved_mib"], (m, b2)
             assert set(b2["per_step_mib"]) == {"stored", "kept", "held"} and b2["per_step_mib"]["stored"] > 0
             assert isinstance(b2["kept_mib_by_reason"], dict)
+        # auto against uniform 2 bits, by gradient error, for every model
+        assert any(line.startswith("bits='auto' (budget 2) against uniform 2 bits, gradient relative error: resnet50 ")
+                   for line in doc["truths"]), doc["truths"]
         # the NaN/Inf contract ran first, and its line is in the report
         nf = doc["stages"]["train"]["figures"]["nonfinite"]
         assert nf["failures"] == [] and nf["cases"] == 8 and nf["device_nonfinite"] == 0, nf

@@ -275,6 +275,18 @@ def truths(report: Mapping[str, object]) -> List[str]:
                 parts.append(f"{m} 2-bit: step {_fmt(r.get('step_time_vs_fp32'))}x of fp32{peak}, "
                              f"grad cosine {_fmt(r.get('grad_cosine'))}")
         out.append(line + ("; " + "; ".join(parts) if parts else ""))
+        cmp = []
+        for m, mo in models.items():
+            arms_m = (mo.get("arms") or {}) if isinstance(mo, Mapping) else {}
+            a, u = arms_m.get("auto") or {}, arms_m.get("bits2") or {}
+            if a.get("status") == "pass" and u.get("status") == "pass" and \
+                    isinstance(a.get("grad_rel_l2"), (int, float)) and isinstance(u.get("grad_rel_l2"), (int, float)):
+                cmp.append((m, a["grad_rel_l2"], u["grad_rel_l2"]))
+        if cmp:
+            worse = [m for m, a, u in cmp if a > u]
+            out.append("bits='auto' (budget 2) against uniform 2 bits, gradient relative error: " + ", ".join(
+                f"{m} {_fmt(float(a))} vs {_fmt(float(u))}" for m, a, u in cmp) +
+                (" (auto never worse: yes)" if not worse else f" (auto WORSE on {', '.join(worse)})"))
     nf = t.get("nonfinite") or {}
     if isinstance(nf, Mapping) and nf:
         if nf.get("error"):
