@@ -279,7 +279,8 @@ class TinyViT(nn.Module):
         self.pos = nn.Parameter(torch.randn(1, n + 1, d_model) * 0.02)
         layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
                                            norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, layers)
+        # (nested tensors serve inference only, which norm_first rules out anyway: torch 2.x warns otherwise)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, classes)
 

@@ -651,6 +651,7 @@ def _computed_weight_case(case):
     return m, x, (lambda out: F.cross_entropy(out, y))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")  # (users still call it)
 @pytest.mark.parametrize("case", ["weight_norm", "standardized", "lora"])
 def test_a_weight_computed_in_the_forward_is_kept_exact(case):
     """A layer's weight computed in the forward (weight norm, weight standardization as a parametrization, a
