@@ -61,6 +61,10 @@ def _echo(gact: Any, ts: List[torch.Tensor], bits: int) -> List[torch.Tensor]:
             for t in ts:
                 # (a copy the program drops: one it still held unchanged at backward would be used as it is)
                 y = _Echo.apply(y, t.clone(), out)
+        if y.is_cuda:
+            # the encodes have run before backward reads them: a verdict still out there would have the tensor
+            # served as it is (exact, also when clean), and the check of the finite neighbour could not tell
+            torch.cuda.synchronize(y.device)
         y.sum().backward()
         comp.step()
     finally:
