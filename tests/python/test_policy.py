@@ -1891,8 +1891,8 @@ def test_keys_follow_the_saves_when_a_decision_depends_on_the_batch(monkeypatch)
     seen = []
     real = gact.Compressor._next_key
 
-    def spy(self):
-        key = real(self)
+    def spy(self, *stack):
+        key = real(self, *stack)
         frame = self._local.tracker.current()
         seen.append((key, frame.name if frame is not None else None))
         return key

@@ -626,6 +626,59 @@ def test_float64_beyond_float32_range_is_kept_exact():
     assert after["codecs"]["raw"]["tensors"] - before["codecs"]["raw"]["tensors"] == 3
 
 
+def test_module_hooks_cost_nothing_once_every_compressor_is_closed():
+    """gact's module hooks run through torch's global forward hooks, which put every module call in the process
+    on torch's slow path: they are installed while some module has a hook of gact's, and removed when the last
+    Compressor is closed or collected (a dead module's entries go with it)."""
+    code = textwrap.dedent("""
+        import gc, json, torch, torch.nn as nn, gact
+        from gact import _compat
+        mm = torch.nn.modules.module
+        def ours():
+            pre = [h for h in mm._global_forward_pre_hooks.values() if getattr(h, "__self__", None) is _compat._MODULE_HOOKS]
+            post = [h for h in mm._global_forward_hooks.values() if getattr(h, "__self__", None) is _compat._MODULE_HOOKS]
+            return len(pre), len(post), len(_compat._MODULE_HOOKS.pre), len(_compat._MODULE_HOOKS.post)
+        out = {"before": ours()}
+        a, b = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4)
+        ca, cb = gact.Compressor(a, bits=4), gact.Compressor(b, bits=4)
+        out["two"] = ours()
+        ca.close()
+        out["one closed"] = ours()
+        del cb, b; gc.collect()  # collected without close(): its finalizer removes its hooks
+        out["both gone"] = ours()
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+    assert out["before"] == [0, 0, 0, 0]
+    assert out["two"] == [1, 1, 4, 4]  # one global hook each way; a's three modules and b
+    assert out["one closed"] == [1, 1, 1, 1]
+    assert out["both gone"] == [0, 0, 0, 0]
+
+
+def test_a_parameter_added_or_replaced_after_the_first_step_is_known_as_one():
+    """The Compressor keeps the model's module list between steps (walking the model each step cost more
+    than a tenth of a millisecond): a submodule registered later, or a parameter replaced, is still known as a
+    parameter at the next step, so an alias of it (not a leaf) is kept, not compressed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64))
+    comp = gact.Compressor(model, bits=4, min_bytes=0)
+    x = torch.randn(8, 64)
+    for _ in range(2):
+        with comp:
+            model(x).sum().backward()
+        comp.step()
+    model.add_module("late", nn.Linear(64, 64))
+    model[0].weight = nn.Parameter(torch.randn(64, 64))
+    with comp:
+        model(x).sum()
+    for p in model.parameters():
+        assert gact.compressor._compat.storage_base(p) in comp._param_ptrs
+    comp.close()
+
+
 @pytest.mark.parametrize("bits", [4, "auto"])
 def test_a_model_with_a_live_compressor_pickles_copies_and_scripts(bits, tmp_path):
     """Issue 32: torch.save(model) with a live Compressor raised "Can't pickle local object
@@ -656,7 +709,7 @@ def test_a_model_with_a_live_compressor_pickles_copies_and_scripts(bits, tmp_pat
     # the Compressor still sees the modules: keys carry their names
     keys = []
     orig = comp._next_key
-    comp._next_key = lambda: keys.append(orig()) or keys[-1]
+    comp._next_key = lambda *stack: keys.append(orig(*stack)) or keys[-1]
     with comp:
         loss = model(x).square().mean()
     loss.backward()

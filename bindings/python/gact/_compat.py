@@ -160,11 +160,23 @@ def device_index(t: torch.Tensor) -> int:
     return t.get_device()
 
 
+#: torch's current CUDA stream of a device index as an integer, read with no Stream object made (the call
+#: torch's generated kernels use); None on a torch without CUDA
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as an integer handle (runs for every saved CUDA tensor)."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
 def current_stream(t: torch.Tensor) -> int:
     """The current CUDA stream on ``t``'s device as an integer handle (0 on the CPU)."""
-    if t.device.type != "cuda":
+    if not t.is_cuda:
         return 0
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return raw_stream(t.get_device())
 
 
 def push_default_hooks(pack, unpack):
@@ -194,62 +206,128 @@ class _ModuleHooks:
     ``_forward_hooks`` dict, so ``torch.save(model)``, ``copy.deepcopy`` and ``pickle`` tried to pickle
     gact's closures ("Can't pickle local object 'weak_hook.<locals>.hook'"), a loaded model carried
     them, and ``torch.jit.script`` met Python hooks. Instead, one global forward pre-hook and one forward
-    hook (torch's ``register_module_forward_*_hook``, installed once) run the hooks registered here for
-    the module being called, looked up in a weak dictionary (a dead module's hooks go with it)."""
+    hook (torch's ``register_module_forward_*_hook``) run the hooks registered here for the module being
+    called, looked up by the module's id (a dead module's hooks go with it, through a weak reference's
+    callback, before its id can name another object).
+
+    They run for every module call in the process (torch's module call takes its slow path while any
+    global hook is installed), so they cost little: one dictionary lookup for a module without hooks,
+    tuples run as they are; and they are installed only while some module has a hook here (a closed
+    Compressor leaves the process's module calls as they were)."""
 
     def __init__(self) -> None:
-        self.pre: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-        self.post: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-        self.installed = False
+        self.pre: dict[int, tuple] = {}
+        self.post: dict[int, tuple] = {}
+        self._refs: dict[int, Any] = {}  # id -> weak reference to the module, whose callback drops its hooks
+        self._handles: list = []  # torch's handles of the two global hooks while installed
 
     def add(self, module: Any, fn: Any, pre: bool) -> Any:
         if not HAS_GLOBAL_MODULE_HOOKS:  # (an old torch: the module's own hooks)
             return module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
-        if not self.installed:
-            from torch.nn.modules import module as _m
-            _m.register_module_forward_pre_hook(self._run_pre)
-            _m.register_module_forward_hook(self._run_post)
-            self.installed = True
+        key = id(module)
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
         table = self.pre if pre else self.post
-        table.setdefault(module, []).append(fn)
-        return _HookHandle(table, module, fn)
+        table[key] = table.get(key, ()) + (fn,)
+        if not self._handles:
+            from torch.nn.modules import module as _m
+            self._handles = [_m.register_module_forward_pre_hook(self._run_pre),
+                             _m.register_module_forward_hook(self._run_post)]
+        return _HookHandle(self, table, key, fn)
+
+    def remove(self, table: dict, key: int, fn: Any) -> None:
+        fns = table.get(key)
+        if fns is None or fn not in fns:
+            return
+        i = fns.index(fn)
+        fns = fns[:i] + fns[i + 1:]
+        if fns:
+            table[key] = fns
+        else:
+            del table[key]
+            if key not in self.pre and key not in self.post:
+                self._refs.pop(key, None)
+        self._uninstall_if_empty()
+
+    def _drop(self, key: int) -> None:
+        self.pre.pop(key, None)
+        self.post.pop(key, None)
+        self._refs.pop(key, None)
+        self._uninstall_if_empty()
+
+    def _uninstall_if_empty(self) -> None:
+        if not self.pre and not self.post and self._handles:
+            handles, self._handles = self._handles, []
+            for h in handles:
+                h.remove()
 
     def _run_pre(self, module: Any, inputs: Any) -> None:
-        fns = self.pre.get(module) if self.pre else None
-        if fns:
-            for fn in tuple(fns):
+        fns = self.pre.get(id(module))
+        if fns is not None:
+            for fn in fns:
                 fn(module, inputs)
 
     def _run_post(self, module: Any, inputs: Any, output: Any) -> None:
-        fns = self.post.get(module) if self.post else None
-        if fns:
-            for fn in tuple(fns):
+        fns = self.post.get(id(module))
+        if fns is not None:
+            for fn in fns:
                 fn(module, inputs, output)
 
 
 class _HookHandle:
     """Removes one hook registered with _ModuleHooks (as torch's RemovableHandle)."""
 
-    __slots__ = ("table", "module", "fn")
+    __slots__ = ("hooks", "table", "key", "fn")
 
-    def __init__(self, table: Any, module: Any, fn: Any) -> None:
+    def __init__(self, hooks: _ModuleHooks, table: dict, key: int, fn: Any) -> None:
+        self.hooks = hooks
         self.table = table
-        self.module = weakref.ref(module)
+        self.key = key
         self.fn = fn
 
     def remove(self) -> None:
-        m = self.module()
-        fns = self.table.get(m) if m is not None else None
-        if fns is not None:
-            try:
-                fns.remove(self.fn)
-            except ValueError:
-                pass
-            if not fns:
-                self.table.pop(m, None)
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            self.hooks.remove(self.table, self.key, fn)
 
 
 _MODULE_HOOKS = _ModuleHooks()
+
+
+_MODULE_GENERATION = [0]  # bumped when any module registers a submodule (while the hook below is installed)
+_GENERATION_HOOK: list = []
+
+
+def module_generation() -> int | None:
+    """A number that changes whenever any module in the process registers a submodule (torch 2.x's global
+    module registration hook, installed at the first call; it costs nothing on module calls), so that a list
+    of a model's modules can be kept between steps; None on a torch without that hook (1.13): walk again."""
+    if not _GENERATION_HOOK:
+        reg = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+        if reg is None:
+            return None
+
+        def bump(_module: Any, _name: str, _submodule: Any) -> None:
+            _MODULE_GENERATION[0] += 1  # (returns None: the submodule is registered as it is)
+
+        _GENERATION_HOOK.append(reg(bump))
+    return _MODULE_GENERATION[0]
+
+
+def parameter_storages(modules: Any) -> set:
+    """The storage addresses (storage_base) of the parameters and buffers of ``modules``, read from each
+    module's own dictionaries (no generator per module, no deduplication pass: the set does it)."""
+    ptrs = set()
+    add = ptrs.add
+    for m in modules:
+        for t in m._parameters.values():
+            if t is not None:
+                add(t.data_ptr() - t.storage_offset() * t.element_size())
+        for t in m._buffers.values():
+            if t is not None:
+                add(t.data_ptr() - t.storage_offset() * t.element_size())
+    ptrs.discard(0)
+    return ptrs
 
 
 def register_forward_pre_hook(module: Any, fn: Any) -> _HookHandle:

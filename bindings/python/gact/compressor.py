@@ -87,6 +87,8 @@ _num_threads = torch.get_num_threads
 #: grad_fn types that are neither a dtype copy nor a view (a saved tensor made by one is no cast parameter)
 _PLAIN_NODES: set = set()
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
+#: dtypes whose saves take a key (the quant codec's and the mask codec's)
+_KEYED_DTYPES = frozenset(_compat.FLOAT_DTYPES + _compat.MASK_DTYPES)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -181,11 +183,12 @@ class _Packed:
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
                  "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "__weakref__")
 
-    def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0) -> None:
+    def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
+                 stride: tuple | None = None) -> None:
         self.handle = handle
         self.owner = owner  # the Compressor's store owner id, for its own counters
         self.shape = t.shape
-        self.stride = t.stride()
+        self.stride = t.stride() if stride is None else stride  # (the decoded image's, when the store gave them)
         self.offset = 0  # element offset of the tensor in its blob's decoded image
         self.dtype = t.dtype
         self.device = t.device
@@ -235,7 +238,7 @@ class _Packed:
                                    "Compressor.abort_step(); run the forward again")
             raise RuntimeError(f"gact: saved tensor '{self.key}' was already released")
         dev = self.device
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = _compat.raw_stream(dev.index) if dev.type == "cuda" else 0
         dec = self.decode
         cap = _C.store_get_dlpack(self.handle, self.shape, self.stride, self.offset, stream,
                                   torch.get_num_threads(), dec is not None,
@@ -319,7 +322,7 @@ class _Shape:
         # another layout (channels_last): a zeroed tensor of that layout from gact's pool, so the
         # gradient the reader allocates "like" it keeps the layout
         dev = _compat.device_index_of(self.device)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        stream = _compat.raw_stream(self.device.index) if self.device.type == "cuda" else 0
         cap = _C.empty_dlpack(_compat.DTYPE_NAMES[self.dtype], tuple(self.shape), tuple(self.stride), dev, stream)
         return _from_dlpack(cap).zero_()
 
@@ -472,6 +475,9 @@ class Compressor:
                     f"gact.Compressor: exclude entries must be modules or tensors, not {type(e).__name__}"
                 )
 
+        self._modules: list = []  # _model_modules()
+        self._modules_at: int | None = None
+        self._modules_of: Any = None
         self._policy = policy
         self._probe: Any = None  # a policy's probe recorder: saved tensors kept exact (gact.policy)
         self._row_share = 1.0  # an estimator's replay: its rows' share of the step's batch (gact.policy)
@@ -593,9 +599,13 @@ class Compressor:
         return s
 
     def _enter_module(self, m: torch.nn.Module, inputs: Any) -> None:
-        if self._depth == 0:
+        # (runs for every module call: self._depth and self._stack() inlined)
+        local = self._local
+        if not self._global_depth and not getattr(local, "depth", 0):
             return
-        s = self._stack()
+        s = getattr(local, "stack", None)
+        if s is None:
+            s = local.stack = []
         if not s and self.model is not None:
             self._note_inputs(inputs)
         excluded = (bool(s) and s[-1][1]) or id(m) in self._excluded_modules
@@ -615,9 +625,10 @@ class Compressor:
                    and _saved.cast_copy_of(t, a) for a in list(frame.args) + list(frame.kwargs.values()))
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-        if self._depth == 0:
+        local = self._local
+        if not self._global_depth and not getattr(local, "depth", 0):
             return
-        s = self._stack()
+        s = getattr(local, "stack", None)
         if s:
             s.pop()
 
@@ -688,14 +699,19 @@ class Compressor:
 
     # ---- steps --------------------------------------------------------------------------
 
+    def _model_modules(self) -> list:
+        """The model's modules, kept between steps while no module in the process registered a submodule
+        (walked again at every step on a torch without the registration hook, and every 64th step anyway: a
+        submodule deleted from the model is not held longer)."""
+        gen = _compat.module_generation()
+        if gen is None or gen != self._modules_at or self._modules_of is not self.model or not self._step & 63:
+            self._modules = list(self.model.modules())
+            self._modules_at, self._modules_of = gen, self.model
+        return self._modules
+
     def _open_step(self) -> None:
-        ptrs = set()
-        if self.model is not None:
-            for p in self.model.parameters():
-                ptrs.add(_compat.storage_base(p))
-            for b in self.model.buffers():
-                ptrs.add(_compat.storage_base(b))
-        ptrs.discard(0)
+        # (read again every step: a parameter replaced, or its .data, since the last one is seen)
+        ptrs = _compat.parameter_storages(self._model_modules()) if self.model is not None else ()
         self._param_ptrs = frozenset(ptrs)
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
@@ -807,14 +823,16 @@ class Compressor:
         var = getattr(node, "variable", None)  # an AccumulateGrad's leaf
         return cast and var is not None and (self._probe is None or id(var) not in self._probe.leaves)
 
-    def _is_excluded(self, t: torch.Tensor) -> bool:
-        s = self._stack()
+    def _is_excluded(self, t: torch.Tensor, s: list | None = None) -> bool:
+        if s is None:
+            s = self._stack()
         if s and s[-1][1]:
             return True
         return bool(self._excluded_ptrs) and _compat.storage_base(t) in self._excluded_ptrs
 
-    def _keep_reason(self, t: torch.Tensor) -> str | None:
-        """Why a tensor is kept as it is whatever its reader (None: the table decides)."""
+    def _keep_reason(self, t: torch.Tensor, s: list | None = None) -> str | None:
+        """Why a tensor is kept as it is whatever its reader (None: the table decides). ``s``: the calling
+        thread's module stack, when the caller has it."""
         # (runs for every saved tensor: cheap properties first, no torch.device object made)
         tt = type(t)
         if (
@@ -822,11 +840,13 @@ class Compressor:
             or t.layout is not torch.strided
             or t.is_quantized
             or (_HAS_NESTED and t.is_nested)
-            or not (t.is_cpu or t.is_cuda)
         ):
             return "layout"
-        if t.is_cuda and not _C.have_kernels:
-            return "device"
+        if t.is_cuda:
+            if not _C.have_kernels:
+                return "device"
+        elif not t.is_cpu:
+            return "layout"
         # _is_parameter(t), inlined
         probe = self._probe
         if t.requires_grad and t.is_leaf:
@@ -839,7 +859,7 @@ class Compressor:
                     return "parameter"
             elif (self._param_ptrs and _compat.storage_base(t) in self._param_ptrs) or self._is_cast_parameter(t):
                 return "parameter"
-        if self._is_excluded(t):
+        if self._is_excluded(t, s):
             return "excluded"
         return None
 
@@ -866,8 +886,9 @@ class Compressor:
         # included, before its backward: its passes are gact's own, not the program's)
         return k if self._probe is not None else _Kept(k, t._version)
 
-    def _next_key(self) -> str:
-        s = self._stack()
+    def _next_key(self, s: list | None = None) -> str:
+        if s is None:
+            s = self._stack()
         name = s[-1][0] if s else "<none>"
         n = self._key_counts.get(name, 0)
         self._key_counts[name] = n + 1
@@ -878,11 +899,15 @@ class Compressor:
             return t
         if not self._step_open:
             self._open_step()
-        reason = self._keep_reason(t)
+        local = self._local
+        s = getattr(local, "stack", None)
+        if s is None:
+            s = local.stack = []
+        reason = self._keep_reason(t, s)
         if reason is not None:
             return self._keep(t, reason)
-        tracker = getattr(self._local, "tracker", None)
-        frame = tracker.current() if tracker is not None else None
+        tracker = getattr(local, "tracker", None)
+        frame = (tracker.stack[-1] if tracker.stack else None) if tracker is not None else None
         d = _saved.decide(t, frame)
         kind = d.kind
         if kind == _saved.DERIVATIVE and not self.derivatives:
@@ -900,17 +925,19 @@ class Compressor:
             # keyed as a stored save is: whether a tensor is exact can depend on sizes (an operand broadcast
             # over one with 8x its elements is exact), which a replay of fewer rows changes; the keys of the
             # saves after it must not move with it
-            if t.dtype in _compat.FLOAT_DTYPES or t.dtype in _compat.MASK_DTYPES:
-                self._next_key()
+            if t.dtype in _KEYED_DTYPES:
+                self._next_key(s)
             return self._keep(t, "exact")
-        if t.dtype not in _compat.FLOAT_DTYPES and t.dtype not in _compat.MASK_DTYPES and kind != _saved.INDICES:
+        dtype = t.dtype
+        if dtype not in _KEYED_DTYPES and kind != _saved.INDICES:
             return self._keep(t, "dtype")
         # A key for every save from here on, kept or not: keys then follow the order of saves alone, not
         # sizes or identities, so that an estimator's replay of fewer rows (smaller tensors; its cut
         # batch requires grad) keys each tensor as the step did. Such a replay scales min_bytes by its
         # share of the step's rows, so that it also stores what the step stored.
-        key = self._next_key()
-        if t.numel() * t.element_size() < self._min_store_bytes() or t.numel() == 0:
+        key = self._next_key(s)
+        n = t.numel()
+        if n * t.element_size() < self.min_bytes * self._row_share or n == 0:  # (_min_store_bytes(), inlined)
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):
@@ -974,10 +1001,11 @@ class Compressor:
         elif kind == _saved.INDICES:
             role, window, bits = "indices", d.window, 32
         elif t.is_floating_point():
-            bits = self._bits_for(key, t.numel())
+            policy = self._policy
+            bits = int(self.bits) if policy is None else self._bits_for(key, t.numel())
             if kind == _saved.LOG:
                 bits = max(bits, LOG_SPACE_MIN_BITS)
-            if not getattr(self._policy, "measuring", False):
+            if policy is None or not getattr(policy, "measuring", False):
                 # (a reference probe measures the width it asks for: its replay of a few samples can
                 # have small normalization blocks, raised to min_bits, where the whole batch has none)
                 bits = max(bits, min_bits)
@@ -997,7 +1025,8 @@ class Compressor:
         if t.is_cuda:
             if not _compat.is_dense(t):
                 src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
-            stream, device = torch.cuda.current_stream(t.device).cuda_stream, src.get_device()
+            device = src.get_device()
+            stream = _compat.raw_stream(device)
         else:
             stream, device = 0, -1
         # (the storage's address as _compat.storage_base computes it, inlined: this runs for every stored tensor)
@@ -1016,10 +1045,9 @@ class Compressor:
             # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values
             # image the next layer's backward decodes (kept for it: decoded once), not a mask decoded apart
             self._resolve_one(waiting, values=h if upgraded else 0)
-        p = _Packed(h, t, key, decode, self._owner)
+        p = _Packed(h, t, key, decode, self._owner, strides)
         self._note_live(p)
         p.offset = offset
-        p.stride = strides
         if device >= 0 or self._VERDICTS_ON_HOST:
             self._await_verdict(p, src, pred)
         v = t if keep is None else keep
