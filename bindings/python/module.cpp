@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <cstring>
 #include <optional>
 #include <pthread.h>
 #include <span>
@@ -43,7 +44,10 @@
 #include "swap/mover.hpp"
 #include "swap/pinned_pool.hpp"
 
+#include "allocator/device/external_blocks.hpp"
+
 #if defined(GACT_HAVE_KERNELS)
+#include "allocator/device/external_backend.hpp"
 #include "allocator/device/pinned_host_backend.hpp"
 #include "bindings/process_allocators.hpp"
 #endif
@@ -62,6 +66,13 @@ struct runtime {
 #if defined(GACT_HAVE_KERNELS)
   std::mutex cuda_mu;
   std::vector<std::pair<int, gact::alloc::caching_allocator*>> cuda_arenas;  // (device, arena), see ensure_device
+  // set_device_blocks: the store's device arenas made from now on take their memory from these blocks
+  // (torch's CUDA caching allocator) through a thin layer; null: gact's own device pool (the one
+  // use_allocator() hands to torch). The backends and arenas made over them are never destroyed.
+  std::optional<gact::device::external_blocks> device_blocks;
+  std::vector<std::unique_ptr<gact::device::cuda_backend>> blocks_delegates;
+  std::vector<std::unique_ptr<gact::device::external_backend>> blocks_backends;
+  std::vector<std::unique_ptr<gact::alloc::caching_allocator>> blocks_arenas;
 #endif
 
   // Swap (swap_enable/swap_disable): one mover per arena and setting. Movers are never destroyed,
@@ -153,7 +164,19 @@ struct runtime {
     for (auto const& [d, a] : cuda_arenas) {
       if (d == dev) return;
     }
-    gact::alloc::caching_allocator& arena = gact::bindings::process_device_allocators().get(dev);
+    gact::alloc::caching_allocator* a = nullptr;
+    if (device_blocks) {
+      blocks_delegates.push_back(std::make_unique<gact::device::cuda_backend>(dev));
+      std::string const name = "cuda:" + std::to_string(dev) + ":store";
+      blocks_backends.push_back(
+          std::make_unique<gact::device::external_backend>(*device_blocks, *blocks_delegates.back(), name));
+      blocks_arenas.push_back(std::make_unique<gact::alloc::caching_allocator>(
+          *blocks_backends.back(), gact::device::pass_through_options(name)));
+      a = blocks_arenas.back().get();
+    } else {
+      a = &gact::bindings::process_device_allocators().get(dev);
+    }
+    gact::alloc::caching_allocator& arena = *a;
     store.set_device_arena(dev, &arena);
     {
       std::lock_guard swap_lock(swap_mu);
@@ -619,6 +642,65 @@ PYBIND11_MODULE(_gact, m) {
         rt();
         return py::capsule(static_cast<void const*>(&g_host_allocator_fns), "gact.host_allocator");
       }, "The host arena's allocation entry points for torch's CPU allocator (_gact_torch.install).");
+  m.def(
+      "set_device_blocks",
+      [](py::object blocks) {
+#if defined(GACT_HAVE_KERNELS)
+        runtime& r = rt();
+        std::lock_guard lock(r.cuda_mu);
+        if (blocks.is_none()) {
+          r.device_blocks.reset();
+          return;
+        }
+        auto cap = blocks.cast<py::capsule>();
+        if (cap.name() == nullptr || std::strcmp(cap.name(), "gact.device_blocks") != 0)
+          throw py::value_error("set_device_blocks: expected the capsule of _gact_torch.device_blocks()");
+        auto const* f = static_cast<gact::device::external_blocks const*>(cap.get_pointer());
+        if (f == nullptr || f->version != 1 || f->alloc == nullptr || f->free == nullptr)
+          throw py::value_error("set_device_blocks: the capsule's entry points are of another version");
+        r.device_blocks = *f;
+#else
+        (void)blocks;
+#endif
+      },
+      py::arg("blocks"),
+      "Device arenas made from now on (one per device, at its first stored tensor) take their memory from "
+      "these blocks (_gact_torch.device_blocks(): torch's CUDA caching allocator), one block per blob or "
+      "decoded image, given back when freed; None: gact's own device pool. Arenas made already stay.");
+  m.def(
+      "device_pool",
+      [](int device) -> py::object {
+#if defined(GACT_HAVE_KERNELS)
+        runtime& r = rt();
+        std::lock_guard lock(r.cuda_mu);
+        for (auto const& [d, a] : r.cuda_arenas) {
+          if (d != device) continue;
+          for (auto const& b : r.blocks_arenas)
+            if (b.get() == a) return py::str("torch");
+          return py::str("gact");
+        }
+#else
+        (void)device;
+#endif
+        return py::none();
+      },
+      py::arg("device"),
+      "Whose memory the store's blobs on `device` live in: 'torch' (torch's CUDA caching allocator), 'gact' "
+      "(gact's device pool) or None (no tensor stored on it yet).");
+  m.def(
+      "_device_blocks_roundtrip",
+      [](py::capsule cap, std::size_t bytes) {
+        if (cap.name() == nullptr || std::strcmp(cap.name(), "gact.device_blocks") != 0)
+          throw py::value_error("_device_blocks_roundtrip: expected a gact.device_blocks capsule");
+        auto const* f = static_cast<gact::device::external_blocks const*>(cap.get_pointer());
+        char why[512] = {0};
+        void* p = f->alloc(bytes, 0, why, sizeof why);
+        if (p == nullptr) return std::string(why[0] != '\0' ? why : "failed");
+        f->free(p, 0);
+        return std::string();
+      },
+      py::arg("blocks"), py::arg("bytes"),
+      "Tests: allocate `bytes` from a device-blocks capsule and free them; '' or the allocator's reason.");
   m.def("store_new_owner", []() { return rt().store.new_owner(); },
         "A new owner id (one per Compressor): its puts, skips, steps and leaks are also counted apart.");
   m.def("store_drop_owner", [](gact::store::owner_id o) { rt().store.drop_owner(o); }, py::arg("owner"));

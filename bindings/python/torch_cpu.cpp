@@ -24,12 +24,19 @@
 #include <pybind11/pybind11.h>
 
 #include "host_allocator_fns.h"
+#include "../../allocator/device/external_blocks.hpp"
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -116,6 +123,94 @@ py::object check_oom_thrower(std::string const& message) {
   return py::none();
 }
 
+// ---- torch's CUDA caching allocator as the blocks of the store's device arena -----------------------
+// When gact is not torch's CUDA allocator, the activation store takes its device blobs and decoded images
+// from torch's own pool (allocator/device/external_backend.hpp): c10::GetAllocator(CUDA) is the allocator
+// torch's CUDA tensors come from (its caching allocator, registered by libc10_cuda), and needs nothing of
+// CUDA's at build time. It allocates on the calling thread's current device (the store makes the blob's
+// device current) and current stream, as a tensor made there would be. Each block's DataPtr is held here
+// until gact frees it; its deleter gives the block back to torch's pool.
+
+std::mutex g_blocks_mu;
+auto* const g_blocks = new std::unordered_map<void*, c10::DataPtr>();  // never destroyed: frees may come at exit
+
+void* torch_block_alloc(std::size_t bytes, int /*device*/, char* why, std::size_t why_len) noexcept {
+  try {
+    c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA);
+    if (a == nullptr) {  // (a torch without CUDA; c10 checks this only in its debug builds)
+      std::snprintf(why, why_len, "no CUDA allocator is registered in torch's c10");
+      return nullptr;
+    }
+    c10::DataPtr d = a->allocate(bytes);
+    void* p = d.get();
+    if (p == nullptr) {
+      std::snprintf(why, why_len, "torch's CUDA allocator returned no memory");
+      return nullptr;
+    }
+    std::lock_guard lk(g_blocks_mu);
+    g_blocks->emplace(p, std::move(d));
+    return p;
+  } catch (c10::Error const& e) {
+    std::snprintf(why, why_len, "%s", e.what_without_backtrace());
+  } catch (std::exception const& e) {
+    std::snprintf(why, why_len, "%s", e.what());
+  } catch (...) {
+    std::snprintf(why, why_len, "unknown exception from torch's CUDA allocator");
+  }
+  return nullptr;
+}
+
+void torch_block_free(void* p, int /*device*/) noexcept {
+  c10::DataPtr d;
+  {
+    std::lock_guard lk(g_blocks_mu);
+    auto it = g_blocks->find(p);
+    if (it == g_blocks->end()) return;
+    d = std::move(it->second);
+    g_blocks->erase(it);
+  }
+  try {
+    d.clear();  // torch's deleter, outside the lock
+  } catch (...) {
+  }
+}
+
+gact::device::external_blocks const g_torch_blocks{1, &torch_block_alloc, &torch_block_free};
+
+std::size_t torch_blocks_held() {
+  std::lock_guard lk(g_blocks_mu);
+  return g_blocks->size();
+}
+
+// Tests on a machine without CUDA: an allocator registered for CUDA in c10 that serves host memory and counts,
+// standing in for torch's caching allocator (c10::SetAllocator, as libc10_cuda registers its own).
+std::atomic<std::size_t> g_fake_allocs{0}, g_fake_frees{0};
+
+void fake_cuda_delete(void* p) {
+  if (p == nullptr) return;
+  g_fake_frees.fetch_add(1, std::memory_order_relaxed);
+  std::free(p);
+}
+
+class fake_cuda_allocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(std::size_t n) GACT_C10_ALLOCATE_CONST override {
+    c10::Device const dev(c10::DeviceType::CUDA, 0);
+    if (n > (std::size_t{1} << 30)) C10_THROW_ERROR(OutOfMemoryError, "CUDA out of memory (the test allocator)");
+    void* p = std::malloc(n == 0 ? 1 : n);
+    g_fake_allocs.fetch_add(1, std::memory_order_relaxed);
+    return {p, p, &fake_cuda_delete, dev};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &fake_cuda_delete; }
+#if GACT_C10_HAS_COPY_DATA
+  void copy_data(void* dest, void const* src, std::size_t count) const override {
+    if (count != 0) std::memcpy(dest, src, count);
+  }
+#endif
+};
+
+fake_cuda_allocator g_fake_cuda;
+
 }  // namespace
 
 PYBIND11_MODULE(_gact_torch, m) {
@@ -128,4 +223,20 @@ PYBIND11_MODULE(_gact_torch, m) {
       "The address of a gact_oom_thrower raising c10's OutOfMemoryError (gact_set_oom_thrower).");
   m.def("check_oom_thrower", &check_oom_thrower, py::arg("message"),
         "Call the thrower and catch c10::OutOfMemoryError: its message, or None if another type came out.");
+  m.def(
+      "device_blocks",
+      [] { return py::capsule(static_cast<void const*>(&g_torch_blocks), "gact.device_blocks"); },
+      "torch's CUDA caching allocator (c10::GetAllocator(CUDA)) as the blocks of the store's device arena "
+      "(the capsule _gact.set_device_blocks takes).");
+  m.def("device_blocks_held", &torch_blocks_held, "Blocks of torch's CUDA allocator gact holds now.");
+  m.def(
+      "_install_fake_cuda_allocator",
+      [] {
+        c10::SetAllocator(c10::DeviceType::CUDA, &g_fake_cuda, k_priority);
+        return py::make_tuple(g_fake_allocs.load(), g_fake_frees.load());
+      },
+      "Tests without CUDA: register a counting host-memory allocator for CUDA in c10; returns (allocs, frees).");
+  m.def(
+      "_fake_cuda_counts", [] { return py::make_tuple(g_fake_allocs.load(), g_fake_frees.load()); },
+      "(allocs, frees) of the test allocator.");
 }

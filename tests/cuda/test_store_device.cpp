@@ -9,12 +9,16 @@
 
 #include "allocator/caching_allocator.hpp"
 #include "allocator/device/cuda_backend.hpp"
+#include "allocator/device/external_backend.hpp"
 #include "allocator/device/host_backend.hpp"
+#include "allocator/error.hpp"
 #include "allocator/store/activation_store.hpp"
 #include "fake_cudart.h"
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -230,4 +234,96 @@ TEST_CASE("store on a device: an encode under stream capture asks for no verdict
   handle const h2 = f.store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 1), p).h;
   CHECK(f.store.verdict(h2) == -1);
   CHECK(f.store.release(h2) == 0);
+}
+
+namespace {
+
+/// Another allocator's blocks (torch's, in a process where gact is not torch's allocator), counted: host memory
+/// stands in for the device's, as the fake runtime's does.
+struct counted_blocks {
+  static inline std::size_t allocs = 0, frees = 0, live = 0, fail_above = 0;
+  static inline std::vector<std::pair<void*, std::size_t>> blocks;
+  static void* alloc(std::size_t bytes, int /*device*/, char* why, std::size_t why_len) noexcept {
+    if (fail_above != 0 && bytes > fail_above) {
+      std::snprintf(why, why_len, "CUDA out of memory (test)");
+      return nullptr;
+    }
+    void* p = std::aligned_alloc(512, (bytes + 511) / 512 * 512);
+    ++allocs;
+    live += bytes;
+    blocks.emplace_back(p, bytes);
+    return p;
+  }
+  static void free(void* p, int /*device*/) noexcept {
+    for (auto it = blocks.begin(); it != blocks.end(); ++it) {
+      if (it->first == p) {
+        live -= it->second;
+        blocks.erase(it);
+        ++frees;
+        std::free(p);
+        return;
+      }
+    }
+    FAIL_CHECK("a block freed twice or never handed out");
+  }
+};
+
+}  // namespace
+
+TEST_CASE("store on a device over another allocator: each blob and image is one block of it, given back when freed") {
+  counted_blocks::allocs = counted_blocks::frees = counted_blocks::live = counted_blocks::fail_above = 0;
+  gact::device::host_backend hb;
+  gact::alloc::caching_allocator host_arena{hb};
+  gact::device::cuda_backend db{0};
+  gact::device::external_blocks fns;
+  fns.alloc = &counted_blocks::alloc;
+  fns.free = &counted_blocks::free;
+  gact::device::external_backend eb{fns, db, "torch:0"};
+  gact::alloc::caching_allocator arena{eb, gact::device::pass_through_options("cuda:0 (torch's pool)")};
+  activation_store store{host_arena, store_options{1, ""}};
+  store.set_device_arena(0, &arena);
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  std::mt19937 g(3);
+  step_tensors t(g);
+
+  put_params p;
+  p.bits = 4;
+  p.key = 9;
+  p.stream = reinterpret_cast<gact::device::stream_t>(stream);
+  CHECK(store.release(store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 7), p).h) == 0);  // (the verdict ring)
+  counted_blocks::allocs = counted_blocks::frees = 0;
+  fake_cudart_reset_counts();
+  handle const h = store.put(view(t.x, dtype::float32, {8, 16, 12, 12}), p).h;
+  auto const blob = (store.info(h).bytes_stored + 511) / 512 * 512;  // (requests are rounded to 512 bytes)
+  CHECK(counted_blocks::allocs == 1);  // the blob, and nothing cached beside it
+  CHECK(counted_blocks::live == blob);
+  CHECK(arena.reserved_bytes() == blob);
+  {
+    get_params gp;
+    gp.stream = p.stream;
+    auto image = store.get_shared(h, gp);
+    REQUIRE(image != nullptr);
+    CHECK(counted_blocks::allocs == 2);  // the decoded image: a block of the same pool
+    CHECK(counted_blocks::live == blob + t.x.bytes);
+    CHECK(store.release(h) == 0);
+    CHECK(counted_blocks::frees == 1);  // the blob went back with its handle; the image lives on with its reader
+  }
+  CHECK(counted_blocks::frees == 2);
+  CHECK(counted_blocks::live == 0);
+  CHECK(arena.reserved_bytes() == 0);  // gact's layer keeps nothing
+  CHECK(fake_cudart_count("cudaMalloc") == 0);       // no memory of gact's own
+  CHECK(fake_cudart_count("cudaFree") == 0);
+
+  // the other allocator out of memory: gact's out-of-memory error with its reason, nothing held
+  counted_blocks::fail_above = 1024;
+  try {
+    (void)store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 1), p);
+    FAIL("the put did not fail");
+  } catch (gact::out_of_memory const& e) {
+    CHECK(std::string(e.what()).find("CUDA out of memory (test)") != std::string::npos);
+  }
+  CHECK(counted_blocks::live == 0);
+  CHECK(store.live_handles() == 0);
+  (void)cudaStreamDestroy(stream);
 }

@@ -256,3 +256,111 @@ def test_use_allocator_gives_the_library_torchs_out_of_memory_thrower():
     seen = _run_with_libgact(_OOM_THROWER_SCRIPT)
     assert seen == {"error": "torch.OutOfMemoryError", "wired": True,
                     "throws": "CUDA out of memory. Tried to allocate 2.00 GiB on GPU 0"}
+
+
+# ---- the store's device blobs in torch's CUDA caching allocator (issue 31: one pool on the GPU) ----------
+
+_TORCH_POOL_PROLOGUE = r"""
+import json, sys, warnings
+import _gact, _gact_torch
+import gact.allocator as galloc
+out = {}
+"""
+
+
+def _run_torch_pool(script: str, env: dict | None = None) -> dict:
+    """Run ``script`` in a fresh process (it may register an allocator for CUDA in torch's c10); its ``out``."""
+    code = _TORCH_POOL_PROLOGUE + script + "\nprint('OUT ' + json.dumps(out))\n"
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, universal_newlines=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("OUT ")][-1]
+    return __import__("json").loads(line[4:])
+
+
+def _need_gact_torch():
+    try:
+        import _gact_torch
+    except ImportError:
+        pytest.skip("this build has no _gact_torch (torch's c10 headers were not found)")
+    return _gact_torch
+
+
+def test_device_blocks_come_from_torchs_cuda_allocator_through_c10():
+    """``_gact_torch.device_blocks()`` allocates from whatever c10 has registered for CUDA (torch's caching
+    allocator on a GPU machine; a counting stand-in here), holds each block's DataPtr until gact frees it, and
+    reports torch's own out-of-memory text as the reason."""
+    _need_gact_torch()
+    out = _run_torch_pool(r"""
+before = _gact_torch._install_fake_cuda_allocator()
+cap = _gact_torch.device_blocks()
+out["ok"] = _gact._device_blocks_roundtrip(cap, 4096)
+out["counts"] = [a - b for a, b in zip(_gact_torch._fake_cuda_counts(), before)]
+out["held"] = _gact_torch.device_blocks_held()
+out["oom"] = _gact._device_blocks_roundtrip(cap, 2 << 30)
+out["held_after_oom"] = _gact_torch.device_blocks_held()
+""")
+    assert out["ok"] == ""  # allocated and freed
+    assert out["counts"] == [1, 1]  # one block of the CUDA allocator, given back to it
+    assert out["held"] == 0 and out["held_after_oom"] == 0
+    assert "CUDA out of memory" in out["oom"]
+
+
+def test_the_first_cuda_store_puts_the_blobs_in_torchs_pool():
+    """Decided once per process: torch's pool when c10 reaches a CUDA allocator; gact's own under
+    use_allocator() (one pool already), with the option off, or without a CUDA allocator (then with a
+    warning naming why)."""
+    _need_gact_torch()
+    out = _run_torch_pool(r"""
+_gact_torch._install_fake_cuda_allocator()
+out["choice"] = galloc._default_device_pool()
+out["again"] = galloc._default_device_pool()
+out["counts"] = list(_gact_torch._fake_cuda_counts())  # the probe: one block, given back
+""")
+    assert out == {"choice": "torch", "again": "torch", "counts": [1, 1]}
+
+    out = _run_torch_pool(r"""
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out["choice"] = galloc._default_device_pool()
+out["warnings"] = [str(x.message) for x in w]
+out["why"] = galloc._device_pool_reason
+""", env={"GACT_TORCH_POOL": "0"})
+    assert out == {"choice": "gact", "warnings": [], "why": "the torch_pool option is off"}  # (the user's choice)
+
+    out = _run_torch_pool(r"""
+galloc.installed = {"library": "x"}  # as use_allocator() leaves it
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out["choice"] = galloc._default_device_pool()
+out["warnings"] = [str(x.message) for x in w]
+out["why"] = galloc._device_pool_reason
+""")
+    assert out == {"choice": "gact", "warnings": [], "why": "gact is torch's CUDA allocator (use_allocator)"}
+
+    if torch.cuda.is_available():
+        return  # (a CUDA torch has its allocator registered: the case below is a CPU torch's)
+    out = _run_torch_pool(r"""
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out["choice"] = galloc._default_device_pool()
+out["warnings"] = [str(x.message) for x in w]
+""")
+    assert out["choice"] == "gact"
+    assert any("not reachable through c10" in m for m in out["warnings"]), out["warnings"]
+
+
+def test_torch_pool_set_after_the_choice_raises_naming_it():
+    _need_gact_torch()
+    out = _run_torch_pool(r"""
+import gact
+_gact_torch._install_fake_cuda_allocator()
+galloc._default_device_pool()
+gact.configure(torch_pool=True)  # what is in force: accepted
+try:
+    gact.configure(torch_pool=False)
+    out["error"] = None
+except ValueError as e:
+    out["error"] = str(e)
+""")
+    assert "torch_pool=False comes too late" in out["error"] and "torch's pool" in out["error"]

@@ -267,6 +267,8 @@ def truths(report: Mapping[str, object]) -> List[str]:
                 real = r.get("gact_realized", r.get("torch_realized"))
                 if real is not None:
                     peak += f" (realized {_fmt(real)} of the {_fmt(r.get('promised_mib'))} MiB the counters promise)"
+                if r.get("device_pool"):
+                    peak += f", blobs in {r['device_pool']}'s pool"
                 kept = {k: v for k, v in (r.get("kept_mib_by_reason") or {}).items()
                         if k not in ("parameter", "input") and isinstance(v, (int, float)) and v > 0}
                 if kept:

@@ -112,8 +112,9 @@ class GactStats:
         if self.lib is not None:
             self.lib.gact_reset_peak_stats()
 
-    def device(self, index: int) -> Dict[str, Any]:
-        a = (self.document().get("allocators") or {}).get(f"cuda:{index}")
+    def device(self, index: int, suffix: str = "") -> Dict[str, Any]:
+        """gact's device allocator of a device (suffix ":store": the store's thin layer over torch's pool)."""
+        a = (self.document().get("allocators") or {}).get(f"cuda:{index}{suffix}")
         return a if isinstance(a, dict) else {}
 
 
@@ -337,6 +338,13 @@ class Trainer:
                     p["gact_activation_peak_mib"] = round(act / MIB, 1)
             if self.torch_allocator:
                 p["torch_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+                # where the blobs lived: "torch" (its caching allocator: torch_peak_mib counts them) or "gact"
+                pool = getattr(getattr(self.gact, "allocator", None), "device_pool", None) if self.gact else None
+                if pool is not None:
+                    p["device_pool"] = pool
+                st = self.stats.device(self.dev.index or 0, ":store")
+                if st:
+                    p["store_blocks_peak_mib"] = round(int(st.get("allocated_bytes.all.peak", 0)) / MIB, 1)
             else:  # torch's memory API under use_allocator() answers with gact's figures: the same peak
                 try:
                     p["torch_api_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)

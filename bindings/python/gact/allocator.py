@@ -316,3 +316,52 @@ def _default_cpu_allocator(warn: bool = True) -> None:
         _cpu_choice = False
         if warn:
             warnings.warn(f"gact: torch's CPU tensors stay with torch's allocator: {e}", RuntimeWarning, stacklevel=3)
+
+
+# ---- the store's device blobs from torch's CUDA caching allocator ---------------------------------
+
+#: whose memory the store's device blobs live in, decided at the first CUDA tensor a Compressor stores:
+#: "torch", "gact", or None (not decided yet)
+device_pool: Optional[str] = None
+_device_pool_reason = ""
+
+
+def _default_device_pool() -> str:
+    """Decide, once per process, where the store's device blobs and decoded tensors live (called before the
+    first CUDA tensor is stored):
+
+    * ``"gact"`` under :func:`use_allocator` (torch's tensors are in gact's pool already: one pool);
+    * ``"torch"`` otherwise: torch's own CUDA caching allocator, one block per blob or decoded image, given
+      back to torch's cache when freed. Two caching pools side by side cannot reuse each other's free
+      memory (blob bytes freed in backward sat in gact's pool while torch's grew for the gradients), and
+      ``torch.cuda.max_memory_allocated()`` then counts the blobs;
+    * ``"gact"`` when the ``torch_pool`` option is off (``GACT_TORCH_POOL=0``), or this build or torch has no
+      way to it (no ``_gact_torch``, or no CUDA allocator registered in torch's c10), with a warning.
+
+    Returns the choice."""
+    global device_pool, _device_pool_reason
+    if device_pool is not None:
+        return device_pool
+    choice, why = "gact", ""
+    if installed is not None:
+        why = "gact is torch's CUDA allocator (use_allocator)"
+    elif not _C.options_current().get("torch_pool", True):
+        why = "the torch_pool option is off"
+    else:
+        mod = _gact_torch()
+        blocks = getattr(mod, "device_blocks", None) if mod is not None else None
+        if blocks is None:
+            why = _cpu_missing_reason or "this _gact_torch cannot reach torch's CUDA allocator"
+        else:
+            cap = blocks()
+            failed = _C._device_blocks_roundtrip(cap, 512)  # (torch's allocator on the current device)
+            if failed:
+                why = f"torch's CUDA allocator is not reachable through c10 ({failed})"
+            else:
+                _C.set_device_blocks(cap)
+                choice, why = "torch", "torch's CUDA caching allocator"
+        if choice == "gact":
+            warnings.warn(f"gact: compressed activations on the GPU live in gact's own device pool beside torch's: "
+                          f"{why}", RuntimeWarning, stacklevel=4)
+    device_pool, _device_pool_reason = choice, why
+    return choice

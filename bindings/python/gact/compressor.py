@@ -322,6 +322,8 @@ class _Shape:
         # another layout (channels_last): a zeroed tensor of that layout from gact's pool, so the
         # gradient the reader allocates "like" it keeps the layout
         dev = _compat.device_index_of(self.device)
+        if dev >= 0 and _allocator.device_pool is None:
+            _allocator._default_device_pool()
         stream = _compat.raw_stream(self.device.index) if self.device.type == "cuda" else 0
         cap = _C.empty_dlpack(_compat.DTYPE_NAMES[self.dtype], tuple(self.shape), tuple(self.stride), dev, stream)
         return _from_dlpack(cap).zero_()
@@ -1023,6 +1025,8 @@ class Compressor:
         src = t
         dense = True
         if t.is_cuda:
+            if _allocator.device_pool is None:
+                _allocator._default_device_pool()  # (once: the blobs in torch's CUDA pool, or gact's)
             if not _compat.is_dense(t):
                 src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
             device = src.get_device()

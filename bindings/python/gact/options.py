@@ -54,7 +54,9 @@ def configure(**settings: Any) -> OptionsTable:
       ``swap_budget``, ``prefetch`` and ``adapt_interval`` are the defaults of
       Compressors built afterwards;
     * ``threads`` sizes the codec executor when gact starts: a different value raises
-      (set GACT_THREADS before ``import gact``).
+      (set GACT_THREADS before ``import gact``);
+    * ``torch_pool`` is read at the first CUDA tensor stored (whose pool the device blobs live in):
+      a different value after it raises.
 
     Raises:
         ValueError: for an unknown keyword, a bad value or a change that cannot apply
@@ -75,6 +77,14 @@ def configure(**settings: Any) -> OptionsTable:
                 raise ValueError(f"gact.configure: cpu_allocator={v!r} comes too late: the CPU allocator was chosen "
                                  f"already ({who}, by the first Compressor or use_cpu_allocator); call "
                                  f"gact.use_cpu_allocator({bool(want)}) to switch now")
+        if k == "torch_pool":
+            from . import allocator as _allocator  # (imports options)
+            pool = _allocator.device_pool
+            want = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+            if pool is not None and want != (pool == "torch") and _allocator.installed is None:
+                raise ValueError(f"gact.configure: torch_pool={v!r} comes too late: the first CUDA tensor stored "
+                                 f"put the compressed activations in {pool}'s pool already; set it (or "
+                                 f"GACT_TORCH_POOL) before the first training step on the GPU")
         if isinstance(v, bool):
             v = "true" if v else "false"
         elif isinstance(v, os.PathLike):
