@@ -681,3 +681,17 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
         assert nf["failures"] == [] and nf["cases"] == 8 and nf["device_nonfinite"] == 0, nf
         assert any(line.startswith("NaN/Inf in saved tensors come back exactly") and ": yes (8 cases" in line
                    for line in doc["truths"])
+
+
+def test_the_report_compares_torchs_pool_with_gacts_own_per_model():
+    """The native stage runs the 2-bit arm twice, the blobs in torch's pool (the default) and in gact's own pool
+    (GACT_TORCH_POOL=0): the report puts the device memory reserved at each one's peak side by side."""
+    rep = {"stages": {"native": {"status": "pass", "figures": {
+        "models": {"gpt2": {"arms": {"fp32": {"device_reserved_peak_mib": 16000.0},
+                                     "bits2": {"device_reserved_peak_mib": 5200.0, "device_pool": "torch"}}},
+                   "bert": {"arms": {"bits2": {"status": "fail"}}}},
+        "models_gact_pool": {"gpt2": {"arms": {"bits2": {"device_reserved_peak_mib": 9650.0,
+                                                         "device_pool": "gact"}}}}}}}}
+    parts = report.pool_comparison(rep)
+    assert parts == ["gpt2 5,200 MiB (torch) against 9,650 MiB (gact), fp32 16,000 MiB"]
+    assert report.pool_comparison({"stages": {}}) == []

@@ -31,7 +31,7 @@ import json
 import math
 import os
 import tempfile
-from typing import Dict, Iterable, List, Mapping
+from typing import Any, Dict, Iterable, List, Mapping
 
 SCHEMA_VERSION = 2
 MODES = ("full", "dry-run", "smoke")
@@ -208,6 +208,25 @@ def write_report(report: Dict[str, object], outdir: str) -> Dict[str, str]:
 
 
 # ---- the findings, ranked -------------------------------------------------------------------
+
+def pool_comparison(report: Mapping[str, Any]) -> List[str]:
+    """Per model: the device memory reserved at the peak (torch's cache plus any pool of gact's) of the native
+    stage's 2-bit arm with the blobs in torch's pool and in gact's own pool, beside fp32's."""
+    nf = _figs(report, "native")
+    one, two = nf.get("models") or {}, nf.get("models_gact_pool") or {}
+    parts = []
+    for m, mo in one.items():
+        arms = (mo or {}).get("arms") or {} if isinstance(mo, Mapping) else {}
+        other = (((two.get(m) or {}).get("arms") or {}).get("bits2") or {}) if isinstance(two, Mapping) else {}
+        a, b = (arms.get("bits2") or {}).get("device_reserved_peak_mib"), other.get("device_reserved_peak_mib")
+        if a is None or b is None:
+            continue
+        base = (arms.get("fp32") or {}).get("device_reserved_peak_mib")
+        pools = [(arms.get("bits2") or {}).get("device_pool"), other.get("device_pool")]
+        parts.append(f"{m} {_fmt(a)} MiB ({pools[0] or '?'}) against {_fmt(b)} MiB ({pools[1] or '?'})"
+                     + (f", fp32 {_fmt(base)} MiB" if base is not None else ""))
+    return parts
+
 
 def _figs(report: Mapping[str, object], stage: str) -> Mapping[str, object]:
     st = (report.get("stages") or {}).get(stage) or {}
@@ -457,6 +476,11 @@ def render_markdown(report: Mapping[str, object]) -> str:
             out.append("")
             out.append("Bytes encoded / decoded per byte saved (1.00 / 1.00: each saved tensor encoded and decoded "
                        "once): " + "; ".join(traffic) + ".")
+    pools = pool_comparison(report)
+    if pools:
+        out.append("")
+        out.append("Device memory reserved at the peak on torch's allocator (native), 2 bits, the blobs in torch's "
+                   "pool (the default) against gact's own pool beside it: " + "; ".join(pools) + ".")
     sw = tf.get("swap_check") or {}
     if sw:
         out.append("")

@@ -338,6 +338,11 @@ class Trainer:
                     p["gact_activation_peak_mib"] = round(act / MIB, 1)
             if self.torch_allocator:
                 p["torch_peak_mib"] = round(torch.cuda.max_memory_allocated() / MIB, 1)
+                # what the device gave both pools at their peaks (gact's own pool, when the blobs live there, beside
+                # torch's cache): the memory the job needs, whichever pool holds it
+                p["torch_reserved_peak_mib"] = round(torch.cuda.max_memory_reserved() / MIB, 1)
+                p["device_reserved_peak_mib"] = round(p["torch_reserved_peak_mib"] + (
+                    int(d.get("reserved_bytes.all.peak", 0)) / MIB if d else 0.0), 1)
                 # where the blobs lived: "torch" (its caching allocator: torch_peak_mib counts them) or "gact"
                 pool = getattr(getattr(self.gact, "allocator", None), "device_pool", None) if self.gact else None
                 if pool is not None:
