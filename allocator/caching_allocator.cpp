@@ -614,14 +614,19 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
 }
 
 void caching_allocator::deallocate(void* p) noexcept {
-  if (p == nullptr) return;
+  if (p != nullptr) (void)free_if_owned(p, true);
+}
+
+bool caching_allocator::try_deallocate(void* p) noexcept { return p != nullptr && free_if_owned(p, false); }
+
+bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
   impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   auto const addr = reinterpret_cast<std::uintptr_t>(p);
   block* b = m.live.find(addr);
   if (b == nullptr) [[unlikely]] {
-    m.bad_free(p);
-    return;
+    if (count_bad) m.bad_free(p);
+    return false;
   }
   m.live.erase(addr);
   m.count_free(b);
@@ -629,7 +634,7 @@ void caching_allocator::deallocate(void* p) noexcept {
   try {
     if (b->stream_uses.empty()) [[likely]] {
       m.free_block(b);
-      return;
+      return true;
     }
     // Used on other streams: the memory is reusable once an event recorded now on each
     // of them has completed.
@@ -664,17 +669,24 @@ void caching_allocator::deallocate(void* p) noexcept {
     // Only host allocation failure (bad_alloc) can reach here; the block stays out of use.
     GACT_LOG_ERROR("allocator '{}': free of {} failed: {}", m.stats_name, p, e.what());
   }
+  return true;
 }
 
 void caching_allocator::record_stream(void* p, device::stream_t stream) {
+  GACT_EXPECTS(try_record_stream(p, stream),
+               "allocator '" + impl_->stats_name + "': record_stream on a pointer it did not allocate");
+}
+
+bool caching_allocator::try_record_stream(void* p, device::stream_t stream) {
   impl& m = *impl_;
   std::lock_guard<std::mutex> lock(m.mu);
   block* b = m.live.find(reinterpret_cast<std::uintptr_t>(p));
-  GACT_EXPECTS(b != nullptr, "allocator '" + m.stats_name + "': record_stream on a pointer it did not allocate");
-  if (stream == b->stream) return;
+  if (b == nullptr) return false;
+  if (stream == b->stream) return true;
   if (std::find(b->stream_uses.begin(), b->stream_uses.end(), stream) == b->stream_uses.end()) {
     b->stream_uses.push_back(stream);
   }
+  return true;
 }
 
 void caching_allocator::fork_prepare() noexcept { impl_->mu.lock(); }

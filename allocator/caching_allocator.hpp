@@ -73,11 +73,16 @@ class caching_allocator {
   /// Free a pointer returned by allocate. nullptr is a no-op. Unknown pointers and double
   /// frees are counted (stats "errors") and logged; the allocator state is unchanged.
   void deallocate(void* p) noexcept;
+  /// Free `p` when this allocator handed it out (one lookup, as deallocate); false, with nothing counted or
+  /// logged, for a pointer it does not own (the C ABI's free path asks each device's allocator in turn).
+  bool try_deallocate(void* p) noexcept;
 
   /// Mark `p` as used on `stream` (a stream other than its allocation stream): its memory is
   /// not reused until the work queued on `stream` at free time has completed.
   /// @throws gact::invalid_argument for an unknown pointer.
   void record_stream(void* p, device::stream_t stream);
+  /// As record_stream; false for a pointer this allocator did not allocate (nothing recorded).
+  bool try_record_stream(void* p, device::stream_t stream);
 
   /// Release every cached free segment to the backend (waits for pending events first).
   void empty_cache();
@@ -141,6 +146,9 @@ class caching_allocator {
   void set_memory_limit(std::size_t bytes);
 
  private:
+  /// deallocate's body: false when `p` is not live here (counted as a bad free when `count_bad`).
+  bool free_if_owned(void* p, bool count_bad) noexcept;
+
   struct impl;
   std::unique_ptr<impl> impl_;
 };

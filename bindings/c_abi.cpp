@@ -126,11 +126,13 @@ void gact_free(void* ptr, ssize_t size, int device, cudaStream_t /*stream*/) {
     return;
   }
   try {
+    // one lookup under one lock on the usual path: the device torch names owns the block
     gact::alloc::caching_allocator* a = allocators().peek(device);
-    if (a == nullptr || !a->owns(ptr)) {
-      // A wrong device argument must not leak the block: find its owner.
-      a = allocators().owner(ptr);
+    if (a != nullptr && a->try_deallocate(ptr)) [[likely]] {
+      return;
     }
+    // A wrong device argument must not leak the block: find its owner.
+    a = allocators().owner(ptr);
     if (a == nullptr) {
       if (gact::alloc::caching_allocator* any = allocators().peek(device)) {
         any->deallocate(ptr);  // counted and logged as a bad free in that allocator's stats
@@ -151,12 +153,15 @@ void gact_record_stream(void* ptr, cudaStream_t stream) {
     return;
   }
   try {
-    gact::alloc::caching_allocator* a = allocators().owner(ptr);
-    if (a == nullptr) {
+    // (one lookup per device allocator in existence, the owner's recording it: no owns() first)
+    bool recorded = false;
+    allocators().for_each([&](int, gact::alloc::caching_allocator& a) {
+      if (!recorded) recorded = a.try_record_stream(ptr, gact::device::to_handle(stream));
+    });
+    if (!recorded) {
       GACT_WARN_CAPPED(16, "gact_record_stream({}): not allocated by gact (ignored)", ptr);
       return;
     }
-    a->record_stream(ptr, gact::device::to_handle(stream));
   } catch (...) {
     GACT_WARN_CAPPED(16, "gact_record_stream({}) failed: {}", ptr, what_of(std::current_exception()));
   }

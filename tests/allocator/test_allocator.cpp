@@ -64,6 +64,37 @@ TEST_CASE("record_stream: reuse waits for the other stream's event, without host
   CHECK(be.reserved_bytes() == 0);
 }
 
+TEST_CASE("try_deallocate and try_record_stream: one lookup, false for a pointer of another allocator") {
+  gact::test::manual_backend be;
+  caching_allocator a(be), other(be);
+  auto const s1 = be.create_stream();
+  auto const s2 = be.create_stream();
+  void* p = a.allocate(4096, s1);
+  void* foreign = other.allocate(4096, s1);
+  CHECK_FALSE(a.try_record_stream(foreign, s2));  // not ours: nothing recorded, nothing counted
+  CHECK_FALSE(a.try_deallocate(foreign));
+  CHECK_FALSE(a.try_deallocate(nullptr));
+  CHECK(a.stats().invalid_free == 0);
+  CHECK(a.stats().double_free == 0);
+  CHECK(other.stats().allocation[pool_all].current == 1);  // still live in its own allocator
+  CHECK(a.try_record_stream(p, s2));
+  CHECK(a.try_record_stream(p, s1));  // its own stream: nothing to record
+  CHECK(a.try_deallocate(p));
+  CHECK(a.stats().allocation[pool_all].current == 0);
+  CHECK(a.stats().active[pool_all].current == 1);  // pending on s2, as record_stream + deallocate leave it
+  CHECK(be.records() == 1);
+  CHECK_FALSE(a.try_deallocate(p));  // a second free: not live any more, and not counted by the try form
+  CHECK(a.stats().double_free == 0);
+  a.deallocate(p);  // the plain form counts it
+  CHECK(a.stats().double_free == 1);
+  CHECK_THROWS_AS(a.record_stream(foreign, s2), gact::invalid_argument);
+  other.deallocate(foreign);
+  be.complete_stream(s2);
+  a.empty_cache();
+  other.empty_cache();
+  CHECK(be.reserved_bytes() == 0);
+}
+
 TEST_CASE("record_stream on several streams: freed after all of their events") {
   gact::test::manual_backend be;
   caching_allocator a(be);
