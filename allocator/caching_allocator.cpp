@@ -440,7 +440,8 @@ struct caching_allocator::impl {
                     {"round_large", opts.round_large},
                     {"memory_limit", opts.memory_limit},
                     {"max_request", opts.max_request},
-                    {"release_free_above", opts.release_free_above}};
+                    {"release_free_above", opts.release_free_above},
+                    {"retry_when_empty", opts.retry_when_empty}};
     j["name"] = stats_name;
     if (event_trace::enabled()) j["segments"] = segments_json();
     return j;
@@ -579,6 +580,9 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     if (m.release_on_miss) m.release_whole_free();  // none of them can serve this request
     b = m.try_new_segment(seg, small, stream);
     if (b == nullptr) {
+      // A thin layer over another allocator with nothing cached or pending (that allocator has freed its own
+      // cache and retried before failing): a second attempt would only repeat its whole out-of-memory path.
+      if (!m.opts.retry_when_empty && m.segments.empty() && m.pending.empty()) m.throw_oom(bytes, seg, stream, tag);
       m.release_cached();
       ++m.st.num_alloc_retries;
       b = m.find_free(small, size, stream);  // freed pending blocks may serve it now

@@ -54,6 +54,7 @@ alloc::allocator_options pass_through_options(std::string name) {
   o.large_segment_size = 1024;  // (requests in (512, 1024) get a 1024-byte one)
   o.round_large = 512;
   o.release_free_above = 1;     // any segment wholly free goes back at once: the other allocator caches
+  o.retry_when_empty = false;   // (and it retries after freeing its cache before it fails)
   o.name = std::move(name);
   return o;
 }

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <pthread.h>
@@ -74,6 +75,10 @@ struct runtime {
   std::vector<std::unique_ptr<gact::device::external_backend>> blocks_backends;
   std::vector<std::unique_ptr<gact::alloc::caching_allocator>> blocks_arenas;
 #endif
+  // Some device arena takes torch's blocks: device puts and gets keep the GIL (torch's allocator may take
+  // it, under the arena's lock, to record Python stacks; a thread waiting for it there while another
+  // holding it waits for the lock would deadlock).
+  std::atomic<bool> blocks_in_use{false};
 
   // Swap (swap_enable/swap_disable): one mover per arena and setting. Movers are never destroyed,
   // since stored entries keep pointers to the mover that holds their blob. Lock order: cuda_mu, swap_mu.
@@ -88,6 +93,16 @@ struct runtime {
 
   // Requires swap_mu. Hand device `dev`'s blobs (arena `arena`) to a mover with swap_opts.
   void attach_swap(int dev, gact::alloc::caching_allocator& arena) {
+#if defined(GACT_HAVE_KERNELS)
+    // The mover allocates on its own copy stream, while torch ties each block to the calling thread's current
+    // stream and may hand out one whose last user's kernels are still queued there: swap needs gact's pool.
+    for (auto const& b : blocks_arenas) {
+      GACT_EXPECTS(b.get() != &arena,
+                   "gact: swap cannot offload compressed activations that live in torch's CUDA pool (device " +
+                       std::to_string(dev) + "'s first stored tensor put them there); set GACT_TORCH_POOL=0, or "
+                       "enable swap on the first Compressor that trains on the GPU");
+    }
+#endif
     auto& cur = swap_current[static_cast<std::size_t>(dev + 1)];
     if (cur == nullptr) {
       gact::device::backend* pinned = &swap_host_pinned;
@@ -173,6 +188,7 @@ struct runtime {
       blocks_arenas.push_back(std::make_unique<gact::alloc::caching_allocator>(
           *blocks_backends.back(), gact::device::pass_through_options(name)));
       a = blocks_arenas.back().get();
+      blocks_in_use.store(true, std::memory_order_release);
     } else {
       a = &gact::bindings::process_device_allocators().get(dev);
     }
@@ -484,7 +500,9 @@ PYBIND11_MODULE(_gact, m) {
           // The GIL is let go for a device tensor or a host tensor worth the switch: a small one encodes in
           // less time than another thread would take to run (and releasing it costs every put a few hundred ns).
           std::optional<py::gil_scoped_release> nogil;
-          if (device >= 0 || elements(v.shape) * gact::store::element_size(v.dtype) >= kReleaseGilBytes) nogil.emplace();
+          if (device >= 0 ? !r.blocks_in_use.load(std::memory_order_acquire)
+                          : elements(v.shape) * gact::store::element_size(v.dtype) >= kReleaseGilBytes)
+            nogil.emplace();
           res = r.store.put(v, p);
         }
         // The view's strides in the decoded image (put_result::strides says which).
@@ -511,7 +529,8 @@ PYBIND11_MODULE(_gact, m) {
         gp.predicate = predicate;
         gp.true_value = true_value;
         gp.false_value = false_value;
-        py::gil_scoped_release nogil;
+        std::optional<py::gil_scoped_release> nogil;  // (as in store_put)
+        if (!r.blocks_in_use.load(std::memory_order_acquire)) nogil.emplace();
         r.store.get(h, reinterpret_cast<void*>(dst), dst_bytes, gp);
       },
       py::arg("handle"), py::arg("dst"), py::arg("dst_bytes"), py::arg("stream") = 0, py::arg("predicate") = false,
@@ -532,7 +551,8 @@ PYBIND11_MODULE(_gact, m) {
         std::shared_ptr<gact::store::decoded_image const> img;
         {
           std::optional<py::gil_scoped_release> nogil;  // (as in store_put)
-          if (info.device >= 0 || info.bytes_in >= kReleaseGilBytes) nogil.emplace();
+          if (info.device >= 0 ? !r.blocks_in_use.load(std::memory_order_acquire) : info.bytes_in >= kReleaseGilBytes)
+            nogil.emplace();
           img = r.store.get_shared(h, gp);
         }
         return make_dlpack(std::move(img), info, to_vec(shape), to_vec(strides), offset);
@@ -689,18 +709,25 @@ PYBIND11_MODULE(_gact, m) {
       "(gact's device pool) or None (no tensor stored on it yet).");
   m.def(
       "_device_blocks_roundtrip",
-      [](py::capsule cap, std::size_t bytes) {
+      [](py::capsule cap, std::size_t bytes, int device, bool free_without_gil) {
         if (cap.name() == nullptr || std::strcmp(cap.name(), "gact.device_blocks") != 0)
           throw py::value_error("_device_blocks_roundtrip: expected a gact.device_blocks capsule");
         auto const* f = static_cast<gact::device::external_blocks const*>(cap.get_pointer());
         char why[512] = {0};
-        void* p = f->alloc(bytes, 0, why, sizeof why);
+        void* p = f->alloc(bytes, device, why, sizeof why);
         if (p == nullptr) return std::string(why[0] != '\0' ? why : "failed");
-        f->free(p, 0);
+        if (free_without_gil) {
+          py::gil_scoped_release nogil;  // (as an autograd device thread freeing a decoded tensor)
+          f->free(p, device);
+        } else {
+          f->free(p, device);
+        }
         return std::string();
       },
-      py::arg("blocks"), py::arg("bytes"),
-      "Tests: allocate `bytes` from a device-blocks capsule and free them; '' or the allocator's reason.");
+      py::arg("blocks"), py::arg("bytes"), py::arg("device") = 0, py::arg("free_without_gil") = false,
+      "Allocate `bytes` on CUDA device `device` from a device-blocks capsule and free them: '' or the "
+      "allocator's reason (the probe of gact.allocator's choice of pool). free_without_gil: free as a thread "
+      "without the GIL does (tests).");
   m.def("store_new_owner", []() { return rt().store.new_owner(); },
         "A new owner id (one per Compressor): its puts, skips, steps and leaks are also counted apart.");
   m.def("store_drop_owner", [](gact::store::owner_id o) { rt().store.drop_owner(o); }, py::arg("owner"));

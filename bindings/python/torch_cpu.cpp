@@ -17,6 +17,8 @@
 // both forms are handled below.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #if __has_include(<torch/version.h>)
 #include <torch/version.h>
@@ -29,14 +31,18 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <dlfcn.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -125,27 +131,70 @@ py::object check_oom_thrower(std::string const& message) {
 
 // ---- torch's CUDA caching allocator as the blocks of the store's device arena -----------------------
 // When gact is not torch's CUDA allocator, the activation store takes its device blobs and decoded images
-// from torch's own pool (allocator/device/external_backend.hpp): c10::GetAllocator(CUDA) is the allocator
-// torch's CUDA tensors come from (its caching allocator, registered by libc10_cuda), and needs nothing of
-// CUDA's at build time. It allocates on the calling thread's current device (the store makes the blob's
-// device current) and current stream, as a tensor made there would be. Each block's DataPtr is held here
-// until gact frees it; its deleter gives the block back to torch's pool.
+// from torch's own pool (allocator/device/external_backend.hpp), without CUDA headers here:
+// - the allocator is c10::GetAllocator(CUDA) where torch registers its caching allocator there, else the
+//   caching allocator itself, found by its exported symbol (torch 2.x: the atomic
+//   c10::cuda::CUDACachingAllocator::allocator, a c10::Allocator; 1.x: CUDACachingAllocator::get());
+// - it allocates on torch's current device and current stream: the block's device is made current through
+//   c10's device guard (torch's own notion of the current device, which may differ from the runtime's
+//   before a context exists), and the stream is the calling thread's current one, as a tensor made there;
+// - each block's DataPtr is held until gact frees it. Its deleter gives the block back to torch, which may
+//   take the GIL (torch.cuda.memory._record_memory_history gathers Python stacks on frees): a free called
+//   without the GIL (an autograd device thread freeing a decoded tensor, inside gact's arena lock) is
+//   deferred to the next allocation or free made with the GIL, so that no thread waits for the GIL while
+//   holding gact's lock.
 
 std::mutex g_blocks_mu;
 auto* const g_blocks = new std::unordered_map<void*, c10::DataPtr>();  // never destroyed: frees may come at exit
+auto* const g_deferred = new std::vector<c10::DataPtr>();              // frees made without the GIL
 
-void* torch_block_alloc(std::size_t bytes, int /*device*/, char* why, std::size_t why_len) noexcept {
+c10::Allocator* cuda_allocator() {
+  static c10::Allocator* const found = []() -> c10::Allocator* {
+    if (c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA)) return a;  // (null outside debug builds)
+    if (void* sym = ::dlsym(RTLD_DEFAULT, "_ZN3c104cuda20CUDACachingAllocator9allocatorE")) {
+      // std::atomic<CUDAAllocator*>; CUDAAllocator derives from c10::Allocator alone (the same address)
+      return static_cast<c10::Allocator*>(static_cast<std::atomic<void*>*>(sym)->load());
+    }
+    if (void* fn = ::dlsym(RTLD_DEFAULT, "_ZN3c104cuda20CUDACachingAllocator3getEv")) {
+      return reinterpret_cast<c10::Allocator* (*)()>(fn)();
+    }
+    return nullptr;
+  }();
+  return found;
+}
+
+/// The frees deferred by threads without the GIL, done now (the caller holds the GIL).
+void drain_deferred() {
+  std::vector<c10::DataPtr> done;
+  {
+    std::lock_guard lk(g_blocks_mu);
+    if (g_deferred->empty()) return;
+    done.swap(*g_deferred);
+  }
+  done.clear();  // torch's deleters, outside the lock
+}
+
+void* torch_block_alloc(std::size_t bytes, int device, char* why, std::size_t why_len) noexcept {
   try {
-    c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA);
-    if (a == nullptr) {  // (a torch without CUDA; c10 checks this only in its debug builds)
-      std::snprintf(why, why_len, "no CUDA allocator is registered in torch's c10");
+    if (PyGILState_Check()) drain_deferred();
+    c10::Allocator* a = cuda_allocator();
+    if (a == nullptr) {
+      std::snprintf(why, why_len, "no CUDA allocator is registered in torch's c10 (a torch without CUDA)");
       return nullptr;
     }
+    c10::Device const dev(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    std::optional<c10::DeviceGuard> guard;
+    if (c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) guard.emplace(dev);
     c10::DataPtr d = a->allocate(bytes);
     void* p = d.get();
     if (p == nullptr) {
       std::snprintf(why, why_len, "torch's CUDA allocator returned no memory");
       return nullptr;
+    }
+    if (d.device() != dev) {
+      std::snprintf(why, why_len, "torch's CUDA allocator gave memory of %s, not of %s", d.device().str().c_str(),
+                    dev.str().c_str());
+      return nullptr;  // (d frees it)
     }
     std::lock_guard lk(g_blocks_mu);
     g_blocks->emplace(p, std::move(d));
@@ -162,15 +211,24 @@ void* torch_block_alloc(std::size_t bytes, int /*device*/, char* why, std::size_
 
 void torch_block_free(void* p, int /*device*/) noexcept {
   c10::DataPtr d;
+  bool const gil = PyGILState_Check() != 0;
   {
     std::lock_guard lk(g_blocks_mu);
     auto it = g_blocks->find(p);
     if (it == g_blocks->end()) return;
     d = std::move(it->second);
     g_blocks->erase(it);
+    if (!gil) {
+      try {
+        g_deferred->push_back(std::move(d));
+        return;
+      } catch (...) {  // (no memory for the list: freed now)
+      }
+    }
   }
   try {
     d.clear();  // torch's deleter, outside the lock
+    if (gil) drain_deferred();
   } catch (...) {
   }
 }
@@ -178,8 +236,9 @@ void torch_block_free(void* p, int /*device*/) noexcept {
 gact::device::external_blocks const g_torch_blocks{1, &torch_block_alloc, &torch_block_free};
 
 std::size_t torch_blocks_held() {
+  drain_deferred();
   std::lock_guard lk(g_blocks_mu);
-  return g_blocks->size();
+  return g_blocks->size() + g_deferred->size();
 }
 
 // Tests on a machine without CUDA: an allocator registered for CUDA in c10 that serves host memory and counts,

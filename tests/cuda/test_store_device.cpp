@@ -241,9 +241,10 @@ namespace {
 /// Another allocator's blocks (torch's, in a process where gact is not torch's allocator), counted: host memory
 /// stands in for the device's, as the fake runtime's does.
 struct counted_blocks {
-  static inline std::size_t allocs = 0, frees = 0, live = 0, fail_above = 0;
+  static inline std::size_t allocs = 0, frees = 0, live = 0, fail_above = 0, attempts = 0;
   static inline std::vector<std::pair<void*, std::size_t>> blocks;
   static void* alloc(std::size_t bytes, int /*device*/, char* why, std::size_t why_len) noexcept {
+    ++attempts;
     if (fail_above != 0 && bytes > fail_above) {
       std::snprintf(why, why_len, "CUDA out of memory (test)");
       return nullptr;
@@ -317,12 +318,14 @@ TEST_CASE("store on a device over another allocator: each blob and image is one 
 
   // the other allocator out of memory: gact's out-of-memory error with its reason, nothing held
   counted_blocks::fail_above = 1024;
+  auto const attempts = counted_blocks::attempts;
   try {
     (void)store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 1), p);
     FAIL("the put did not fail");
   } catch (gact::out_of_memory const& e) {
     CHECK(std::string(e.what()).find("CUDA out of memory (test)") != std::string::npos);
   }
+  CHECK(counted_blocks::attempts == attempts + 1);  // asked once: the other allocator retried on its own
   CHECK(counted_blocks::live == 0);
   CHECK(store.live_handles() == 0);
   (void)cudaStreamDestroy(stream);

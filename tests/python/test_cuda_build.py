@@ -299,11 +299,20 @@ out["counts"] = [a - b for a, b in zip(_gact_torch._fake_cuda_counts(), before)]
 out["held"] = _gact_torch.device_blocks_held()
 out["oom"] = _gact._device_blocks_roundtrip(cap, 2 << 30)
 out["held_after_oom"] = _gact_torch.device_blocks_held()
+# a free by a thread without the GIL (an autograd device thread freeing a decoded tensor) is deferred: torch's
+# deleter may take the GIL; the next allocation or free made with it gives the block back
+_gact._device_blocks_roundtrip(cap, 4096, 0, True)
+out["deferred"] = [a - b for a, b in zip(_gact_torch._fake_cuda_counts(), before)]
+_gact._device_blocks_roundtrip(cap, 4096)
+out["drained"] = [a - b for a, b in zip(_gact_torch._fake_cuda_counts(), before)]
+out["held_at_end"] = _gact_torch.device_blocks_held()
 """)
     assert out["ok"] == ""  # allocated and freed
     assert out["counts"] == [1, 1]  # one block of the CUDA allocator, given back to it
     assert out["held"] == 0 and out["held_after_oom"] == 0
     assert "CUDA out of memory" in out["oom"]
+    assert out["deferred"] == [2, 1]  # (the oversized request never got a block)
+    assert out["drained"] == [3, 3] and out["held_at_end"] == 0
 
 
 def test_the_first_cuda_store_puts_the_blobs_in_torchs_pool():
@@ -338,8 +347,18 @@ out["why"] = galloc._device_pool_reason
 """)
     assert out == {"choice": "gact", "warnings": [], "why": "gact is torch's CUDA allocator (use_allocator)"}
 
+    out = _run_torch_pool(r"""
+_gact_torch._install_fake_cuda_allocator()
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    out["choice"] = galloc._default_device_pool(swap=True)
+out["warnings"] = [str(x.message) for x in w]
+out["counts"] = list(_gact_torch._fake_cuda_counts())
+""")
+    assert out == {"choice": "gact", "warnings": [], "counts": [0, 0]}  # swap: gact's pool, no probe
+
     if torch.cuda.is_available():
-        return  # (a CUDA torch has its allocator registered: the case below is a CPU torch's)
+        return  # (a CUDA torch has a caching allocator to find: the case below is a CPU torch's)
     out = _run_torch_pool(r"""
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
@@ -364,3 +383,18 @@ except ValueError as e:
     out["error"] = str(e)
 """)
     assert "torch_pool=False comes too late" in out["error"] and "torch's pool" in out["error"]
+
+    # gact's own pool for another reason (no CUDA allocator, a swap Compressor): either value is accepted; a
+    # bad value is the option parser's error
+    out = _run_torch_pool(r"""
+import gact
+galloc._default_device_pool(swap=True)
+gact.configure(torch_pool=True)
+gact.configure(torch_pool=False)
+try:
+    gact.configure(torch_pool="maybe")
+    out["error"] = None
+except ValueError as e:
+    out["error"] = str(e)
+""")
+    assert out["error"] is not None and "comes too late" not in out["error"] and "torch_pool" in out["error"]

@@ -14,6 +14,7 @@ version number, so the rest of the package reads the same on every torch:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -220,40 +221,49 @@ class _ModuleHooks:
         self.post: dict[int, tuple] = {}
         self._refs: dict[int, Any] = {}  # id -> weak reference to the module, whose callback drops its hooks
         self._handles: list = []  # torch's handles of the two global hooks while installed
+        # changes (from any thread, and from a weak reference's callback that a collection runs in the middle
+        # of one) are made under this lock; the hooks read the tables without it (a dict lookup and a tuple
+        # are each read whole)
+        self._lock = threading.RLock()
 
     def add(self, module: Any, fn: Any, pre: bool) -> Any:
         if not HAS_GLOBAL_MODULE_HOOKS:  # (an old torch: the module's own hooks)
             return module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
         key = id(module)
-        if key not in self._refs:
-            self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
         table = self.pre if pre else self.post
-        table[key] = table.get(key, ()) + (fn,)
-        if not self._handles:
-            from torch.nn.modules import module as _m
-            self._handles = [_m.register_module_forward_pre_hook(self._run_pre),
-                             _m.register_module_forward_hook(self._run_post)]
+        with self._lock:
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
+            table[key] = table.get(key, ()) + (fn,)
+            if not self._handles:
+                from torch.nn.modules import module as _m
+                self._handles = [_m.register_module_forward_pre_hook(self._run_pre),
+                                 _m.register_module_forward_hook(self._run_post)]
         return _HookHandle(self, table, key, fn)
 
     def remove(self, table: dict, key: int, fn: Any) -> None:
-        fns = table.get(key)
-        if fns is None or fn not in fns:
-            return
-        i = fns.index(fn)
-        fns = fns[:i] + fns[i + 1:]
-        if fns:
-            table[key] = fns
-        else:
-            del table[key]
-            if key not in self.pre and key not in self.post:
-                self._refs.pop(key, None)
-        self._uninstall_if_empty()
+        with self._lock:
+            fns = table.get(key)
+            if fns is None or fn not in fns or key not in self._refs:
+                return
+            i = fns.index(fn)
+            fns = fns[:i] + fns[i + 1:]
+            if key not in self._refs:  # (the module died while the tuple was made: _drop took its entries)
+                return
+            if fns:
+                table[key] = fns
+            else:
+                del table[key]
+                if key not in self.pre and key not in self.post:
+                    self._refs.pop(key, None)
+            self._uninstall_if_empty()
 
     def _drop(self, key: int) -> None:
-        self.pre.pop(key, None)
-        self.post.pop(key, None)
-        self._refs.pop(key, None)
-        self._uninstall_if_empty()
+        with self._lock:
+            self.pre.pop(key, None)
+            self.post.pop(key, None)
+            self._refs.pop(key, None)
+            self._uninstall_if_empty()
 
     def _uninstall_if_empty(self) -> None:
         if not self.pre and not self.post and self._handles:

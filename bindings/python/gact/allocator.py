@@ -326,7 +326,7 @@ device_pool: Optional[str] = None
 _device_pool_reason = ""
 
 
-def _default_device_pool() -> str:
+def _default_device_pool(swap: bool = False, device: int = 0) -> str:
     """Decide, once per process, where the store's device blobs and decoded tensors live (called before the
     first CUDA tensor is stored):
 
@@ -335,10 +335,13 @@ def _default_device_pool() -> str:
       back to torch's cache when freed. Two caching pools side by side cannot reuse each other's free
       memory (blob bytes freed in backward sat in gact's pool while torch's grew for the gradients), and
       ``torch.cuda.max_memory_allocated()`` then counts the blobs;
+    * ``"gact"`` for a Compressor with ``swap=True`` (its mover allocates on its own copy stream, while torch
+      ties a block to the allocating thread's current stream);
     * ``"gact"`` when the ``torch_pool`` option is off (``GACT_TORCH_POOL=0``), or this build or torch has no
-      way to it (no ``_gact_torch``, or no CUDA allocator registered in torch's c10), with a warning.
+      way to it (no ``_gact_torch``, or no CUDA caching allocator found), with a warning.
 
-    Returns the choice."""
+    ``device``: the CUDA device of the tensor about to be stored (the probe allocates there). Returns the
+    choice."""
     global device_pool, _device_pool_reason
     if device_pool is not None:
         return device_pool
@@ -347,6 +350,8 @@ def _default_device_pool() -> str:
         why = "gact is torch's CUDA allocator (use_allocator)"
     elif not _C.options_current().get("torch_pool", True):
         why = "the torch_pool option is off"
+    elif swap:
+        why = "swap=True (its copies need gact's stream-ordered pool)"
     else:
         mod = _gact_torch()
         blocks = getattr(mod, "device_blocks", None) if mod is not None else None
@@ -354,7 +359,7 @@ def _default_device_pool() -> str:
             why = _cpu_missing_reason or "this _gact_torch cannot reach torch's CUDA allocator"
         else:
             cap = blocks()
-            failed = _C._device_blocks_roundtrip(cap, 512)  # (torch's allocator on the current device)
+            failed = _C._device_blocks_roundtrip(cap, 512, device)
             if failed:
                 why = f"torch's CUDA allocator is not reachable through c10 ({failed})"
             else:

@@ -323,7 +323,7 @@ class _Shape:
         # gradient the reader allocates "like" it keeps the layout
         dev = _compat.device_index_of(self.device)
         if dev >= 0 and _allocator.device_pool is None:
-            _allocator._default_device_pool()
+            _allocator._default_device_pool(False, dev)
         stream = _compat.raw_stream(self.device.index) if self.device.type == "cuda" else 0
         cap = _C.empty_dlpack(_compat.DTYPE_NAMES[self.dtype], tuple(self.shape), tuple(self.stride), dev, stream)
         return _from_dlpack(cap).zero_()
@@ -704,12 +704,12 @@ class Compressor:
     def _model_modules(self) -> list:
         """The model's modules, kept between steps while no module in the process registered a submodule
         (walked again at every step on a torch without the registration hook, and every 64th step anyway: a
-        submodule deleted from the model is not held longer)."""
+        submodule deleted from the model drops out). Held weakly: a deleted submodule is not kept alive."""
         gen = _compat.module_generation()
         if gen is None or gen != self._modules_at or self._modules_of is not self.model or not self._step & 63:
-            self._modules = list(self.model.modules())
+            self._modules = [weakref.ref(m) for m in self.model.modules()]
             self._modules_at, self._modules_of = gen, self.model
-        return self._modules
+        return [m for m in (r() for r in self._modules) if m is not None]
 
     def _open_step(self) -> None:
         # (read again every step: a parameter replaced, or its .data, since the last one is seen)
@@ -939,7 +939,7 @@ class Compressor:
         # share of the step's rows, so that it also stores what the step stored.
         key = self._next_key(s)
         n = t.numel()
-        if n * t.element_size() < self.min_bytes * self._row_share or n == 0:  # (_min_store_bytes(), inlined)
+        if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):
@@ -1004,7 +1004,7 @@ class Compressor:
             role, window, bits = "indices", d.window, 32
         elif t.is_floating_point():
             policy = self._policy
-            bits = int(self.bits) if policy is None else self._bits_for(key, t.numel())
+            bits = self._bits_for(key, t.numel())
             if kind == _saved.LOG:
                 bits = max(bits, LOG_SPACE_MIN_BITS)
             if policy is None or not getattr(policy, "measuring", False):
@@ -1026,7 +1026,7 @@ class Compressor:
         dense = True
         if t.is_cuda:
             if _allocator.device_pool is None:
-                _allocator._default_device_pool()  # (once: the blobs in torch's CUDA pool, or gact's)
+                _allocator._default_device_pool(self.swap, t.get_device())  # (once: torch's CUDA pool, or gact's)
             if not _compat.is_dense(t):
                 src, dense = torch.empty_like(t).copy_(t), False  # the device stores dense images only
             device = src.get_device()

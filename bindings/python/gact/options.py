@@ -80,8 +80,14 @@ def configure(**settings: Any) -> OptionsTable:
         if k == "torch_pool":
             from . import allocator as _allocator  # (imports options)
             pool = _allocator.device_pool
-            want = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
-            if pool is not None and want != (pool == "torch") and _allocator.installed is None:
+            text = str(v).lower() if not isinstance(v, bool) else ("true" if v else "false")
+            want = {"1": True, "true": True, "yes": True, "on": True,
+                    "0": False, "false": False, "no": False, "off": False}.get(text)  # (None: options_set rejects it)
+            # too late only where the option decided: torch's pool in use and False asked, or gact's own pool
+            # chosen because the option was off and True asked (other reasons for gact's pool stand either way)
+            late = (pool == "torch" and want is False) or \
+                (pool == "gact" and want is True and _allocator._device_pool_reason == "the torch_pool option is off")
+            if late:
                 raise ValueError(f"gact.configure: torch_pool={v!r} comes too late: the first CUDA tensor stored "
                                  f"put the compressed activations in {pool}'s pool already; set it (or "
                                  f"GACT_TORCH_POOL) before the first training step on the GPU")
