@@ -580,9 +580,11 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     if (m.release_on_miss) m.release_whole_free();  // none of them can serve this request
     b = m.try_new_segment(seg, small, stream);
     if (b == nullptr) {
-      // A thin layer over another allocator with nothing cached or pending (that allocator has freed its own
-      // cache and retried before failing): a second attempt would only repeat its whole out-of-memory path.
-      if (!m.opts.retry_when_empty && m.segments.empty() && m.pending.empty()) m.throw_oom(bytes, seg, stream, tag);
+      // A thin layer over another allocator with nothing to release (no free segment cached, no block waiting
+      // for an event; its live blocks stay): that allocator has freed its own cache and retried before failing,
+      // and a second attempt would only repeat its whole out-of-memory path.
+      if (!m.opts.retry_when_empty && m.pending.empty() && m.small_free.empty() && m.large_free.empty())
+        m.throw_oom(bytes, seg, stream, tag);
       m.release_cached();
       ++m.st.num_alloc_retries;
       b = m.find_free(small, size, stream);  // freed pending blocks may serve it now

@@ -49,8 +49,9 @@ struct allocator_options {
   /// A free that leaves a whole segment of at least this size free returns it to the backend at once
   /// (as glibc unmaps a large chunk on free); 0 = cache every segment until empty_cache().
   std::size_t release_free_above = 0;
-  /// A failed segment request is retried once after releasing the cache, even when nothing was cached (a
-  /// transient backend failure); false for a backend that retries on its own (another caching allocator).
+  /// A failed segment request is retried once after releasing the cache, even when nothing can be released (a
+  /// transient backend failure); false: not retried then, for a backend that retries on its own (another
+  /// caching allocator).
   bool retry_when_empty = true;
   std::string name = "host";                                ///< name in the stats ("cuda:0", "pinned", ...)
 };

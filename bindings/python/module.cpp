@@ -91,18 +91,17 @@ struct runtime {
   std::vector<std::unique_ptr<gact::swap::mover>> swap_movers;
   std::array<gact::swap::mover*, 65> swap_current{};  // by device + 1, for swap_opts
 
+  // The mover allocates on its own copy stream, while torch ties each block to the calling thread's current
+  // stream and may hand out one whose last user's kernels are still queued there: swap needs gact's pool.
+  // Checked before anything changes (requires cuda_mu).
+  [[noreturn]] static void refuse_swap_over_blocks(int dev) {
+    GACT_FAIL("gact: swap cannot offload compressed activations that live in torch's CUDA pool (device " +
+              std::to_string(dev) + "'s first stored tensor put them there); set GACT_TORCH_POOL=0, or enable "
+              "swap on the first Compressor that trains on the GPU");
+  }
+
   // Requires swap_mu. Hand device `dev`'s blobs (arena `arena`) to a mover with swap_opts.
   void attach_swap(int dev, gact::alloc::caching_allocator& arena) {
-#if defined(GACT_HAVE_KERNELS)
-    // The mover allocates on its own copy stream, while torch ties each block to the calling thread's current
-    // stream and may hand out one whose last user's kernels are still queued there: swap needs gact's pool.
-    for (auto const& b : blocks_arenas) {
-      GACT_EXPECTS(b.get() != &arena,
-                   "gact: swap cannot offload compressed activations that live in torch's CUDA pool (device " +
-                       std::to_string(dev) + "'s first stored tensor put them there); set GACT_TORCH_POOL=0, or "
-                       "enable swap on the first Compressor that trains on the GPU");
-    }
-#endif
     auto& cur = swap_current[static_cast<std::size_t>(dev + 1)];
     if (cur == nullptr) {
       gact::device::backend* pinned = &swap_host_pinned;
@@ -126,6 +125,11 @@ struct runtime {
     std::lock_guard cuda_lock(cuda_mu);
 #endif
     std::lock_guard lock(swap_mu);
+#if defined(GACT_HAVE_KERNELS)
+    for (auto const& [dev, arena] : cuda_arenas)
+      for (auto const& b : blocks_arenas)
+        if (b.get() == arena) refuse_swap_over_blocks(dev);
+#endif
     if (budget != swap_opts.device_budget || prefetch != swap_opts.lookahead_blobs) swap_current.fill(nullptr);
     swap_opts.device_budget = budget;
     swap_opts.lookahead_blobs = prefetch;
@@ -181,6 +185,10 @@ struct runtime {
     }
     gact::alloc::caching_allocator* a = nullptr;
     if (device_blocks) {
+      {
+        std::lock_guard swap_lock(swap_mu);
+        if (swap_on) refuse_swap_over_blocks(dev);
+      }
       blocks_delegates.push_back(std::make_unique<gact::device::cuda_backend>(dev));
       std::string const name = "cuda:" + std::to_string(dev) + ":store";
       blocks_backends.push_back(
@@ -529,8 +537,8 @@ PYBIND11_MODULE(_gact, m) {
         gp.predicate = predicate;
         gp.true_value = true_value;
         gp.false_value = false_value;
-        std::optional<py::gil_scoped_release> nogil;  // (as in store_put)
-        if (!r.blocks_in_use.load(std::memory_order_acquire)) nogil.emplace();
+        std::optional<py::gil_scoped_release> nogil;  // (as in store_put: a device get over torch's blocks keeps it)
+        if (!r.blocks_in_use.load(std::memory_order_acquire) || r.store.info(h).device < 0) nogil.emplace();
         r.store.get(h, reinterpret_cast<void*>(dst), dst_bytes, gp);
       },
       py::arg("handle"), py::arg("dst"), py::arg("dst_bytes"), py::arg("stream") = 0, py::arg("predicate") = false,

@@ -148,19 +148,30 @@ std::mutex g_blocks_mu;
 auto* const g_blocks = new std::unordered_map<void*, c10::DataPtr>();  // never destroyed: frees may come at exit
 auto* const g_deferred = new std::vector<c10::DataPtr>();              // frees made without the GIL
 
+/// A symbol of a library the process has loaded already, whether loaded globally or not (torch loads its
+/// libraries RTLD_LOCAL, so dlsym(RTLD_DEFAULT) does not see them); null when neither is there.
+void* loaded_symbol(char const* library, char const* symbol) {
+  void* h = ::dlopen(library, RTLD_LAZY | RTLD_NOLOAD);
+  if (h == nullptr) return ::dlsym(RTLD_DEFAULT, symbol);
+  void* p = ::dlsym(h, symbol);
+  ::dlclose(h);  // (NOLOAD took a reference of its own; the library stays loaded)
+  return p;
+}
+
 c10::Allocator* cuda_allocator() {
-  static c10::Allocator* const found = []() -> c10::Allocator* {
-    if (c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA)) return a;  // (null outside debug builds)
-    if (void* sym = ::dlsym(RTLD_DEFAULT, "_ZN3c104cuda20CUDACachingAllocator9allocatorE")) {
+  static std::atomic<c10::Allocator*> found{nullptr};  // (a null answer is asked again: torch may load later)
+  if (c10::Allocator* a = found.load(std::memory_order_acquire)) return a;
+  c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA);  // (null where torch never registers it)
+  if (a == nullptr) {
+    if (void* sym = loaded_symbol("libc10_cuda.so", "_ZN3c104cuda20CUDACachingAllocator9allocatorE")) {
       // std::atomic<CUDAAllocator*>; CUDAAllocator derives from c10::Allocator alone (the same address)
-      return static_cast<c10::Allocator*>(static_cast<std::atomic<void*>*>(sym)->load());
+      a = static_cast<c10::Allocator*>(static_cast<std::atomic<void*>*>(sym)->load());
+    } else if (void* fn = loaded_symbol("libc10_cuda.so", "_ZN3c104cuda20CUDACachingAllocator3getEv")) {
+      a = reinterpret_cast<c10::Allocator* (*)()>(fn)();
     }
-    if (void* fn = ::dlsym(RTLD_DEFAULT, "_ZN3c104cuda20CUDACachingAllocator3getEv")) {
-      return reinterpret_cast<c10::Allocator* (*)()>(fn)();
-    }
-    return nullptr;
-  }();
-  return found;
+  }
+  if (a != nullptr) found.store(a, std::memory_order_release);
+  return a;
 }
 
 /// The frees deferred by threads without the GIL, done now (the caller holds the GIL).
@@ -172,6 +183,25 @@ void drain_deferred() {
     done.swap(*g_deferred);
   }
   done.clear();  // torch's deleters, outside the lock
+}
+
+// A deferred free is also handed to the interpreter's main thread, which runs it between two bytecodes (holding
+// the GIL and none of gact's locks): blocks do not wait for the next put or get (the last decoded images of a
+// backward would otherwise stay out of torch's pool through optimizer.step()). One call in flight at a time.
+std::atomic<bool> g_drain_scheduled{false};
+
+int drain_pending_call(void*) {
+  g_drain_scheduled.store(false, std::memory_order_release);
+  try {
+    drain_deferred();
+  } catch (...) {
+  }
+  return 0;
+}
+
+void schedule_drain() noexcept {
+  if (!g_drain_scheduled.exchange(true, std::memory_order_acq_rel) && Py_AddPendingCall(&drain_pending_call, nullptr) != 0)
+    g_drain_scheduled.store(false, std::memory_order_release);  // (the queue was full: the next put or get drains)
 }
 
 void* torch_block_alloc(std::size_t bytes, int device, char* why, std::size_t why_len) noexcept {
@@ -212,6 +242,7 @@ void* torch_block_alloc(std::size_t bytes, int device, char* why, std::size_t wh
 void torch_block_free(void* p, int /*device*/) noexcept {
   c10::DataPtr d;
   bool const gil = PyGILState_Check() != 0;
+  bool deferred = false;
   {
     std::lock_guard lk(g_blocks_mu);
     auto it = g_blocks->find(p);
@@ -221,10 +252,14 @@ void torch_block_free(void* p, int /*device*/) noexcept {
     if (!gil) {
       try {
         g_deferred->push_back(std::move(d));
-        return;
+        deferred = true;
       } catch (...) {  // (no memory for the list: freed now)
       }
     }
+  }
+  if (deferred) {
+    schedule_drain();
+    return;
   }
   try {
     d.clear();  // torch's deleter, outside the lock
@@ -287,7 +322,15 @@ PYBIND11_MODULE(_gact_torch, m) {
       [] { return py::capsule(static_cast<void const*>(&g_torch_blocks), "gact.device_blocks"); },
       "torch's CUDA caching allocator (c10::GetAllocator(CUDA)) as the blocks of the store's device arena "
       "(the capsule _gact.set_device_blocks takes).");
-  m.def("device_blocks_held", &torch_blocks_held, "Blocks of torch's CUDA allocator gact holds now.");
+  m.def("device_blocks_held", &torch_blocks_held,
+        "Blocks of torch's CUDA allocator gact holds now (frees deferred by threads without the GIL are done first).");
+  m.def(
+      "_loaded_symbol",
+      [](std::string const& library, std::string const& symbol) {
+        return reinterpret_cast<std::uintptr_t>(loaded_symbol(library.c_str(), symbol.c_str()));
+      },
+      py::arg("library"), py::arg("symbol"),
+      "Tests: the address of `symbol` in an already loaded `library` (as the CUDA allocator is found), or 0.");
   m.def(
       "_install_fake_cuda_allocator",
       [] {

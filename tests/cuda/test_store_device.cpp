@@ -319,7 +319,9 @@ TEST_CASE("store on a device over another allocator: each blob and image is one 
   CHECK(fake_cudart_count("cudaMalloc") == 0);       // no memory of gact's own
   CHECK(fake_cudart_count("cudaFree") == 0);
 
-  // the other allocator out of memory: gact's out-of-memory error with its reason, nothing held
+  // the other allocator out of memory, with a blob of gact's alive in it: gact's out-of-memory error with its
+  // reason, asked once (nothing of gact's own to release first), nothing more held
+  handle const live = store.put(view(t.x, dtype::float32, {8, 16, 12, 12}, 5), p).h;
   counted_blocks::fail_above = 1024;
   auto const attempts = counted_blocks::attempts;
   try {
@@ -329,8 +331,10 @@ TEST_CASE("store on a device over another allocator: each blob and image is one 
     CHECK(std::string(e.what()).find("CUDA out of memory (test)") != std::string::npos);
   }
   CHECK(counted_blocks::attempts == attempts + 1);  // asked once: the other allocator retried on its own
+  CHECK(counted_blocks::live == blob);
+  CHECK(store.live_handles() == 1);
+  CHECK(store.release(live) == 0);
   CHECK(counted_blocks::live == 0);
-  CHECK(store.live_handles() == 0);
 
   // a training step's saves over the other allocator's blocks wait for the device no more than over gact's pool
   counted_blocks::fail_above = 0;
