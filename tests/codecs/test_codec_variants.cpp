@@ -44,7 +44,7 @@ bytes make_tensor(dtype dt, std::vector<float> const& v) {
     switch (dt) {
       case dtype::float32: std::memcpy(t.data() + 4 * i, &v[i], 4); break;
       case dtype::float64: {
-        double const d = v[i];
+        double const d = static_cast<double>(v[i]);
         std::memcpy(t.data() + 8 * i, &d, 8);
         break;
       }
@@ -64,14 +64,14 @@ std::vector<double> values(dtype dt, unsigned char const* p, std::size_t n) {
       case dtype::float32: {
         float f;
         std::memcpy(&f, p + 4 * i, 4);
-        v[i] = f;
+        v[i] = static_cast<double>(f);
         break;
       }
       case dtype::float64: std::memcpy(&v[i], p + 8 * i, 8); break;
       default: {
         std::uint16_t h;
         std::memcpy(&h, p + 2 * i, 2);
-        v[i] = dt == dtype::float16 ? hd::half_to_float(h) : hd::bf16_to_float(h);
+        v[i] = static_cast<double>(dt == dtype::float16 ? hd::half_to_float(h) : hd::bf16_to_float(h));
       }
     }
   }
@@ -250,10 +250,10 @@ TEST_CASE("normalized quant: unbiased; the mean over 400 seeds is within 5 sigma
     std::size_t const g = i / 256, ch = (i / 25) % 8;
     float zb[2];
     std::memcpy(zb, blob.data() + lay.header_bytes + lay.stats_bytes + 8 * g, 8);
-    double const sh = hd::round_bf16(k.shift[ch]), sc = hd::round_bf16(k.scale[ch]);  // the statistics as stored
+    double const sh = double(hd::round_bf16(k.shift[ch])), sc = double(hd::round_bf16(k.scale[ch]));  // as stored
     double const inv = 1.0 / sc;
     double const z = (double(k.x[i]) - sh) * sc;
-    double const tol = rounding_tolerance(z, zb[0], (double(zb[1]) - double(zb[0])) / 3.0, n) * inv;
+    double const tol = rounding_tolerance(z, double(zb[0]), (double(zb[1]) - double(zb[0])) / 3.0, n) * inv;
     if (std::fabs(sum[i] / n - double(k.x[i])) > tol) ++bad;
   }
   // 5 sigma: the chance that any of 400 unbiased coordinates fails is about 2e-4.
@@ -423,7 +423,7 @@ TEST_CASE("boundary quant: interior values unbiased over seeds") {
         imax = std::max(imax, double(x[i]));
       }
     for (std::size_t i = g * 256; i < g * 256 + 256; ++i) {
-      double const tol = x[i] > 0.f ? rounding_tolerance(x[i], imin, (imax - imin) / 2.0, n) : 0.0;
+      double const tol = x[i] > 0.f ? rounding_tolerance(double(x[i]), imin, (imax - imin) / 2.0, n) : 0.0;
       if (std::fabs(sum[i] / n - double(x[i])) > tol) ++bad;
     }
   }

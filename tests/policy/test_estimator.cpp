@@ -16,8 +16,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
+
+namespace {
+constexpr double k_nan = std::numeric_limits<double>::quiet_NaN();  // (NAN is a float)
+}  // namespace
 
 using namespace gact::policy;
 
@@ -270,7 +275,7 @@ TEST_CASE("online estimator validation and accumulation") {
   s.numel = 0;
   CHECK_THROWS_AS((void)online_sensitivity(s), gact::invalid_argument);
   s.numel = 10;
-  s.grad_sq_norm = NAN;
+  s.grad_sq_norm = k_nan;
   CHECK_THROWS_AS((void)online_sensitivity(s), gact::invalid_argument);
   s.grad_sq_norm = 1.0;
   s.fan_in = -1.0;

@@ -10,6 +10,12 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
+
+namespace {
+constexpr double k_nan = std::numeric_limits<double>::quiet_NaN();  // (NAN is a float)
+constexpr double k_inf = std::numeric_limits<double>::infinity();
+}  // namespace
 
 using namespace gact::policy;
 
@@ -51,7 +57,7 @@ TEST_CASE("sensitivity EMA: first estimate as is, then weighted") {
   CHECK(t.find("a")->estimates == 3);
   CHECK_THROWS_AS(t.add_estimate("unknown", 1.0), gact::invalid_argument);
   CHECK_THROWS_AS(t.add_estimate("a", -1.0), gact::invalid_argument);
-  CHECK_THROWS_AS(t.add_estimate("a", NAN), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate("a", k_nan), gact::invalid_argument);
   CHECK_THROWS_AS(t.observe("", 10, 0), gact::invalid_argument);
   CHECK_THROWS_AS(t.observe("z", 0, 0), gact::invalid_argument);
   CHECK_THROWS_AS(t.observe("z", 10, 0, 8), gact::invalid_argument);
@@ -83,7 +89,7 @@ TEST_CASE("estimates width by width: EMA per width, continuing from a scalar est
   CHECK(t.find("b")->estimates == 2);
   CHECK_THROWS_AS(t.add_estimate_widths("unknown", {1.0, 1.0, 1.0, 1.0}), gact::invalid_argument);
   CHECK_THROWS_AS(t.add_estimate_widths("a", {1.0, -1.0, 1.0, 1.0}), gact::invalid_argument);
-  CHECK_THROWS_AS(t.add_estimate_widths("a", {1.0, 1.0, INFINITY, 1.0}), gact::invalid_argument);
+  CHECK_THROWS_AS(t.add_estimate_widths("a", {1.0, 1.0, k_inf, 1.0}), gact::invalid_argument);
   CHECK_THROWS_AS(t.observe("c", 10, 0, 32, 3), gact::invalid_argument);
   t.raise_variance("a", 1, 100.0);
   CHECK(t.find("a")->variance[0] == 100.0);
@@ -93,7 +99,7 @@ TEST_CASE("estimates width by width: EMA per width, continuing from a scalar est
   t.observe("d", 10, 0);
   CHECK_THROWS_AS(t.raise_variance("d", 1, 1.0), gact::invalid_argument);  // no estimate yet
   CHECK_THROWS_AS(t.raise_variance("a", 3, 1.0), gact::invalid_argument);
-  CHECK_THROWS_AS(t.raise_variance("a", 1, NAN), gact::invalid_argument);
+  CHECK_THROWS_AS(t.raise_variance("a", 1, k_nan), gact::invalid_argument);
 }
 
 TEST_CASE("narrowest widths: the budget counts them as uniform stores them, the solver never goes below") {

@@ -13,8 +13,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
+
+namespace {
+constexpr double k_nan = std::numeric_limits<double>::quiet_NaN();  // (NAN is a float)
+constexpr double k_inf = std::numeric_limits<double>::infinity();
+}  // namespace
 
 using namespace gact::policy;
 
@@ -69,7 +75,7 @@ double brute_force(std::vector<solver_item> const& items, std::uint64_t budget, 
     choices.push_back(c);
   }
   std::vector<std::size_t> idx(items.size(), 0);
-  double best = INFINITY;
+  double best = k_inf;
   feasible = false;
   for (;;) {
     std::vector<int> bits;
@@ -98,7 +104,7 @@ std::vector<int> gact_greedy(std::vector<solver_item> const& items, double avg_b
   }
   while (total > target) {
     std::size_t best = items.size();
-    double best_p = INFINITY;
+    double best_p = k_inf;
     for (std::size_t i = 0; i < items.size(); ++i) {
       if (bits[i] == 1) continue;
       int const nb = next[bits[i]];
@@ -190,7 +196,7 @@ TEST_CASE("variance factor and budget") {
   CHECK(budget_bytes_for(2.0, 1000) == 250);
   CHECK(budget_bytes_for(2.25, 1001) == 281);  // floor(281.53)
   CHECK_THROWS_AS((void)budget_bytes_for(0.0, 10), gact::invalid_argument);
-  CHECK_THROWS_AS((void)budget_bytes_for(NAN, 10), gact::invalid_argument);
+  CHECK_THROWS_AS((void)budget_bytes_for(k_nan, 10), gact::invalid_argument);
 }
 
 TEST_CASE("exact solver agrees with brute force") {
@@ -484,12 +490,12 @@ TEST_CASE("bad input is rejected with a clear error") {
   CHECK_THROWS_AS(solve_greedy({bad_min}, 100, o), gact::invalid_argument);
   solver_item bad_var{"a", 10, 1.0, 32, 1, std::array<double, 4>{1.0, -1.0, 0.0, 0.0}};
   CHECK_THROWS_AS(solve_greedy({bad_var}, 100, o), gact::invalid_argument);
-  bad_var.variance = std::array<double, 4>{1.0, NAN, 0.0, 0.0};
+  bad_var.variance = std::array<double, 4>{1.0, k_nan, 0.0, 0.0};
   CHECK_THROWS_AS(solve_exact({bad_var}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 0, 1.0, 32}}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 10, -1.0, 32}}, 100, o), gact::invalid_argument);
-  CHECK_THROWS_AS(solve_greedy({{"a", 10, NAN, 32}}, 100, o), gact::invalid_argument);
-  CHECK_THROWS_AS(solve_greedy({{"a", 10, INFINITY, 32}}, 100, o), gact::invalid_argument);
+  CHECK_THROWS_AS(solve_greedy({{"a", 10, k_nan, 32}}, 100, o), gact::invalid_argument);
+  CHECK_THROWS_AS(solve_greedy({{"a", 10, k_inf, 32}}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 10, 1.0, 8}}, 100, o), gact::invalid_argument);
   CHECK_THROWS_AS(solve_greedy({{"a", 10, 1.0, 32}, {"a", 20, 1.0, 32}}, 100, o), gact::invalid_argument);
   solver_options bad = o;
