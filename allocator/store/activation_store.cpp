@@ -31,6 +31,8 @@
 
 #if defined(GACT_HAVE_KERNELS)
 #include <cuda_runtime_api.h>
+
+#include "allocator/device/device_guard.hpp"
 #endif
 
 namespace gact::store {
@@ -1160,23 +1162,18 @@ codec::verdict_ring* activation_store::verdict_ring_for(int device) const {
   auto& r = rings_[std::size_t(device)];
 #if defined(GACT_HAVE_KERNELS)
   if (r == nullptr) {
-    int cur = 0;
-    if (cudaGetDevice(&cur) != cudaSuccess) cur = device;
-    if (cur != device) (void)cudaSetDevice(device);
-    try {
+    {
+      device::device_guard const g(device);  // the ring's memory on the blob's device
       r = codec::verdict_ring::create_device();
-    } catch (...) {
-      if (cur != device) (void)cudaSetDevice(cur);
-      throw;
     }
-    if (cur != device) (void)cudaSetDevice(cur);
     // every slot in flight for seconds: the device is far behind or stuck; synchronizing it answers them
     r->stall = [device] {
-      int c = 0;
-      if (cudaGetDevice(&c) != cudaSuccess) c = device;
-      if (c != device) (void)cudaSetDevice(device);
-      (void)cudaDeviceSynchronize();
-      if (c != device) (void)cudaSetDevice(c);
+      try {
+        device::device_guard const g(device);
+        (void)cudaDeviceSynchronize();
+      } catch (std::exception const& e) {
+        GACT_WARN_CAPPED(4, "activation_store: cannot wait for device {}: {}", device, e.what());
+      }
     };
   }
 #endif

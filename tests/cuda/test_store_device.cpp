@@ -239,6 +239,41 @@ TEST_CASE("store on a device: an encode under stream capture asks for no verdict
   CHECK(f.store.release(h2) == 0);
 }
 
+TEST_CASE("store on a device: a blob of another device than the current one gets its verdict ring there") {
+  // (two fake devices; the thread's current device is 0 and the tensor lives on device 1)
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  gact::device::host_backend hb;
+  gact::alloc::caching_allocator host_arena{hb};
+  gact::device::cuda_backend db{1};
+  gact::alloc::caching_allocator dev_arena{db};
+  activation_store store{host_arena, store_options{1, ""}};
+  store.set_device_arena(1, &dev_arena);
+  std::vector<float> x(4096, 0.5f);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  device_tensor const t(x.data(), x.size() * 4);
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  auto const on0 = fake_cudart_used_bytes(0), on1 = fake_cudart_used_bytes(1);
+  put_params p;
+  p.bits = 4;
+  p.key = 1;
+  p.stream = reinterpret_cast<gact::device::stream_t>(stream);
+  tensor_view v = view(t, dtype::float32, {4096});
+  v.device = 1;
+  handle const h = store.put(v, p).h;
+  CHECK(store.verdict(h) == -1);  // a ring exists: the verdict is pending (no kernel runs here)
+  int cur = -1;
+  REQUIRE(cudaGetDevice(&cur) == cudaSuccess);
+  CHECK(cur == 0);                                 // the caller's device again
+  CHECK(fake_cudart_used_bytes(0) == on0);         // nothing of the ring's (or the blob's) on device 0
+  CHECK(fake_cudart_used_bytes(1) > on1);
+  CHECK(store.release(h) == 0);
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  (void)cudaStreamDestroy(stream);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+}
+
 namespace {
 
 /// Another allocator's blocks (torch's, in a process where gact is not torch's allocator), counted: host memory
