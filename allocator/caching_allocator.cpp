@@ -148,6 +148,11 @@ struct caching_allocator::impl {
   std::vector<pending_event> pending;
   std::vector<device::event_t> spare_events;
 
+  // backend_unlocked: segments given up under the lock, released to the backend once it is dropped (release_later
+  // and the public calls' unlock_and_release), and the bytes being reserved outside it (counted against the limit)
+  std::vector<std::pair<void*, std::size_t>> to_release;
+  std::size_t reserving = 0;
+
   allocator_stats st;
   std::array<tag_stat, k_max_tags> tags{};
   std::string last_backend_error;
@@ -206,29 +211,47 @@ struct caching_allocator::impl {
   // ---- segments --------------------------------------------------------------
   /// A new whole-segment free block (not in a free set), or nullptr when the limit or the
   /// backend refuses. Other backend errors propagate.
-  block* try_new_segment(std::size_t seg_size, bool small, device::stream_t stream) {
-    std::size_t const reserved = static_cast<std::size_t>(st.reserved_bytes[pool_all].current);
+  /// With backend_unlocked, `lock` (holding mu) is dropped around the backend's reserve: the segments waiting in
+  /// to_release go back to the backend first, then the new one is asked for.
+  block* try_new_segment(std::size_t seg_size, bool small, device::stream_t stream, std::unique_lock<std::mutex>& lock) {
+    std::size_t const reserved = static_cast<std::size_t>(st.reserved_bytes[pool_all].current) + reserving;
     if (opts.memory_limit != 0 && (seg_size > opts.memory_limit || reserved > opts.memory_limit - seg_size)) {
       last_backend_error = "memory limit";
       return nullptr;
     }
     block* b = records.make();
     void* p = nullptr;
+    bool const unlocked = opts.backend_unlocked;
+    std::vector<std::pair<void*, std::size_t>> gone;
+    if (unlocked) {
+      gone.swap(to_release);
+      reserving += seg_size;
+      lock.unlock();
+    }
+    auto const relock = [&] {
+      if (!unlocked) return;
+      lock.lock();
+      reserving -= seg_size;
+    };
     try {
+      for (auto const& [q, n] : gone) be.release(q, n);
       p = be.reserve(seg_size);
     } catch (out_of_memory const& e) {
+      relock();
       records.destroy(b);
       last_backend_error = e.what();
       return nullptr;
     } catch (...) {
+      relock();
       records.destroy(b);
       throw;
     }
+    relock();
     b->ptr = reinterpret_cast<std::uintptr_t>(p);
     try {
       segments.emplace(b->ptr, seg_size);
     } catch (...) {
-      be.release(p, seg_size);
+      release_later(p, seg_size);
       records.destroy(b);
       throw;
     }
@@ -243,9 +266,30 @@ struct caching_allocator::impl {
     return b;
   }
 
+  /// Give `p` back to the backend: now, or with backend_unlocked once the lock is dropped.
+  void release_later(void* p, std::size_t bytes) noexcept {
+    if (opts.backend_unlocked) {
+      try {
+        to_release.emplace_back(p, bytes);
+        return;
+      } catch (...) {  // (no memory for the list: released under the lock, as without the option)
+      }
+    }
+    be.release(p, bytes);
+  }
+
+  /// Drop `lock` and release the segments given up while it was held (backend_unlocked).
+  void unlock_and_release(std::unique_lock<std::mutex>& lock) noexcept {
+    if (to_release.empty()) return;
+    std::vector<std::pair<void*, std::size_t>> gone;
+    gone.swap(to_release);
+    lock.unlock();
+    for (auto const& [p, n] : gone) be.release(p, n);
+  }
+
   void release_segment(block* b) noexcept {
     segments.erase(b->ptr);
-    be.release(reinterpret_cast<void*>(b->ptr), b->size);
+    release_later(reinterpret_cast<void*>(b->ptr), b->size);
     stat_sub(st.segment, b->small, 1);
     stat_sub(st.reserved_bytes, b->small, static_cast<std::int64_t>(b->size));
     ++st.num_device_free;
@@ -441,7 +485,8 @@ struct caching_allocator::impl {
                     {"memory_limit", opts.memory_limit},
                     {"max_request", opts.max_request},
                     {"release_free_above", opts.release_free_above},
-                    {"retry_when_empty", opts.retry_when_empty}};
+                    {"retry_when_empty", opts.retry_when_empty},
+                    {"backend_unlocked", opts.backend_unlocked}};
     j["name"] = stats_name;
     if (event_trace::enabled()) j["segments"] = segments_json();
     return j;
@@ -538,6 +583,8 @@ caching_allocator::~caching_allocator() {
     GACT_LOG_WARN("allocator '{}' destroyed with {} live blocks ({} bytes); their segments are not released",
                   m.stats_name, m.live.size(), m.st.allocated_bytes[pool_all].current);
   }
+  for (auto const& [p, n] : m.to_release) m.be.release(p, n);
+  m.to_release.clear();
   for (device::event_t e : m.spare_events) m.be.destroy_event(e);
   for (pending_event const& pe : m.pending) m.be.destroy_event(pe.event);
 }
@@ -562,7 +609,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   std::size_t const size = round_size(bytes);
   bool const small = size <= m.opts.small_size;
 
-  std::lock_guard<std::mutex> lock(m.mu);
+  std::unique_lock<std::mutex> lock(m.mu);
   if (m.fault_count > 0) [[unlikely]] {
     if (m.fault_after > 0) {
       --m.fault_after;
@@ -578,7 +625,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   } else {
     std::size_t const seg = m.segment_size(size);
     if (m.release_on_miss) m.release_whole_free();  // none of them can serve this request
-    b = m.try_new_segment(seg, small, stream);
+    b = m.try_new_segment(seg, small, stream, lock);
     if (b == nullptr) {
       // A thin layer over another allocator with nothing to release (no free segment cached, no block waiting
       // for an event; its live blocks stay): that allocator has freed its own cache and retried before failing,
@@ -591,7 +638,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
       if (b != nullptr) {
         m.erase_free(b);
       } else {
-        b = m.try_new_segment(seg, small, stream);
+        b = m.try_new_segment(seg, small, stream, lock);
         if (b == nullptr) m.throw_oom(bytes, seg, stream, tag);
       }
     }
@@ -616,7 +663,9 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   m.live.insert(b->ptr, b);
   m.count_alloc(b, bytes, tag);
   if (event_trace::enabled()) [[unlikely]] m.trace(event_trace::event_kind::alloc, b->ptr, b->size, stream, tag, bytes);
-  return reinterpret_cast<void*>(b->ptr);
+  void* const out = reinterpret_cast<void*>(b->ptr);
+  m.unlock_and_release(lock);  // (blocks whose events completed may have freed a segment)
+  return out;
 }
 
 void caching_allocator::deallocate(void* p) noexcept {
@@ -627,7 +676,7 @@ bool caching_allocator::try_deallocate(void* p) noexcept { return p != nullptr &
 
 bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
   impl& m = *impl_;
-  std::lock_guard<std::mutex> lock(m.mu);
+  std::unique_lock<std::mutex> lock(m.mu);
   auto const addr = reinterpret_cast<std::uintptr_t>(p);
   block* b = m.live.find(addr);
   if (b == nullptr) [[unlikely]] {
@@ -640,6 +689,7 @@ bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
   try {
     if (b->stream_uses.empty()) [[likely]] {
       m.free_block(b);
+      m.unlock_and_release(lock);
       return true;
     }
     // Used on other streams: the memory is reusable once an event recorded now on each
@@ -675,6 +725,7 @@ bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
     // Only host allocation failure (bad_alloc) can reach here; the block stays out of use.
     GACT_LOG_ERROR("allocator '{}': free of {} failed: {}", m.stats_name, p, e.what());
   }
+  m.unlock_and_release(lock);
   return true;
 }
 
@@ -708,8 +759,9 @@ void caching_allocator::fail_allocations(int after, int count) noexcept {
 }
 
 void caching_allocator::empty_cache() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->release_cached();
+  impl_->unlock_and_release(lock);
 }
 
 bool caching_allocator::set_release_on_miss(bool on) noexcept {
@@ -789,10 +841,11 @@ device::backend& caching_allocator::backend() const noexcept { return impl_->be;
 allocator_options const& caching_allocator::options() const noexcept { return impl_->opts; }
 
 void caching_allocator::set_memory_limit(std::size_t bytes) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   impl_->opts.memory_limit = bytes;
   std::size_t const reserved = static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current);
   if (bytes != 0 && reserved > bytes) impl_->release_cached();  // get under the new cap where the cache allows
+  impl_->unlock_and_release(lock);
 }
 
 }  // namespace gact::alloc

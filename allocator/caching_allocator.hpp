@@ -53,6 +53,11 @@ struct allocator_options {
   /// transient backend failure); false: not retried then, for a backend that retries on its own (another
   /// caching allocator).
   bool retry_when_empty = true;
+  /// The backend's reserve() and release() run with the allocator's lock released (and releases after the call
+  /// that freed the segment has unlocked): for a backend that calls into another allocator, which takes locks of
+  /// its own and may run Python (torch's CUDA allocator: memory-history stacks, out-of-memory observers), so that
+  /// no thread waits for gact's lock while the one holding it waits for theirs. Costs a relock per new segment.
+  bool backend_unlocked = false;
   std::string name = "host";                                ///< name in the stats ("cuda:0", "pinned", ...)
 };
 

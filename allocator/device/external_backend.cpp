@@ -55,6 +55,7 @@ alloc::allocator_options pass_through_options(std::string name) {
   o.round_large = 512;
   o.release_free_above = 1;     // any segment wholly free goes back at once: the other allocator caches
   o.retry_when_empty = false;   // (and it retries after freeing its cache before it fails)
+  o.backend_unlocked = true;    // it takes locks of its own and may run Python: never called under gact's lock
   o.name = std::move(name);
   return o;
 }

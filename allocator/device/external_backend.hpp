@@ -58,7 +58,8 @@ class external_backend final : public backend {
 };
 
 /// Options that make a caching allocator over an external_backend a thin layer: every request its own
-/// segment of the request rounded to 512 bytes, released to the backend as soon as it is free.
+/// segment of the request rounded to 512 bytes, released to the backend as soon as it is free; the backend
+/// called with the caching allocator's lock released (backend_unlocked).
 alloc::allocator_options pass_through_options(std::string name);
 
 }  // namespace gact::device

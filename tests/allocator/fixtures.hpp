@@ -31,4 +31,13 @@ struct backend_fixture {
 using host_fixture = backend_fixture<device::host_backend>;
 using manual_fixture = backend_fixture<manual_backend>;
 
+/// The manual-event backend called with the allocator's lock released (backend_unlocked, as over torch's pool):
+/// the same contract.
+struct unlocked_fixture : backend_fixture<manual_backend> {
+  std::unique_ptr<alloc::caching_allocator> make(alloc::allocator_options o) {
+    o.backend_unlocked = true;
+    return std::make_unique<alloc::caching_allocator>(be, std::move(o));
+  }
+};
+
 }  // namespace gact::test

@@ -276,11 +276,13 @@ TEST_CASE("model: 70k single-threaded random operations on 3 streams") {
 
 TEST_SUITE("threads") {
 
-TEST_CASE("model: 4 threads x 7.5k random operations, each with its own model") {
+namespace {
+
+void threaded_model(gact::alloc::allocator_options const& opts) {
   std::uint64_t const seed = test_seed();
   INFO("seed " << seed << " (set GACT_TEST_SEED to replay)");
   gact::device::host_backend be;
-  caching_allocator a(be);
+  caching_allocator a(be, opts);
   overlap_registry reg;
   constexpr int k_threads = 4;
   std::vector<gact::device::stream_t> const shared{0, be.create_stream(), be.create_stream()};
@@ -327,6 +329,21 @@ TEST_CASE("model: 4 threads x 7.5k random operations, each with its own model") 
   CHECK(st.active[pool_all].current == 0);
   CHECK(st.reserved_bytes[pool_all].current == 0);
   CHECK(be.reserved_bytes() == 0);
+}
+
+}  // namespace
+
+TEST_CASE("model: 4 threads x 7.5k random operations, each with its own model") {
+  threaded_model(gact::alloc::allocator_options{});
+}
+
+TEST_CASE("model: the same over a backend called outside the lock, whole free segments released at once") {
+  gact::alloc::allocator_options o;  // (as over torch's CUDA pool: pass_through_options)
+  o.backend_unlocked = true;
+  o.release_free_above = 1;
+  o.large_segment_size = o.min_large_alloc = std::size_t{2} << 20;  // (segments come and go often)
+  o.round_large = 512;
+  threaded_model(o);
 }
 
 }  // TEST_SUITE
