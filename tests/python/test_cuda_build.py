@@ -357,6 +357,23 @@ out["counts"] = list(_gact_torch._fake_cuda_counts())
 """)
     assert out == {"choice": "gact", "warnings": [], "counts": [0, 0]}  # swap: gact's pool, no probe
 
+    # a swap Compressor whose first CUDA save only needed its shape (a channels_last one): its unpack decides, for
+    # swap too (a later store of that Compressor could not swap out of torch's pool)
+    out = _run_torch_pool(r"""
+import torch
+from gact.compressor import _Shape
+_gact_torch._install_fake_cuda_allocator()
+s = _Shape(torch.empty(2, 3, 4, 4, device="meta").to(memory_format=torch.channels_last), swap=True)
+s.device = torch.device("cuda", 0)  # (no GPU here: the zeros' allocation fails after the choice)
+try:
+    s.unpack()
+except Exception:
+    pass
+out["choice"] = galloc.device_pool
+out["counts"] = list(_gact_torch._fake_cuda_counts())
+""")
+    assert out == {"choice": "gact", "counts": [0, 0]}
+
     if torch.cuda.is_available():
         return  # (a CUDA torch has a caching allocator to find: the case below is a CPU torch's)
     out = _run_torch_pool(r"""

@@ -298,9 +298,10 @@ class _Shape:
     before backward it still raises torch's error, as torch would (the gradient would not change, but a
     tool that hooks into autograd never takes away torch's errors)."""
 
-    __slots__ = ("shape", "stride", "dtype", "device", "contiguous", "vref", "version")
+    __slots__ = ("shape", "stride", "dtype", "device", "contiguous", "vref", "version", "swap")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, swap: bool = False) -> None:
+        self.swap = swap  # the Compressor's: where its unpack's zeros go, when nothing decided the device pool yet
         self.shape = t.shape
         self.stride = t.stride()
         self.dtype = t.dtype
@@ -323,7 +324,7 @@ class _Shape:
         # gradient the reader allocates "like" it keeps the layout
         dev = _compat.device_index_of(self.device)
         if dev >= 0 and _allocator.device_pool is None:
-            _allocator._default_device_pool(False, dev)
+            _allocator._default_device_pool(self.swap, dev)
         stream = _compat.raw_stream(self.device.index) if self.device.type == "cuda" else 0
         cap = _C.empty_dlpack(_compat.DTYPE_NAMES[self.dtype], tuple(self.shape), tuple(self.stride), dev, stream)
         return _from_dlpack(cap).zero_()
@@ -918,7 +919,7 @@ class Compressor:
             d, kind = _saved._VALUES, _saved.VALUES
         if kind == _saved.SHAPE:
             _C.store_note_unstored("shape", t.numel() * t.element_size(), self._owner)
-            return _Shape(t)
+            return _Shape(t, self.swap)
         if kind == _saved.STATS:
             if frame is not None and frame.pending is not None:
                 frame.stats.append(t)
