@@ -287,6 +287,18 @@ struct caching_allocator::impl {
     for (auto const& [p, n] : gone) be.release(p, n);
   }
 
+  /// Drops the lock and releases what was queued when the public call that holds it returns or throws.
+  struct drain_at_exit {
+    impl& m;
+    std::unique_lock<std::mutex>& lock;
+    drain_at_exit(impl& i, std::unique_lock<std::mutex>& l) noexcept : m(i), lock(l) {}
+    drain_at_exit(drain_at_exit const&) = delete;
+    drain_at_exit& operator=(drain_at_exit const&) = delete;
+    ~drain_at_exit() {
+      if (lock.owns_lock()) m.unlock_and_release(lock);
+    }
+  };
+
   void release_segment(block* b) noexcept {
     segments.erase(b->ptr);
     release_later(reinterpret_cast<void*>(b->ptr), b->size);
@@ -610,6 +622,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   bool const small = size <= m.opts.small_size;
 
   std::unique_lock<std::mutex> lock(m.mu);
+  impl::drain_at_exit const drain{m, lock};  // (also when it throws: segments released on the way stay queued)
   if (m.fault_count > 0) [[unlikely]] {
     if (m.fault_after > 0) {
       --m.fault_after;
@@ -663,9 +676,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   m.live.insert(b->ptr, b);
   m.count_alloc(b, bytes, tag);
   if (event_trace::enabled()) [[unlikely]] m.trace(event_trace::event_kind::alloc, b->ptr, b->size, stream, tag, bytes);
-  void* const out = reinterpret_cast<void*>(b->ptr);
-  m.unlock_and_release(lock);  // (blocks whose events completed may have freed a segment)
-  return out;
+  return reinterpret_cast<void*>(b->ptr);  // (blocks whose events completed may have freed a segment: drained)
 }
 
 void caching_allocator::deallocate(void* p) noexcept {
@@ -677,6 +688,7 @@ bool caching_allocator::try_deallocate(void* p) noexcept { return p != nullptr &
 bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
   impl& m = *impl_;
   std::unique_lock<std::mutex> lock(m.mu);
+  impl::drain_at_exit const drain{m, lock};
   auto const addr = reinterpret_cast<std::uintptr_t>(p);
   block* b = m.live.find(addr);
   if (b == nullptr) [[unlikely]] {
@@ -689,7 +701,6 @@ bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
   try {
     if (b->stream_uses.empty()) [[likely]] {
       m.free_block(b);
-      m.unlock_and_release(lock);
       return true;
     }
     // Used on other streams: the memory is reusable once an event recorded now on each
@@ -725,7 +736,6 @@ bool caching_allocator::free_if_owned(void* p, bool count_bad) noexcept {
     // Only host allocation failure (bad_alloc) can reach here; the block stays out of use.
     GACT_LOG_ERROR("allocator '{}': free of {} failed: {}", m.stats_name, p, e.what());
   }
-  m.unlock_and_release(lock);
   return true;
 }
 
@@ -760,8 +770,8 @@ void caching_allocator::fail_allocations(int after, int count) noexcept {
 
 void caching_allocator::empty_cache() {
   std::unique_lock<std::mutex> lock(impl_->mu);
+  impl::drain_at_exit const drain{*impl_, lock};
   impl_->release_cached();
-  impl_->unlock_and_release(lock);
 }
 
 bool caching_allocator::set_release_on_miss(bool on) noexcept {
@@ -842,10 +852,10 @@ allocator_options const& caching_allocator::options() const noexcept { return im
 
 void caching_allocator::set_memory_limit(std::size_t bytes) {
   std::unique_lock<std::mutex> lock(impl_->mu);
+  impl::drain_at_exit const drain{*impl_, lock};
   impl_->opts.memory_limit = bytes;
-  std::size_t const reserved = static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current);
+  std::size_t const reserved = static_cast<std::size_t>(impl_->st.reserved_bytes[pool_all].current) + impl_->reserving;
   if (bytes != 0 && reserved > bytes) impl_->release_cached();  // get under the new cap where the cache allows
-  impl_->unlock_and_release(lock);
 }
 
 }  // namespace gact::alloc

@@ -140,9 +140,10 @@ py::object check_oom_thrower(std::string const& message) {
 //   before a context exists), and the stream is the calling thread's current one, as a tensor made there;
 // - each block's DataPtr is held until gact frees it. Its deleter gives the block back to torch, which may
 //   take the GIL (torch.cuda.memory._record_memory_history gathers Python stacks on frees): a free called
-//   without the GIL (an autograd device thread freeing a decoded tensor, inside gact's arena lock) is
-//   deferred to the next allocation or free made with the GIL, so that no thread waits for the GIL while
-//   holding gact's lock.
+//   without the GIL (an autograd device thread freeing a decoded tensor) is deferred to the interpreter's
+//   main thread (Py_AddPendingCall), and to the next allocation or free made with the GIL, so that no
+//   thread waits for the GIL inside a free. (gact's arena calls these entry points with its own lock
+//   released: caching_allocator's backend_unlocked.)
 
 std::mutex g_blocks_mu;
 auto* const g_blocks = new std::unordered_map<void*, c10::DataPtr>();  // never destroyed: frees may come at exit

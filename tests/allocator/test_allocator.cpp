@@ -474,7 +474,7 @@ bool other_thread_served_while_in_backend(bool unlocked, int which) {
     }
   });
   while (!be.waiting) std::this_thread::yield();
-  a.deallocate(cached);  // B: a free, and an allocation the cache serves
+  a.deallocate(cached);  // B: a free (its segment goes back) and an allocation (a new one)
   cached = a.allocate(4096);
   be.other_thread_done();
   ta.join();
@@ -495,6 +495,23 @@ TEST_CASE("backend_unlocked: another thread is served while one waits in the bac
 
 TEST_CASE("without backend_unlocked the backend runs under the allocator's lock (what the option is for)") {
   CHECK_FALSE(other_thread_served_while_in_backend(false, 1));  // B waited for the lock
+  CHECK_FALSE(other_thread_served_while_in_backend(false, 2));
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("backend_unlocked: segments given up on the way to an out-of-memory error go back to the backend") {
+  for (bool const unlocked : {false, true}) {
+    INFO("backend_unlocked " << unlocked);
+    gact::test::manual_backend be;
+    allocator_options o;
+    o.backend_unlocked = unlocked;
+    caching_allocator a(be, o);
+    a.deallocate(a.allocate(4096));  // a cached 2 MiB small segment
+    a.set_memory_limit(3 * k_mib);
+    // over the limit, the cache released, over it again: out of memory, the free segment given back meanwhile
+    CHECK_THROWS_AS((void)a.allocate(12 * k_mib), gact::out_of_memory);
+    CHECK(a.reserved_bytes() == 0);
+    CHECK(be.reserved_bytes() == 0);
+  }
+}
