@@ -512,10 +512,24 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
     assert t[2].startswith("training through gact.use_allocator() + Compressor: 2/3 arms pass; resnet50 2-bit: "
                            "step 1.50x of fp32, gact peak 0.25x")
     assert t[3] == "swap's gradients against swap=False: resnet50 equal"
-    assert t[4] == "largest batch under 8192 MiB: resnet50 fp32 96 -> bits2 384 (4.00x)"
+    assert t[4] == "largest batch under 8192 MiB under use_allocator(): resnet50 fp32 96 -> bits2 384 (4.00x)"
     assert t[5] == "out-of-memory errors of the batch search: torch.OutOfMemoryError x7"
     rep["stages"]["train"]["figures"]["max_batch_oom_errors"] = {"builtins.RuntimeError": 2}
     assert "NOT all torch's OutOfMemoryError" in report.truths(rep)[5]
+    # the default path's search (native stage: torch's allocator, the blobs in torch's pool), said beside it
+    rep["stage_order"].append("native")
+    rep["stages"]["native"] = report.empty_stage("pass")
+    rep["stages"]["native"]["figures"] = {
+        "max_batch": {"resnet50": {"fp32": {"max_batch": 80}, "bits2": {"max_batch": 480, "vs_fp32": 6.0}}},
+        "memory_cap_mib": 8192, "max_batch_pool": "torch", "max_batch_oom_errors": {"torch.OutOfMemoryError": 3}}
+    t = report.truths(rep)
+    assert t[5] == ("largest batch under 8192 MiB on torch's allocator (the default), blobs in torch's pool: "
+                    "resnet50 fp32 80 -> bits2 480 (6.00x)")
+    assert t[6].startswith("out-of-memory errors of the batch search: builtins.RuntimeError x2, "
+                           "torch.OutOfMemoryError x3")
+    md2 = open(report.write_report(rep, str(tmp_path / "2"))["md"]).read()
+    assert "on torch's allocator, the default; blobs in torch's pool)" in md2
+    assert "| resnet50 | bits2 | 480 | 6.0 |" in md2 or "| resnet50 | bits2 | 480 | 6.00 |" in md2
     assert md.index("## Findings") < md.index("## Kernels beside") < md.index("## Training steps") \
         < md.index("## Swap") < md.index("## Largest batch") < md.index("## Stages")
     assert "| float32 | quant | 2 | 1,700 | 0.85 | 2,400 | 1.20 | yes | yes |" in md

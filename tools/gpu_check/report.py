@@ -228,6 +228,18 @@ def pool_comparison(report: Mapping[str, Any]) -> List[str]:
     return parts
 
 
+def _max_batch_lines(mb: Mapping) -> List[str]:
+    """One "model fp32 N -> arm M (Kx), ..." per model of a batch search's figures."""
+    lines = []
+    for m, arms_mb in mb.items():
+        if isinstance(arms_mb, Mapping) and isinstance(arms_mb.get("fp32"), Mapping):
+            base = arms_mb["fp32"].get("max_batch")
+            rest = ", ".join(f"{n} {r.get('max_batch')} ({_fmt(r.get('vs_fp32'))}x)" for n, r in arms_mb.items()
+                             if n != "fp32" and isinstance(r, Mapping) and r.get("max_batch"))
+            lines.append(f"{m} fp32 {base}" + (f" -> {rest}" if rest else ""))
+    return lines
+
+
 def _figs(report: Mapping[str, object], stage: str) -> Mapping[str, object]:
     st = (report.get("stages") or {}).get(stage) or {}
     return st.get("figures") or {} if isinstance(st, Mapping) else {}
@@ -331,17 +343,17 @@ def truths(report: Mapping[str, object]) -> List[str]:
     if sw:
         out.append("swap's gradients against swap=False: " + ", ".join(
             f"{m} {r.get('verdict') or r.get('status')}" for m, r in sw.items() if isinstance(r, Mapping)))
-    mb = t.get("max_batch") or {}
-    lines = []
-    for m, arms_mb in mb.items():
-        if isinstance(arms_mb, Mapping) and isinstance(arms_mb.get("fp32"), Mapping):
-            base = arms_mb["fp32"].get("max_batch")
-            rest = ", ".join(f"{n} {r.get('max_batch')} ({_fmt(r.get('vs_fp32'))}x)" for n, r in arms_mb.items()
-                             if n != "fp32" and isinstance(r, Mapping) and r.get("max_batch"))
-            lines.append(f"{m} fp32 {base}" + (f" -> {rest}" if rest else ""))
-    if lines:
-        out.append(f"largest batch under {_fmt(t.get('memory_cap_mib'))} MiB: " + "; ".join(lines))
-    ooms = t.get("max_batch_oom_errors") or {}
+    nat = _figs(report, "native")
+    for figs, where in ((t, "under use_allocator()"), (nat, "on torch's allocator (the default)")):
+        lines = _max_batch_lines(figs.get("max_batch") or {})
+        if lines:
+            pool = figs.get("max_batch_pool")
+            out.append(f"largest batch under {_fmt(figs.get('memory_cap_mib'))} MiB {where}"
+                       + (f", blobs in {pool}'s pool" if pool and where.startswith("on torch") else "") + ": "
+                       + "; ".join(lines))
+    ooms = dict(t.get("max_batch_oom_errors") or {})
+    for k, v in (nat.get("max_batch_oom_errors") or {}).items():
+        ooms[k] = ooms.get(k, 0) + v
     if isinstance(ooms, Mapping) and ooms:
         theirs = all(str(k).endswith("OutOfMemoryError") for k in ooms)
         out.append("out-of-memory errors of the batch search: " + ", ".join(f"{k} x{v}" for k, v in ooms.items()) +
@@ -489,16 +501,20 @@ def render_markdown(report: Mapping[str, object]) -> str:
         out += _table(["model", "verdict", "bitwise equal", "rel. L2 difference", "fp32 run-to-run"],
                       [[m, r.get("verdict") or r.get("error"), r.get("bitwise_equal"), r.get("rel_l2_swap_vs_no_swap"),
                         r.get("rel_l2_fp32_run_to_run")] for m, r in sw.items() if isinstance(r, Mapping)])
-    mb = tf.get("max_batch") or {}
-    if any(isinstance(v, Mapping) and "fp32" in v for v in mb.values()):
-        out.append("")
-        out.append(f"## Largest batch under a {_fmt(tf.get('memory_cap_mib'))} MiB cap (everything on the device, "
-                   "through gact's allocator)")
-        out.append("")
-        out += _table(["model", "arm", "max batch", "vs fp32", "first failing", "cut by deadline"],
-                      [[m, n, r.get("max_batch"), r.get("vs_fp32"), r.get("first_failing_batch"), r.get("cut_by_deadline")]
-                       for m, arms in mb.items() if isinstance(arms, Mapping)
-                       for n, r in arms.items() if isinstance(r, Mapping)])
+    for figs, how in ((tf, "through gact's allocator (use_allocator)"),
+                      (_figs(report, "native"), "on torch's allocator, the default; blobs in "
+                       f"{_figs(report, 'native').get('max_batch_pool') or 'torch'}'s pool")):
+        mb = figs.get("max_batch") or {}
+        if any(isinstance(v, Mapping) and "fp32" in v for v in mb.values()):
+            out.append("")
+            out.append(f"## Largest batch under a {_fmt(figs.get('memory_cap_mib'))} MiB cap (everything on the device, "
+                       f"{how})")
+            out.append("")
+            out += _table(["model", "arm", "max batch", "vs fp32", "first failing", "cut by deadline"],
+                          [[m, n, r.get("max_batch"), r.get("vs_fp32"), r.get("first_failing_batch"),
+                            r.get("cut_by_deadline")]
+                           for m, arms in mb.items() if isinstance(arms, Mapping)
+                           for n, r in arms.items() if isinstance(r, Mapping)])
     out.append("")
     out.append("## Stages")
     out.append("")

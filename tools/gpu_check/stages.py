@@ -10,7 +10,8 @@
                 swap's gradients against swap=False, the largest batch under a memory cap
     sanitizers  compute-sanitizer memcheck and racecheck on the GPU programs in quick mode
     preload     the LD_PRELOAD shim under an unmodified script, in both of torch's modes
-    native      train_models.py on torch's own allocator: torch's peak for fp32 and bits2
+    native      train_models.py on torch's own allocator (the default): torch's peak for fp32 and bits2, and
+                their largest batch under the memory cap
     unit        the rest of the build and `meson test --suite unit` on the GPU host
 
 Each stage is ``stage_x(ctx, budget, out) -> StageOutcome`` and runs its steps as commands
@@ -41,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: the stages in rank order, each with its time box in seconds; a stage gets the lesser of
 #: its box and what the run has left, so the later ones are the first to go short
 STAGE_CAPS = {"build": 150.0, "kernels": 45.0, "allocator": 20.0, "train": 110.0, "sanitizers": 60.0,
-              "preload": 40.0, "native": 55.0, "unit": 90.0}
+              "preload": 40.0, "native": 80.0, "unit": 90.0}
 STAGES = list(STAGE_CAPS)
 #: stages that need a GPU (skipped in a CPU smoke run)
 GPU_ONLY = ("kernels", "allocator", "sanitizers", "preload", "native", "unit")
@@ -499,12 +500,18 @@ def stage_native(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcom
     if _cannot_run(ctx, out, torch=True):
         return out
     t = budget.remaining()
-    args = _train_args(ctx, t, "torch") + ["--arms", "fp32,bits2", "--no-swap-check", "--max-batch-arms", ""]
+    # the default a user gets (torch's allocator, the blobs in torch's pool): its peaks, and its largest batch
+    # under the cap (a shorter search than the train stage's: fp32 and 2 bits)
+    args = _train_args(ctx, t, "torch") + ["--arms", "fp32,bits2", "--no-swap-check", "--max-batch-arms",
+                                           "fp32,bits2" if ctx.device == "cuda" else "", "--search-s", "10",
+                                           "--search-reserve-s", "25"]
     step = _python_step(ctx, "training on torch's own allocator (torch's peak)", "train_models.py", args, t,
                         "native", ctx.result("native"), devenv=bool(ctx.module_ok), extra_env=WORKLOAD_ENV)
     figs = dict(step.figures)
     step.figures = {k: figs.get(k) for k in ("device", "torch") if k in figs}
-    out.figures = {"models": figs.get("models", {})}
+    out.figures = {k: figs.get(k) for k in ("max_batch", "memory_cap_mib", "max_batch_pool", "max_batch_oom_errors")
+                   if k in figs}
+    out.figures["models"] = figs.get("models", {})
     out.add(step, ctx)
     # the same compressed arm with the blobs in gact's own device pool beside torch's (GACT_TORCH_POOL=0): what
     # the one pool by default saves, in memory reserved from the device at the peak

@@ -126,7 +126,7 @@ class Trainer:
         self.cuda = self.dev.type == "cuda"
         self.t_end = time.monotonic() + a.deadline_s
         # the arms stop early enough to leave the batch search its share
-        searching = self.cuda and a.allocator == "gact" and a.max_batch_arms != ""
+        searching = self.cuda and a.max_batch_arms != ""
         self.arms_end = self.t_end - (a.search_reserve_s if searching else 0.0)
         self.gact = None if a.no_module else __import__("gact")
         self.stats = GactStats(None)
@@ -646,10 +646,16 @@ class Trainer:
 
     def search_batches(self, inputs) -> None:
         f = self.res.figures
-        if not self.cuda or self.torch_allocator or self.a.max_batch_arms == "":
-            f["max_batch"] = {"note": "not searched: " + ("on the CPU" if not self.cuda else
-                                                            "only under gact's allocator (one cap for everything)")}
+        if not self.cuda or self.a.max_batch_arms == "":
+            f["max_batch"] = {"note": "not searched: " + ("on the CPU" if not self.cuda else "no arms asked for")}
             return
+        # where the store's blobs live during the search: under use_allocator gact's allocator serves everything;
+        # on torch's allocator they are blocks of torch's pool by default, which torch's cap covers ("gact" there:
+        # a pool of gact's own beside torch's, outside the cap)
+        pool = "gact (use_allocator)"
+        if self.torch_allocator:
+            pool = (getattr(self.gact.allocator, "device_pool", None) if self.gact is not None else None) or "torch"
+        f["max_batch_pool"] = pool
         cap = int(self.a.memory_cap_gib * (1 << 30))
         total = torch.cuda.get_device_properties(0).total_memory
         f["memory_cap_mib"] = cap >> 20
