@@ -1035,25 +1035,41 @@ std::shared_ptr<decoded_image const> activation_store::decode_image(std::shared_
                    codec::codec_name(e->info.codec) + ")");
   GACT_EXPECTS(gp.predicate || e->info.values,
                "activation_store::get: handle " + std::to_string(h) + " holds only a predicate, not the values");
-  std::lock_guard elock(e->mu);
-  for (auto const& s : e->cache) {
-    if (s.predicate != gp.predicate) continue;
-    if (gp.predicate && (codec::hd::float_bits(s.tv) != codec::hd::float_bits(gp.true_value) ||
-                         codec::hd::float_bits(s.fv) != codec::hd::float_bits(gp.false_value)))
-      continue;
-    if (auto img = s.image.lock()) {
-      if (e->held != nullptr) {
-        std::uint32_t refs = 0;
-        {
-          std::lock_guard lock(mu_);  // (entry, then store: the order the counters below take them in)
-          refs = e->info.refcount;
+  std::unique_lock elock(e->mu);
+  // an image of this entry another reader decoded already (and still holds), for the same question
+  auto const cached = [&]() -> std::shared_ptr<decoded_image const> {
+    for (auto const& s : e->cache) {
+      if (s.predicate != gp.predicate) continue;
+      if (gp.predicate && (codec::hd::float_bits(s.tv) != codec::hd::float_bits(gp.true_value) ||
+                           codec::hd::float_bits(s.fv) != codec::hd::float_bits(gp.false_value)))
+        continue;
+      if (auto img = s.image.lock()) {
+        if (e->held != nullptr) {
+          std::uint32_t refs = 0;
+          {
+            std::lock_guard lock(mu_);  // (entry, then store: the order the counters below take them in)
+            refs = e->info.refcount;
+          }
+          if (refs <= 1) e->held.reset();  // the last reader has it
         }
-        if (refs <= 1) e->held.reset();  // the last reader has it
+        return img;
       }
-      return img;
     }
+    return nullptr;
+  };
+  if (auto img = cached()) return img;
+  // The image's memory is asked for outside the entry's lock: over torch's CUDA pool the allocation may run
+  // Python (an out-of-memory observer) and let go of the GIL, and another reader of this entry holding the GIL
+  // must not wait for the lock meanwhile. (bytes_in never changes: an upgrade to a boundary blob keeps it.)
+  std::uint64_t const bytes_in = e->info.bytes_in;
+  elock.unlock();
+  auto img = std::make_shared<decoded_image>(*e->arena, bytes_in, gp.stream, decoded_tag_);
+  elock.lock();
+  if (auto other = cached()) {  // decoded by another reader meanwhile: theirs, and ours freed outside the lock
+    elock.unlock();
+    img.reset();
+    return other;
   }
-  auto img = std::make_shared<decoded_image>(*e->arena, e->info.bytes_in, gp.stream, decoded_tag_);
   trace_store_event(alloc::event_trace::event_kind::store_get, *e);
   if (e->info.bytes_in > 0) {
     // An offloaded blob is where its mover says, ready for `stream` (the mover records the stream use).

@@ -21,6 +21,7 @@
 #include "allocator/device/host_backend.hpp"
 #include "allocator/error.hpp"
 #include "allocator/store/activation_store.hpp"
+#include "../allocator/waiting_backend.hpp"
 
 namespace {
 
@@ -721,6 +722,32 @@ TEST_CASE("a store destroyed with live handles frees their blobs") {
 }
 
 TEST_SUITE("threads") {
+  TEST_CASE("a decode asks for its image outside the entry's lock: another reader of the entry gets through") {
+    // (the arena as over torch's CUDA pool: each request a segment of its own from a backend called without the
+    // arena's lock, which may wait for Python; meanwhile a thread holding the GIL reads the same entry)
+    gact::test::waiting_backend be;
+    be.kind = gact::device::memory_kind::host;
+    gact::alloc::allocator_options o;
+    o.small_size = o.small_segment_size = 512;
+    o.min_large_alloc = o.large_segment_size = 1024;
+    o.round_large = 512;
+    o.release_free_above = 1;
+    o.backend_unlocked = true;
+    gact::alloc::caching_allocator arena(be, o);
+    activation_store store(arena, gact::store::store_options{1, ""});
+    auto x = randn(4096, 5);
+    auto const h = store.put(view(x.data(), dtype::float32, {4096}), bits(8)).h;
+    be.armed = 1;  // the image's segment waits
+    std::thread reader([&] { CHECK(store.get_shared(h) != nullptr); });
+    while (!be.waiting) std::this_thread::yield();
+    CHECK(store.info(h).bytes_in == 4096 * 4);  // the entry's lock
+    be.other_thread_done();
+    reader.join();
+    CHECK(be.served_meanwhile);
+    CHECK(store.release(h) == 0);
+    CHECK(arena.allocated_bytes() == 0);
+  }
+
   TEST_CASE("concurrent put/get/release with steps and stats") {
     fixture f;
     constexpr int k_threads = 4;
