@@ -18,6 +18,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #if __has_include(<torch/version.h>)
@@ -306,6 +307,15 @@ class fake_cuda_allocator final : public c10::Allocator {
 
 fake_cuda_allocator g_fake_cuda;
 
+/// A saved tensor's version counter, which its views and aliases share and which torch's own check of in-place
+/// changes reads: held without the tensor (and its memory), so that the Compressor sees a change made through an
+/// alias after the program dropped the tensor itself, as torch does. `current()` is -1 for a tensor without a
+/// counter (an inference tensor).
+struct version_ref {
+  c10::VariableVersion counter;
+  std::int64_t current() const { return counter.enabled() ? std::int64_t(counter.current_version()) : -1; }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_gact_torch, m) {
@@ -342,4 +352,13 @@ PYBIND11_MODULE(_gact_torch, m) {
   m.def(
       "_fake_cuda_counts", [] { return py::make_tuple(g_fake_allocs.load(), g_fake_frees.load()); },
       "(allocs, frees) of the test allocator.");
+  py::class_<version_ref>(m, "VersionRef", "A tensor's version counter, held without the tensor (version_ref).")
+      .def("current", &version_ref::current, "The counter's value now; -1 for a tensor without one.");
+  m.def(
+      "version_ref",
+      [](std::uintptr_t impl) {
+        if (impl == 0) throw py::value_error("version_ref: a null TensorImpl address");
+        return version_ref{reinterpret_cast<c10::TensorImpl const*>(impl)->version_counter()};
+      },
+      py::arg("impl"), "The version counter of the tensor whose TensorImpl is at `impl` (torch.Tensor._cdata).");
 }

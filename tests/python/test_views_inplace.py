@@ -240,6 +240,86 @@ def test_unchanged_saved_tensors_still_pass():
     comp.close()
 
 
+@pytest.mark.parametrize("case", ["sigmoid_out", "relu_out_then_matmul", "view_of_input", "detach_alias"])
+def test_inplace_change_through_an_alias_after_the_saved_tensor_died_raises(case):
+    """The program drops the saved tensor and changes its memory through an alias (a view, its base, `detach()`):
+    torch's check reads the version counter they share, so it raises; gact follows that counter too, not the
+    tensor (a weak reference to the tensor saw nothing once it had died). The ReLU's mask waits for the next
+    layer's save and would otherwise encode the changed values, silently."""
+    w = torch.randn(64, 128, requires_grad=True)
+    lin = torch.randn(128, 128)
+    comp = gact.Compressor(bits=8, min_bytes=0)
+    with comp:
+        h = w * 2
+        if case == "sigmoid_out":
+            out = torch.sigmoid(h)  # saves its output
+            alias, y = out.detach(), out.sum()
+            del out
+            change = lambda: alias.mul_(2)  # noqa: E731
+        elif case == "relu_out_then_matmul":
+            a = torch.relu(h)  # its mask waits for a values save of the same tensor
+            y = a.sum()
+            alias = a.detach()
+            del a
+            change = lambda: alias.sub_(0.5)  # noqa: E731
+        elif case == "view_of_input":
+            y = torch.sin(h[:, :50]).sum()  # saves a temporary view of h
+            alias, change = h, (lambda: h[:, :10].zero_())
+        else:
+            t = h * 1
+            y = torch.sin(t).sum()  # sin saves its input
+            alias = t.detach()
+            del t
+            change = lambda: alias.add_(1)  # noqa: E731
+    if case == "relu_out_then_matmul":
+        change()
+        with comp:
+            y = y + (alias @ lin).sum()  # the ReLU's waiting mask is stored now, from the changed tensor
+    else:
+        change()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    comp.close()
+
+
+def test_data_swapped_on_a_saved_output_serves_what_was_saved():
+    """`y.data = other` on a tensor an op saved as its output (exp, sigmoid) changes neither its version nor what
+    torch saved (the old storage); gact served the tensor as it was at backward, with the new memory."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    ref_grad = None
+    for use in (False, True):
+        x.grad = None
+        comp = gact.Compressor(bits=8, min_bytes=0)
+        if use:
+            with comp:
+                y = torch.exp(x)
+        else:
+            y = torch.exp(x)
+        loss = (y * 2).sum()
+        y.data = torch.zeros_like(y)  # the program keeps y; its storage is another one now
+        loss.backward()
+        comp.close()
+        if not use:
+            ref_grad = x.grad.clone()
+    assert _cos(ref_grad.reshape(-1), x.grad.reshape(-1)) > 0.999  # (all zeros with the new memory)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rrelu_slopes_written_after_the_save_are_read_at_backward(training):
+    """rrelu's random slopes: autograd saves the noise buffer before the kernel fills it. Encoded at the save,
+    the gradient came from whatever the buffer held then (0.01 for every element here)."""
+    torch.manual_seed(0)
+    h = torch.randn(32, 64, requires_grad=True)
+    comp = gact.Compressor(bits=8, min_bytes=0)
+    with comp:
+        y = torch.nn.functional.rrelu(h * 1, training=training)
+    g, = torch.autograd.grad(y.sum(), h)
+    comp.close()
+    slopes = (y / h).detach()
+    assert torch.allclose(g, slopes, atol=1e-5), (g[0, :6], slopes[0, :6])
+
+
 def _data_mutation_grads(fn, params, mode):
     """Gradients of fn() under gact at 8 bits ("gact") or under hooks that copy each saved tensor when it is
     saved ("snap"): what backward must see when a tensor changes through `.data` between two of its saves

@@ -118,9 +118,49 @@ def _release_compressor(hooks: list, owner: int, _drop=_C.store_drop_owner) -> N
     _drop(owner)
 
 
-def _modified_error(t: torch.Tensor, version: int) -> RuntimeError:
+try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
+    from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
+except ImportError:
+    _VersionRef = _version_ref = None
+
+
+def _watch(t: torch.Tensor) -> Any:
+    """What tells ``t``'s version at unpack without keeping ``t`` alive (see _check_version): its version counter,
+    which its views and aliases share and torch's own check reads, so that an in-place change made through an alias
+    (a view, ``detach()``, ``.data`` of a base) after the program dropped ``t`` is still seen; without
+    ``_gact_torch``, a weak reference to ``t`` or its base (then a change is seen only while that lives)."""
+    if _version_ref is not None:
+        try:
+            return _version_ref(t._cdata)
+        except (AttributeError, ValueError):  # (a tensor-like without a TensorImpl address)
+            pass
+    b = t._base
+    try:
+        return weakref.ref(t if b is None else b)
+    except TypeError:
+        return None
+
+
+def _check_version(watch: Any, version: int, saved: Any) -> None:
+    """Raise torch's error when the tensor ``watch`` follows (_watch) was changed in place since its pack, when it
+    was at ``version``; ``saved`` (shape, dtype, device) names it."""
+    if watch is None:
+        return
+    if watch.__class__ is _VersionRef:
+        now = watch.current()
+        if now >= 0 and now != version:
+            raise _modified_error(saved, version, now)
+        return
+    v = watch()
+    if v is not None and v._version != version:
+        raise _modified_error(v, version, v._version)
+
+
+def _modified_error(t: Any, version: int, now: int) -> RuntimeError:
     """torch's own error for a saved tensor changed in place before backward (torch does not check versions
-    while saved-tensor hooks are active, so gact does, with the version recorded at pack)."""
+    while saved-tensor hooks are active, so gact does, with the version recorded at pack). ``t``: the tensor, or
+    what was saved of it (shape, dtype, device)."""
+    kind = t.type() if isinstance(t, torch.Tensor) else torch.empty(0, dtype=t.dtype, device=t.device).type()
     hint = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. The "
             "variable in question was changed in there or anywhere later. Good luck!"
             if torch.is_anomaly_enabled() else
@@ -128,7 +168,7 @@ def _modified_error(t: torch.Tensor, version: int) -> RuntimeError:
             "torch.autograd.set_detect_anomaly(True).")
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. {hint}")
+        f"[{kind} {list(t.shape)}] is at version {now}; expected version {version} instead. {hint}")
 
 
 def _predicate_of(t: torch.Tensor, pred: tuple) -> torch.Tensor:
@@ -169,19 +209,18 @@ class _Kept:
     def unpack(self) -> torch.Tensor:
         t = self.t
         if t._version != self.version:
-            raise _modified_error(t, self.version)
+            raise _modified_error(t, self.version, t._version)
         return t
 
 
 class _Packed:
     """What autograd holds instead of a saved tensor: a store handle, how to decode it, and a weak
-    reference to the saved tensor (used as it is at unpack if the program still holds it unchanged). ``vref``
-    is a weak reference to the tensor whose version counter tells an in-place change: the saved tensor, its
-    base when it is a view (the view itself is often a temporary; the base outlives it and shares its
-    counter), or the input an activation's stored derivative came from."""
+    reference to the saved tensor (used as it is at unpack if the program still holds it unchanged, in the same
+    memory). ``vref`` follows the version counter that tells an in-place change (_watch): the saved tensor's, or
+    that of the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -195,6 +234,7 @@ class _Packed:
         self.key = key
         self.decode = decode  # a predicate's (true_value, false_value); None: the values
         self.ref: Any = None
+        self.ptr = 0  # the data address of the tensor `ref` follows, at pack
         self.version = t._version
         self.alias: torch.Tensor | None = None
         self.pending: Any = None  # a normalization input waiting for its layer's statistics
@@ -206,17 +246,15 @@ class _Packed:
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
 
     def unpack(self) -> torch.Tensor:
-        vref = self.vref
-        if vref is not None:
-            v = vref()
-            if v is not None and v._version != self.version:
-                raise _modified_error(v, self.version)
+        _check_version(self.vref, self.version, self)
         if self.alias is not None:
             return self.alias
         ref = self.ref
         if ref is not None:
             t = ref()
-            if t is not None and t._version == self.version:
+            # (its memory too: `t.data = other` swaps the storage of a tensor the program holds, with no version
+            # change, and what was saved is the old one)
+            if t is not None and t._version == self.version and t.data_ptr() == self.ptr:
                 # Still held by the program and unchanged: use it, and drop the blob. A detached alias
                 # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
                 self.alias = t.detach()
@@ -308,16 +346,10 @@ class _Shape:
         self.device = t.device
         self.contiguous = t.is_contiguous()
         self.version = t._version
-        b = t._base
-        try:
-            self.vref = weakref.ref(t if b is None else b)
-        except TypeError:
-            self.vref = None
+        self.vref = _watch(t)
 
     def unpack(self) -> torch.Tensor:
-        v = self.vref() if self.vref is not None else None
-        if v is not None and v._version != self.version:
-            raise _modified_error(v, self.version)
+        _check_version(self.vref, self.version, self)
         if self.contiguous:
             return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
         # another layout (channels_last): a zeroed tensor of that layout from gact's pool, so the
@@ -955,8 +987,7 @@ class Compressor:
                 p = _Packed(0, t, key, owner=self._owner)
                 self._note_live(p)
                 p.pending = t
-                b = t._base
-                p.vref = weakref.ref(t if b is None else b)
+                p.vref = _watch(t)
                 if frame.pending is None:
                     frame.pending, frame.stats = [], []
                 frame.pending.append(p)
@@ -1058,9 +1089,9 @@ class Compressor:
         v = t if keep is None else keep
         if keep is not None:
             p.version = keep._version
-        b = v._base
-        p.vref = weakref.ref(v if b is None else b)
+        p.vref = _watch(v)
         if dense:
+            p.ptr = ptr
             try:
                 p.ref = weakref.ref(t, lambda _r, h=h: _forget(h, _r))
             except TypeError:
@@ -1146,8 +1177,7 @@ class Compressor:
         """A clamp's output saved for its predicate: wait for a values save of the same tensor (see _deferred)."""
         p = _Packed(0, t, key, d.decode, self._owner)
         self._note_live(p)
-        b = t._base
-        p.vref = weakref.ref(t if b is None else b)
+        p.vref = _watch(t)
         entry = (weakref.ref(p), t, key, d)
         with self._deferred_lock:
             self._deferred.append(entry)
@@ -1190,7 +1220,7 @@ class Compressor:
         if q.alias is not None:
             p.alias = q.alias
             return False
-        p.handle, p.offset, p.stride, p.ref = q.handle, q.offset, q.stride, q.ref
+        p.handle, p.offset, p.stride, p.ref, p.ptr = q.handle, q.offset, q.stride, q.ref, q.ptr
         q.handle, q.ref = 0, None
         if q.hold is not None:  # (q's entry in _verdicts is dropped as released)
             p.hold, p.pred, q.hold = q.hold, q.pred, None

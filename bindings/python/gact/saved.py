@@ -197,9 +197,11 @@ def _leaky_relu(t, args, kwargs, frame) -> Decision:
 
 
 def _rrelu(t, args, kwargs, frame) -> Decision:
-    # rrelu saves its input (read for its sign) and its random slopes (read as values).
+    # rrelu saves its input (read for its sign) and its random slopes, which the kernel writes only after autograd
+    # saved the buffer (torch reads them at backward through the same tensor): kept as they are, never encoded at
+    # the save, which would read the buffer before it holds the slopes.
     if not _is_float(t) or not t.requires_grad:
-        return _VALUES
+        return _EXACT
     return Decision(PREDICATE, ("gt", 0.0, 0.0), (1.0, -1.0))
 
 
@@ -525,7 +527,8 @@ _add("hardsigmoid hardsigmoid_", "-3 < input < 3", "predicate `-3 < x < 3`", _ha
 _add("clamp clamp_ clip clip_ clamp_min clamp_min_ clamp_max clamp_max_",
      "min <= input <= max", "predicate `lo <= x <= hi` (`x >= lo`, `x <= hi`); tensor bounds: exact", _clamp)
 _add("leaky_relu leaky_relu_", "sign of input", "predicate `x > 0`", _leaky_relu)
-_add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes as values", _rrelu)
+_add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes kept (the kernel writes them after the save)",
+     _rrelu)
 _add("dropout dropout_ dropout1d dropout2d dropout3d feature_dropout alpha_dropout feature_alpha_dropout",
      "its mask", "CPU: the scaled mask as 1 bit and its level (exact); CUDA: the bool mask, lossless", _dropout)
 _add("silu gelu mish softplus", "input through the activation's derivative",
