@@ -72,6 +72,12 @@ _DERIVATIVE = Decision(DERIVATIVE)
 # gradient error was 5e9 (relative) on the fused path against 6.8 on the math path; at 2 bits 0.48 and
 # 0.45. Every float an attention call saves as values is kept at >= 2 bits.
 _ATTENTION_VALUES = Decision(VALUES, min_bits=2)
+#: an attention call's query and key: the fused kernels rebuild the weights as exp(q kᵀ·scale − lse) from them and
+#: the exact log-sum-exp, so their rounding moves every weight of a row one way (each row then sums to more than 1,
+#: by about half the variance of the rounding error of its scores: a bias, not noise, growing with the scores'
+#: scale); at 8 bits its variance is 1/256 of 4 bits'
+ATTENTION_QK_MIN_BITS = 8
+_ATTENTION_QK = Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS)
 
 
 class Row(NamedTuple):
@@ -313,6 +319,10 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _EXACT
+    if frame is None or frame.name != "multi_head_attention_forward":  # (its first arguments: the layer's inputs)
+        q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+        if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
+            return _ATTENTION_QK
     return _ATTENTION_VALUES
 
 
@@ -580,8 +590,9 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
      "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention "
      "_efficient_attention_forward _flash_attention_forward",
-     "q, k, v, output; log-sum-exp through exp; the mask", "values at >= 2 bits (fused kernels recompute "
-     "exp(q kᵀ·scale − lse)); the log-sum-exp and a float mask exact; "
+     "q, k, v, output; log-sum-exp through exp; the mask", "q and k at >= 8 bits (fused kernels recompute "
+     "exp(q kᵀ·scale − lse): a bias that grows with the scores), v and output at >= 2 bits; the log-sum-exp and a "
+     "float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
