@@ -1198,8 +1198,8 @@ def test_fixed_widths_pins_each_key_and_rejects_bad_widths():
 class SharedReads(torch.nn.Module):
     """A tensor read by two modules (a residual block's input, read by its first convolution and by
     its downsampling one), a ReLU module's output read by both, an in-place ReLU after a batch norm,
-    and a leaf module that writes its input in place without an ``inplace`` attribute (``Doubles``),
-    when asked to."""
+    and a leaf module that writes its input (the batch norm's output) in place without an ``inplace``
+    attribute (``Doubles``), when asked to."""
 
     class Doubles(torch.nn.Module):
         def forward(self, x):
@@ -1218,10 +1218,10 @@ class SharedReads(torch.nn.Module):
 
     def forward(self, x):
         h = self.r0(self.c0(x))
-        h = self.r1(self.bn(self.ca(h) + self.cb(h)))
+        h = self.bn(self.ca(h) + self.cb(h))
         if self.doubles is not None:
-            h = self.doubles(h)
-        return self.fc(h.flatten(1))
+            h = self.doubles(h)  # (before the ReLU, which saves its output: doubling that raises in torch too)
+        return self.fc(self.r1(h).flatten(1))
 
 
 def _classifier_head():
