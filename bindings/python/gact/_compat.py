@@ -31,6 +31,18 @@ HAS_GLOBAL_MODULE_HOOKS = hasattr(torch.nn.modules.module, "register_module_forw
     torch.nn.modules.module, "register_module_forward_hook"
 )
 
+
+def _never_compiling() -> bool:
+    return False
+
+
+#: True while torch.compile (dynamo) traces the calling code, where torch 2.x also traces the saved-tensor hooks
+#: and the op tracker's mode; a constant there. gact's hooks are the identity inside a compiled region: the graph's
+#: saves are not the eager ops' (nothing tells which op saved what), so nothing there is compressed, and the
+#: tracker passes every call through (its stand-ins are not traceable).
+is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or \
+    getattr(getattr(torch, "_dynamo", None), "is_compiling", None) or _never_compiling
+
 # torch dtype -> the name the C++ core parses; dtypes missing here are never stored.
 DTYPE_NAMES = {
     torch.float32: "float32",

@@ -118,6 +118,11 @@ def _release_compressor(hooks: list, owner: int, _drop=_C.store_drop_owner) -> N
     _drop(owner)
 
 
+_compiling = _compat.is_compiling
+#: a save was made inside a torch.compile'd region (kept as it is there); step() says so once
+_compiled_saves = False
+_warned_compiled = False
+
 try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
     from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
 except ImportError:
@@ -636,7 +641,7 @@ class Compressor:
     def _enter_module(self, m: torch.nn.Module, inputs: Any) -> None:
         # (runs for every module call: self._depth and self._stack() inlined)
         local = self._local
-        if not self._global_depth and not getattr(local, "depth", 0):
+        if not self._global_depth and not getattr(local, "depth", 0) or _compiling():
             return
         s = getattr(local, "stack", None)
         if s is None:
@@ -661,7 +666,7 @@ class Compressor:
 
     def _leave_module(self, m: torch.nn.Module, _inputs: Any, _output: Any) -> None:
         local = self._local
-        if not self._global_depth and not getattr(local, "depth", 0):
+        if not self._global_depth and not getattr(local, "depth", 0) or _compiling():
             return
         s = getattr(local, "stack", None)
         if s:
@@ -773,6 +778,12 @@ class Compressor:
             self._resolve_deferred()
         if self._verdicts:
             self._settle()
+        global _warned_compiled
+        if _compiled_saves and not _warned_compiled:
+            _warned_compiled = True
+            warnings.warn("gact: tensors saved inside a torch.compile'd region are kept as they are (not compressed): "
+                          "gact cannot tell which op saved them there. Compress the eager parts, or run the model "
+                          "without torch.compile to compress all of it.", RuntimeWarning, stacklevel=2)
         leaks = _C.store_end_step(self._owner)
         self._step += 1
         self._step_open = False
@@ -930,7 +941,11 @@ class Compressor:
         return f"{name}:{n}"
 
     def _pack(self, t: Any) -> Any:
+        global _compiled_saves
         if not isinstance(t, torch.Tensor):
+            return t
+        if _compiling():  # (see _compat.is_compiling: kept as it is; said once, at the next step())
+            _compiled_saves = True
             return t
         if not self._step_open:
             self._open_step()
@@ -957,6 +972,8 @@ class Compressor:
                 frame.stats.append(t)
             return self._keep(t, "stats")
         if kind == _saved.EXACT:
+            if d is _saved.EXACT_COMPILED:
+                _compiled_saves = True
             # keyed as a stored save is: whether a tensor is exact can depend on sizes (an operand broadcast
             # over one with 8x its elements is exact), which a replay of fewer rows changes; the keys of the
             # saves after it must not move with it

@@ -42,6 +42,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _compat
+
 # A log-space value's rounding step is a multiplicative error of e^step in what its reader
 # exponentiates: at 2 bits a character LM lost 0.38 nats/char, at 4 bits 0.02.
 LOG_MIN_BITS = 4
@@ -669,6 +671,8 @@ class OpTracker(TorchFunctionMode):
         self.min_store_bytes: Callable[[], float] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compat.is_compiling():  # (traced by torch.compile: every call as torch's, see _compat.is_compiling)
+            return func(*args, **(kwargs or {}))
         if func.__class__ is _METHOD_WRAPPER and getattr(func, "__self__", None) is _DATA and \
                 self._on_alias is not None and args:
             self._on_alias(args[0])
@@ -1132,12 +1136,34 @@ def _saved_by_checkpoint() -> bool:
     return False
 
 
+def _saved_by_compiled_graph() -> bool:
+    """Whether the pack hook runs for a torch.compile'd graph saving its tensors at run time (AOTAutograd's
+    compiled function, torch/_functorch/_aot_autograd, a few frames up from the hook)."""
+    import sys
+    f = sys._getframe(2)  # decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
+    for _ in range(4):
+        if f is None:
+            return False
+        if "_aot_autograd" in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
+#: a tensor a torch.compile'd graph saves (see decide): kept as it is
+EXACT_COMPILED = Decision(EXACT)
+
+
 def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
     """How to store tensor `t` saved during `frame` (None: outside any function the tracker saw)."""
     if frame is None:
         # A reentrant checkpoint's inputs are read by the recomputation of its whole block, through
-        # every op in it (a ReLU's test among them): kept exact.
-        return _EXACT if _saved_by_checkpoint() else _VALUES
+        # every op in it (a ReLU's test among them): kept exact. So is what a torch.compile'd graph saves: its
+        # saves are not the eager ops' (fused, recomputed), and nothing tells which op reads them how (a log's
+        # input stored as values took the gradient's cosine to 0.78).
+        if _saved_by_checkpoint():
+            return _EXACT
+        return EXACT_COMPILED if _saved_by_compiled_graph() else _VALUES
     row = TABLE.get(frame.name)
     if row is None:
         return _VALUES
