@@ -2098,3 +2098,44 @@ def test_width_ceilings_of_the_bench_match_hand_solved_cases():
     assert groups["tensor, widths 1/2/4/8"] == pytest.approx(1.0)
     assert groups["tensor, widths 1-8"] == pytest.approx(1.0)
     assert groups["group, widths 1-8"] == pytest.approx(1 / (0.99 * 9 / 49 + 0.01 * 9), rel=1e-9)
+
+
+class _CountsCalls(torch.nn.Module):
+    """A module that keeps a counter buffer of its forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+def test_the_probe_leaves_the_runs_random_numbers_and_buffers_as_they_were():
+    """bits="auto"'s probe replays forward passes inside step(): they drew random numbers (the run's later
+    dropout masks and shuffles then differed from the same run without gact), counted in a module's buffer (14
+    calls over 3 steps, not 3) and moved spectral norm's power-iteration vector. The run's generator and every
+    buffer of the model are as the training step left them."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.utils.spectral_norm(torch.nn.Linear(32, 64)), _CountsCalls(),
+                                   torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 5))
+
+    x, y = torch.randn(16, 32), torch.randint(0, 5, (16,))
+    runs = {}
+    for name in ("plain", "auto"):
+        m = make()
+        comp = gact.Compressor(m, bits="auto", budget=8, adapt_interval=1, min_bytes=0) if name == "auto" else None
+        draws = []
+        for _ in range(3):
+            _grad(m, x, y, comp)
+            draws.append(torch.rand(()).item())
+        if comp is not None:
+            assert comp.policy.estimator == "probe"
+            comp.close()
+        runs[name] = draws, {k: b.clone() for k, b in m.named_buffers()}
+    assert runs["auto"][0] == runs["plain"][0]  # the same draws after each step
+    assert runs["auto"][1]["1.calls"].item() == 3.0
+    for k, b in runs["plain"][1].items():
+        assert torch.equal(runs["auto"][1][k], b), k

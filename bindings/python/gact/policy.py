@@ -864,7 +864,7 @@ class AutoPolicy:
             try:
                 for m, _ in modes:
                     m.training = False
-                with torch.no_grad(), _frozen_norm_stats(model):
+                with torch.no_grad(), _frozen_state(model):
                     full = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor)]
                     for lo in (0, k - 1):
                         one = _kept_rows(rec, lo, lo + 1)
@@ -937,7 +937,7 @@ class AutoPolicy:
         try:
             try:
                 with torch.enable_grad(), self._scratch_counters(), comp, _double_backward_ops(comp), \
-                        _frozen_norm_stats(comp.model), _InnerCuts(cuts, rec, comp.model, copy_inputs):
+                        _frozen_state(comp.model), _InnerCuts(cuts, rec, comp.model, copy_inputs):
                     loss = closure()
             except RuntimeError as e:
                 if copy_inputs or "leaf Variable that requires grad" not in str(e):
@@ -1123,7 +1123,7 @@ class AutoPolicy:
                 comp._open_step()
                 comp._row_share = getattr(pc, "row_share", 1.0)
                 try:
-                    with torch.enable_grad(), comp, _frozen_norm_stats(comp.model):
+                    with torch.enable_grad(), comp, _frozen_state(comp.model):
                         loss = pc()
                     if isinstance(loss, torch.Tensor) and loss.requires_grad:
                         if start is not None and not added:
@@ -1340,18 +1340,22 @@ def _first_rows(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return c.requires_grad_() if t.requires_grad and c.is_floating_point() else c
 
 
-class _frozen_norm_stats:
-    """Restores every batch-norm running statistic of ``model`` on exit: an estimator's extra
-    forward passes must not move them."""
+class _frozen_state:
+    """Restores, on exit, every buffer of ``model`` (batch norm's running statistics, spectral norm's power
+    iteration vectors, a counter a module keeps) and the random number generators (CPU, and each CUDA device
+    in use): an estimator's extra forward passes must not move the training run's state, so that its dropout
+    masks, shuffles and buffers are the ones it would have without the estimate. (What no state holds, a
+    Python attribute a forward changes or a hook's side effect, it cannot undo.)"""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         self.saved = []
         if model is not None:
-            for m in model.modules():
-                if isinstance(m, torch.nn.modules.batchnorm._NormBase):
-                    self.saved += [(b, b.detach().clone()) for b in m.buffers()]
+            self.saved = [(b, b.detach().clone()) for b in model.buffers()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
 
-    def __enter__(self) -> "_frozen_norm_stats":
+    def __enter__(self) -> "_frozen_state":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -1360,6 +1364,9 @@ class _frozen_norm_stats:
         with torch.no_grad():
             for b, v in self.saved:
                 b.data.copy_(v)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
 
 
 # Modules the probe does not cut at: they save nothing a derivative passes through (a mask, indices, a
