@@ -599,6 +599,44 @@ def test_a_compiled_model_trains_with_its_gradients_and_says_what_was_not_compre
         assert len(said) == 1, said
 
 
+@pytest.mark.skipif(not hasattr(torch, "func"), reason="torch.func is torch 2.x's")
+def test_vmap_and_forward_mode_ad_run_under_a_compressor():
+    """torch.func.vmap's batched tensors (no storage of their own) failed the pack hook ('Cannot access data
+    pointer'); under forward-mode AD the activation stand-ins had no jvp, and forward AD's zero tensors (a null
+    data pointer) were refused by the store. Such tensors are kept as they are; the stand-ins step aside."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    x = torch.randn(5, 6, 16)
+
+    def grads(comp):
+        m.zero_grad()
+        if comp is None:
+            loss = vmap(m)(x).square().sum()
+        else:
+            with comp:
+                loss = vmap(m)(x).square().sum()
+        loss.backward()
+        return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+    plain = grads(None)
+    for derivatives in (True, False):
+        comp = gact.Compressor(m, bits=8, min_bytes=0, derivatives=derivatives)
+        assert F.cosine_similarity(plain, grads(comp), dim=0) > 0.999
+        comp.close()
+        with fwAD.dual_level():
+            ref = fwAD.unpack_dual(m(fwAD.make_dual(x[0], torch.ones_like(x[0])))).tangent
+        comp = gact.Compressor(m, bits=8, min_bytes=0, derivatives=derivatives)
+        with fwAD.dual_level():
+            with comp:
+                out = m(fwAD.make_dual(x[0], torch.ones_like(x[0])))
+            tangent = fwAD.unpack_dual(out).tangent
+        comp.close()
+        assert torch.allclose(tangent, ref), derivatives  # (forward AD reads no saved tensor)
+
+
 def test_ddp_two_ranks_gloo(tmp_path):
     init = f"file://{tmp_path / 'rendezvous'}"
     k.spawn_ranks(k.ddp_worker, (2, init, str(tmp_path)), [tmp_path / f"rank{r}.json" for r in range(2)])

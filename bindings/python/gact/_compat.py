@@ -43,6 +43,22 @@ def _never_compiling() -> bool:
 is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or \
     getattr(getattr(torch, "_dynamo", None), "is_compiling", None) or _never_compiling
 
+_functorch = getattr(torch._C, "_functorch", None)
+#: torch.func's wrapper tensors (vmap's batched tensors, jvp's and grad's levels): they have no storage of their
+#: own, so gact keeps them as they are
+is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None) or (lambda t: False)
+
+try:
+    import torch.autograd.forward_ad as _forward_ad
+except ImportError:  # pragma: no cover
+    _forward_ad = None
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (dual tensors may flow through the ops)."""
+    return _forward_ad is not None and getattr(_forward_ad, "_current_level", -1) >= 0
+
+
 # torch dtype -> the name the C++ core parses; dtypes missing here are never stored.
 DTYPE_NAMES = {
     torch.float32: "float32",

@@ -119,6 +119,7 @@ def _release_compressor(hooks: list, owner: int, _drop=_C.store_drop_owner) -> N
 
 
 _compiling = _compat.is_compiling
+_is_wrapped = _compat.is_functorch_wrapped
 #: a save was made inside a torch.compile'd region (kept as it is there); step() says so once
 _compiled_saves = False
 _warned_compiled = False
@@ -653,7 +654,8 @@ class Compressor:
 
     def _note_inputs(self, inputs: Any) -> None:
         for a in _compat.flatten(inputs):
-            if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided:
+            if isinstance(a, torch.Tensor) and not a.requires_grad and a.layout == torch.strided and \
+                    not _is_wrapped(a):
                 self._input_ptrs.add(_compat.storage_base(a))
 
     def _is_cast_input(self, t: torch.Tensor, frame: Any) -> bool:
@@ -886,6 +888,7 @@ class Compressor:
             or t.layout is not torch.strided
             or t.is_quantized
             or (_HAS_NESTED and t.is_nested)
+            or _is_wrapped(t)
         ):
             return "layout"
         if t.is_cuda:
@@ -1084,6 +1087,10 @@ class Compressor:
             stream, device = 0, -1
         # (the storage's address as _compat.storage_base computes it, inlined: this runs for every stored tensor)
         ptr, off = src.data_ptr(), src.storage_offset()
+        if not ptr:  # no memory behind it (forward-mode AD's zero tensors): kept as it is
+            if waiting is not None:
+                self._resolve_one(waiting)
+            return self._keep(t if keep is None else keep, "layout")
         try:
             h, offset, shared, strides, upgraded = _C.store_put(
                 ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,

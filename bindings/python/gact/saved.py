@@ -683,7 +683,9 @@ class OpTracker(TorchFunctionMode):
             subs = self.substitutes
             if subs is not None:
                 sub = subs.get(func)
-                if sub is not None and (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)):
+                # (not under forward-mode AD: the stand-ins have no jvp)
+                if sub is not None and (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)) \
+                        and not _compat.forward_ad_active():
                     func = sub
             return func(*args, **frame.kwargs)
         finally:
