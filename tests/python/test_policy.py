@@ -2106,9 +2106,11 @@ class _CountsCalls(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("replaced", torch.zeros(()))
 
     def forward(self, x):
         self.calls += 1
+        self.replaced = self.replaced + 1  # (a new tensor in _buffers)
         return x
 
 
@@ -2136,6 +2138,6 @@ def test_the_probe_leaves_the_runs_random_numbers_and_buffers_as_they_were():
             comp.close()
         runs[name] = draws, {k: b.clone() for k, b in m.named_buffers()}
     assert runs["auto"][0] == runs["plain"][0]  # the same draws after each step
-    assert runs["auto"][1]["1.calls"].item() == 3.0
+    assert runs["auto"][1]["1.calls"].item() == 3.0 and runs["auto"][1]["1.replaced"].item() == 3.0
     for k, b in runs["plain"][1].items():
         assert torch.equal(runs["auto"][1][k], b), k

@@ -431,7 +431,8 @@ def test_attention_input_that_needs_no_gradient_is_stored_as_values():
     comp.close()
     after = C.stats_document()["store"]
     widths = {b: after["quant_bits"][b] - before["quant_bits"][b] for b in after["quant_bits"]}
-    assert widths["4"] == 0 and widths["2"] >= 5, widths
+    # (torch 2.x's fused path stores the attention's q, k, v and output at 8 bits: see the test below)
+    assert widths["4"] == 0 and widths["2"] >= 1 and widths["2"] + widths["8"] >= 5, widths
 
 
 def test_attention_query_and_key_keep_eight_bits():
@@ -449,8 +450,13 @@ def test_attention_query_and_key_keep_eight_bits():
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8)
     frame = saved.Frame(scaled_dot_product_attention, (q, k, v), {})
     assert [saved._attention(t, (q, k, v), {}, frame).min_bits for t in (q, k, v)] == [8, 8, 2]
-    frame = saved.Frame(multi_head_attention_forward, (q, k, v), {})  # (its first arguments: the layer's inputs)
-    assert saved._attention(q, (q, k, v), {}, frame).min_bits == 2
+    # multi-head attention: its first arguments are the layer's inputs, and the tracker does not see the attention
+    # call inside it; its 4-dimensional saves that need a gradient (torch 2.x's fused path: q, k, v, output) get 8
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    frame = saved.Frame(multi_head_attention_forward, (x, x, x), {})
+    qg = q.clone().requires_grad_()
+    assert saved._attention(qg, (x, x, x), {}, frame).min_bits == 8
+    assert saved._attention(x, (x, x, x), {}, frame).min_bits == 2  # (the math path's 3-dimensional saves)
 
 
 @pytest.mark.skipif(not hasattr(torch.nn, "attention"), reason="torch 2.x's fused attention kernels")
@@ -495,6 +501,37 @@ def test_fused_attention_gradients_carry_no_more_error_than_the_math_path():
 
     fused, math = grad_error(False), grad_error(True)
     assert fused <= 2 * math, (fused, math)
+
+
+def test_multi_head_attention_fused_path_carries_no_more_error_than_its_weights_path():
+    """nn.MultiheadAttention with need_weights=False (what TransformerEncoderLayer asks for) runs torch 2.x's fused
+    kernel inside F.multi_head_attention_forward, where the tracker sees only the outer call: its q and k were
+    stored at 2-4 bits, and at scores of std about 5 the in-projection's 8-seed mean gradient was 32x its own norm
+    away from fp32 at 4 bits (the need_weights=True path, which stores the weights: 0.13)."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(40, 2, batch_first=True)
+    x = torch.randn(4, 12, 40) * 4
+
+    def error(need_weights):
+        def grad(comp=None):
+            m.zero_grad()
+            if comp is None:
+                loss = m(x, x, x, need_weights=need_weights)[0].square().mean()
+            else:
+                with comp:
+                    loss = m(x, x, x, need_weights=need_weights)[0].square().mean()
+            loss.backward()
+            return m.in_proj_weight.grad.clone()
+
+        ref, acc = grad(), 0
+        for seed in range(8):
+            comp = gact.Compressor(m, bits=4, min_bytes=0, seed=seed)
+            acc = acc + grad(comp)
+            comp.close()
+        return float((acc / 8 - ref).norm() / ref.norm())
+
+    fused, weights = error(False), error(True)
+    assert fused <= 2 * weights, (fused, weights)
 
 
 def test_batch_norm_input_is_stored_channel_normalized():

@@ -1348,9 +1348,13 @@ class _frozen_state:
     Python attribute a forward changes or a hook's side effect, it cannot undo.)"""
 
     def __init__(self, model: torch.nn.Module | None) -> None:
+        # (module, name, the buffer, its values): a forward may change a buffer in place (`+=`) or replace it
+        # (`self.n = self.n + 1`, which Module.__setattr__ puts in _buffers): the buffer itself goes back, with its
+        # values
         self.saved = []
         if model is not None:
-            self.saved = [(b, b.detach().clone()) for b in model.buffers()]
+            self.saved = [(m, n, b, b.detach().clone()) for m in model.modules()
+                          for n, b in m._buffers.items() if b is not None]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
             torch.cuda.is_initialized() else None
@@ -1362,7 +1366,9 @@ class _frozen_state:
         # through .data: the restore must not bump the buffers' version counters, which the passes'
         # graphs (batch norm saves its running statistics) check before their backward
         with torch.no_grad():
-            for b, v in self.saved:
+            for m, n, b, v in self.saved:
+                if m._buffers.get(n) is not b:
+                    m._buffers[n] = b
                 b.data.copy_(v)
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:

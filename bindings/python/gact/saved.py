@@ -321,10 +321,14 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _EXACT
-    if frame is None or frame.name != "multi_head_attention_forward":  # (its first arguments: the layer's inputs)
-        q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
-        if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
-            return _ATTENTION_QK
+    if frame is not None and frame.name == "multi_head_attention_forward":
+        # (its first arguments are the layer's inputs; the tracker does not see the attention call inside it, whose
+        # q, k, v and output are its only 4-dimensional saves that need a gradient (torch 2.x, need_weights=False:
+        # a fused kernel): all at q and k's floor, as nothing tells them apart)
+        return _ATTENTION_QK if t.dim() == 4 and t.requires_grad else _ATTENTION_VALUES
+    q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+    if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
+        return _ATTENTION_QK
     return _ATTENTION_VALUES
 
 
@@ -593,8 +597,8 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention "
      "_efficient_attention_forward _flash_attention_forward",
      "q, k, v, output; log-sum-exp through exp; the mask", "q and k at >= 8 bits (fused kernels recompute "
-     "exp(q kᵀ·scale − lse): a bias that grows with the scores), v and output at >= 2 bits; the log-sum-exp and a "
-     "float mask exact; "
+     "exp(q kᵀ·scale − lse): a bias that grows with the scores; in multi-head attention's fused path v and the "
+     "output too), v and output at >= 2 bits; the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
@@ -1146,7 +1150,7 @@ def _saved_by_compiled_graph() -> bool:
     for _ in range(4):
         if f is None:
             return False
-        if "_aot_autograd" in f.f_code.co_filename:
+        if "aot_autograd" in f.f_code.co_filename:  # (torch/_functorch/_aot_autograd/..., 2.0-2.1: .../aot_autograd.py)
             return True
         f = f.f_back
     return False
