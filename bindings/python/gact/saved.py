@@ -35,6 +35,7 @@ An op the table does not know, or a save outside any function the mode sees (a c
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -553,8 +554,20 @@ _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous deri
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
 for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max min maximum minimum fmax fmin " \
-          "prod l1_loss smooth_l1_loss huber_loss fmod fmod_ remainder remainder_".split():
+          "prod l1_loss smooth_l1_loss huber_loss fmod fmod_ remainder remainder_ hardshrink softshrink".split():
     TABLE[_n] = _EXACT_ROW
+_add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex solve cholesky linalg_cholesky "
+     "linalg_cholesky_ex cholesky_solve cholesky_inverse lu_solve linalg_lu_solve linalg_lu linalg_lu_factor "
+     "linalg_lu_factor_ex lu lu_unpack linalg_lstsq lstsq qr linalg_qr pinverse linalg_pinv linalg_eigh "
+     "linalg_eigvalsh symeig linalg_eig linalg_eigvals eig svd linalg_svd linalg_svdvals linalg_matrix_norm "
+     "linalg_cond triangular_solve linalg_solve_triangular linalg_ldl_factor linalg_ldl_solve "
+     "geqrf ormqr linalg_householder_product",
+     "the matrix, its factors", "exact: the backward solves with them or divides by eigenvalue gaps, so a rounded "
+     "matrix's error grows with its condition number (logdet of a random 16x16 SPD matrix: 20x the gradient)",
+     lambda *a: _EXACT)
+_add("grad backward", "anything the double backward reads",
+     "exact: saved by a backward with create_graph=True, whose next backward reads them in any way (an ELU's sign)",
+     lambda *a: _EXACT)
 _add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
 _add("normalize", "input; its norm through a division", "input as values; the norm (one value per row) exact",
@@ -1142,6 +1155,18 @@ def _saved_by_checkpoint() -> bool:
     return False
 
 
+_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+
+
+def _no_python_caller() -> bool:
+    """Whether the pack hook was called with no Python code of the program's on the thread's stack (only gact's
+    own frames): a C++ thread saving, such as autograd's engine thread of a device."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = f.f_back
+    return f is None
+
+
 def _saved_by_compiled_graph() -> bool:
     """Whether the pack hook runs for a torch.compile'd graph saving its tensors at run time (AOTAutograd's
     compiled function, torch/_functorch/_aot_autograd, a few frames up from the hook)."""
@@ -1168,6 +1193,10 @@ def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
         # saves are not the eager ops' (fused, recomputed), and nothing tells which op reads them how (a log's
         # input stored as values took the gradient's cosine to 0.78).
         if _saved_by_checkpoint():
+            return _EXACT
+        if _no_python_caller():
+            # autograd's engine thread of a device, saving for a backward with create_graph=True (on the caller's
+            # thread the tracker sees its `grad`/`backward` call: the rows above)
             return _EXACT
         return EXACT_COMPILED if _saved_by_compiled_graph() else _VALUES
     row = TABLE.get(frame.name)
