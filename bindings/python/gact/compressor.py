@@ -133,7 +133,8 @@ except ImportError:
 def _watch(t: torch.Tensor) -> Any:
     """What tells ``t``'s version at unpack without keeping ``t`` alive (see _check_version): its version counter,
     which its views and aliases share and torch's own check reads, so that an in-place change made through an alias
-    (a view, ``detach()``, ``.data`` of a base) after the program dropped ``t`` is still seen; without
+    (a view, its base, ``detach()``; not ``.data``, which has a counter of its own in torch too) after the program
+    dropped ``t`` is still seen; without
     ``_gact_torch``, a weak reference to ``t`` or its base (then a change is seen only while that lives)."""
     if _version_ref is not None:
         try:
