@@ -1140,45 +1140,42 @@ def _checkpoint_codes() -> frozenset:
 _CHECKPOINT_CODES = _checkpoint_codes()
 
 
-def _saved_by_checkpoint() -> bool:
-    """Whether the pack hook runs for a torch.utils.checkpoint saving its inputs (the caller's Python
-    frames, a few up from the hook: checkpoint(), CheckpointFunction.forward, or torch 2.x's
-    _NoopSaveInputs.setup_context)."""
-    import sys
-    f = sys._getframe(2)  # decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
-    for _ in range(4):
-        if f is None:
-            return False
-        if f.f_code in _CHECKPOINT_CODES:
-            return True
-        f = f.f_back
-    return False
-
-
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+#: how many frames above the pack hook the code that made autograd save can be (checkpoint(),
+#: CheckpointFunction.forward, torch 2.x's _NoopSaveInputs.setup_context; AOTAutograd's compiled function)
+_SAVER_DEPTH = 4
 
 
-def _no_python_caller() -> bool:
-    """Whether the pack hook was called with no Python code of the program's on the thread's stack (only gact's
-    own frames): a C++ thread saving, such as autograd's engine thread of a device."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+def _untracked_save() -> Decision:
+    """How to store a tensor saved outside every function the tracker saw, from the Python stack above the pack
+    hook, walked once:
+
+    - a torch.utils.checkpoint saving its inputs (reentrant: they are read by the recomputation of its whole
+      block, through every op in it, a ReLU's test among them): exact;
+    - a torch.compile'd graph saving at run time (AOTAutograd's compiled function: its saves are not the eager
+      ops', fused, recomputed, and nothing tells which op reads them how; a log's input stored as values took the
+      gradient's cosine to 0.78): exact, and counted as compiled;
+    - no Python code of the program's on the thread's stack, only gact's own frames (autograd's engine thread of
+      a device, saving for a backward with create_graph=True; on the caller's thread the tracker sees its
+      ``grad``/``backward`` call): exact;
+    - otherwise plain values."""
+    f = sys._getframe(2)  # this <- decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
+    depth = 0
+    program = False  # a frame outside gact's package seen
+    while f is not None:
+        code = f.f_code
+        if depth < _SAVER_DEPTH:
+            if code in _CHECKPOINT_CODES:
+                return _EXACT
+            if "aot_autograd" in code.co_filename:  # (torch/_functorch/_aot_autograd/..., 2.0-2.1: .../aot_autograd.py)
+                return EXACT_COMPILED
+        if not code.co_filename.startswith(_PACKAGE_DIR):
+            program = True
+            if depth >= _SAVER_DEPTH:
+                break
         f = f.f_back
-    return f is None
-
-
-def _saved_by_compiled_graph() -> bool:
-    """Whether the pack hook runs for a torch.compile'd graph saving its tensors at run time (AOTAutograd's
-    compiled function, torch/_functorch/_aot_autograd, a few frames up from the hook)."""
-    import sys
-    f = sys._getframe(2)  # decide <- the Compressor's pack hook <- (autograd) <- the saving Python code
-    for _ in range(4):
-        if f is None:
-            return False
-        if "aot_autograd" in f.f_code.co_filename:  # (torch/_functorch/_aot_autograd/..., 2.0-2.1: .../aot_autograd.py)
-            return True
-        f = f.f_back
-    return False
+        depth += 1
+    return _VALUES if program else _EXACT
 
 
 #: a tensor a torch.compile'd graph saves (see decide): kept as it is
@@ -1188,17 +1185,7 @@ EXACT_COMPILED = Decision(EXACT)
 def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
     """How to store tensor `t` saved during `frame` (None: outside any function the tracker saw)."""
     if frame is None:
-        # A reentrant checkpoint's inputs are read by the recomputation of its whole block, through
-        # every op in it (a ReLU's test among them): kept exact. So is what a torch.compile'd graph saves: its
-        # saves are not the eager ops' (fused, recomputed), and nothing tells which op reads them how (a log's
-        # input stored as values took the gradient's cosine to 0.78).
-        if _saved_by_checkpoint():
-            return _EXACT
-        if _no_python_caller():
-            # autograd's engine thread of a device, saving for a backward with create_graph=True (on the caller's
-            # thread the tracker sees its `grad`/`backward` call: the rows above)
-            return _EXACT
-        return EXACT_COMPILED if _saved_by_compiled_graph() else _VALUES
+        return _untracked_save()
     row = TABLE.get(frame.name)
     if row is None:
         return _VALUES
