@@ -149,6 +149,18 @@ def test_script_without_optimizer_steps_at_each_backward(tmp_path):
     assert any(t["estimates"] > 0 for t in policy["tensors"].values()), policy["tensors"]
 
 
+def test_script_with_autograd_grad_alone_steps_at_each_call(tmp_path):
+    """A loop that takes its gradients from torch.autograd.grad and updates the weights by hand never calls
+    backward: gact-run once counted its whole run as one step (ended at exit)."""
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "4", "--stats", str(stats)], [sys.executable, SCRIPT, "grad-only", "--steps", "5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(steps_printed(r.stdout)) == 5
+    store = load(stats)["store"]
+    assert store["steps"] == 5 and store["leaks"] == 0, store
+    assert store["quant_bits"]["4"] >= 5 * 2, store
+
+
 def test_bits_auto_adapts_to_the_first_module_trained(tmp_path):
     # --bits auto once ran every tensor at the budget's widest width for the whole run (no model, no
     # estimate). Now the first module trained becomes the Compressor's model: the policy estimates on it

@@ -4,6 +4,7 @@ gact-run must handle (tests/python/test_gact_run.py runs them under gact-run):
   thread      the training loop runs in a threading.Thread
   launcher    this script starts itself again in a subprocess (mode thread) and waits
   by-hand     no optimizer: an LSTM cell unrolled over time, weights updated by hand
+  grad-only   no optimizer and no backward: torch.autograd.grad, weights updated by hand
   ddp         one rank of DistributedDataParallel over gloo (started by torchrun)
   forever     trains until killed, printing "ready" after three steps
   gan         a GAN's loop: two optimizers, the generator's graph alive at the discriminator's step
@@ -59,6 +60,22 @@ def by_hand(steps):
         with torch.no_grad():
             for p in params:
                 p -= 0.1 * p.grad
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+def grad_only(steps):
+    """The gradients come from torch.autograd.grad alone (no .backward(), no optimizer)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    y = (x[:, :5].sum(1) > 0).long()
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    params = list(model.parameters())
+    for step in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= 0.05 * g
         print(f"step {step} loss {loss.item():.4f}", flush=True)
 
 
@@ -138,7 +155,7 @@ def options():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "ddp", "forever", "gan", "keep-graph", "options"))
+    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "grad-only", "ddp", "forever", "gan", "keep-graph", "options"))
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -150,6 +167,8 @@ def main():
         sys.exit(subprocess.call([sys.executable, os.path.abspath(__file__), "thread", "--steps", str(args.steps)]))
     elif args.mode == "by-hand":
         by_hand(args.steps)
+    elif args.mode == "grad-only":
+        grad_only(args.steps)
     elif args.mode == "ddp":
         ddp(args.steps)
     elif args.mode == "forever":

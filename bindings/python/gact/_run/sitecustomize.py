@@ -13,8 +13,9 @@ GACT_RUN=1. Then it:
 3. ends a step after every ``torch.optim.Optimizer.step`` (torch's global optimizer
    post-hook on 2.x, a wrapper on each optimizer class's ``step`` on 1.13); in a script
    that never calls one (weights updated by hand), at the end of every backward
-   (``torch.autograd.backward``). Once an optimizer step has been seen, backward no
-   longer ends steps;
+   (``torch.autograd.backward``, or ``torch.autograd.grad`` in a loop that uses it alone)
+   that leaves no graph alive. Once an optimizer step has been seen, backward no longer
+   ends steps;
 4. with ``--bits auto``, gives the Compressor the first module the script trains (the
    outermost forward with grad enabled and trainable parameters, unwrapped from
    DistributedDataParallel/DataParallel), so that its policy estimates on it;
@@ -113,6 +114,8 @@ class _Steps:
         self.dirty = True
 
     def wrap_backward(self, backward):
+        """``torch.autograd.backward`` (``Tensor.backward`` calls it) or ``torch.autograd.grad``, which a script
+        that updates its weights by hand may use alone."""
         import functools
 
         @functools.wraps(backward)
@@ -209,6 +212,7 @@ def _install():
     gact._run_steps = steps
     _install_optimizer_hook(torch, _compat, steps.after_optimizer_step)
     torch.autograd.backward = steps.wrap_backward(torch.autograd.backward)
+    torch.autograd.grad = steps.wrap_backward(torch.autograd.grad)
     if _compat.HAS_GLOBAL_MODULE_HOOKS:
         torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _inp: steps.forward_started())
     else:
