@@ -189,6 +189,13 @@ void set_boundary(codec::encode_params& ep, codec::predicate_params const& q, in
   ep.boundary = {q.a, open ? q.b : 0.0f, open ? 1u : 0u, 0u};
 }
 
+/// Whether a stored values blob is as precise as a put asking for `p.bits`: raw bytes always are; a quantized
+/// one at no fewer bits. (The group size is the owner's, the same for each of its puts.)
+bool precise_enough(tensor_info const& info, put_params const& p) noexcept {
+  if (info.codec != codec::codec_id::quant) return true;
+  return p.bits <= 8 && info.bits >= p.bits;
+}
+
 bool same_predicate(codec::predicate_params const& a, codec::predicate_params const& b) noexcept {
   return a.pred == b.pred && codec::hd::float_bits(a.a) == codec::hd::float_bits(b.a) &&
          codec::hd::float_bits(a.b) == codec::hd::float_bits(b.b);
@@ -794,9 +801,14 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         bool const inside = e.dense ? (view_off >= e.span_lo && view_max < e.span_lo + e.numel)
                                     : (view_off == e.span_lo && v.shape == e.info.shape && strides_in == e.view_strides);
         if (!inside) continue;
+        // Only the owner's own entries serve it (another Compressor's blob has its widths, its lifetime and its
+        // abort_step()), and a values blob only when it is at least as precise as this save asks: a
+        // log-space input or an attention score raised to 8 bits is not served by a 2-bit blob of the same
+        // memory that another op saved first.
+        if (e.owner != p.owner) continue;
         bool serves = false;
         switch (p.what) {
-          case role::values: serves = e.info.values; break;
+          case role::values: serves = e.info.values && precise_enough(e.info, p); break;
           case role::predicate: serves = e.info.predicate && same_predicate(e.info.pred, p.pred); break;
           case role::indices: serves = e.info.values && !is_float(e.info.dtype); break;
         }

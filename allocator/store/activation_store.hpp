@@ -30,7 +30,9 @@
 // One blob per storage: within a step, a put whose view lies inside the span of
 // a dense entry of the same storage, dtype and version counter is served by that
 // entry (a view saved by another op, such as a loss's `output.view(-1, V)`), when
-// the entry holds what the role needs; the result gives the view's offset in the
+// the entry holds what the role needs, belongs to the same owner and, for values,
+// has at least the bits the put asks for (a log-space save raised to 4 bits gets a
+// blob of its own beside a 2-bit one); the result gives the view's offset in the
 // decoded image. A predicate entry of a clamp's output (a ReLU's: x > 0 on x >= 0)
 // asked for values is upgraded in place to a boundary quant blob, which serves
 // both. Handles are reference counted; each put() must be matched by a release().

@@ -119,6 +119,39 @@ TEST_CASE("dedup: same view and version share one entry; a new version does not"
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
+TEST_CASE("dedup: a blob serves a save asking for no more bits than it has, and only its owner's") {
+  fixture f;
+  auto x = randn(4096, 3);
+  auto v = view(x.data(), dtype::float32, {64, 64});
+  auto const narrow = f.store.put(v, bits(2)).h;  // a mul's operand, say, at the run's 2 bits
+  auto const wide = f.store.put(v, bits(4)).h;    // a log-space save of the same tensor, raised to 4 bits
+  CHECK(wide != narrow);
+  CHECK(f.store.info(wide).bits == 4);
+  auto const again = f.store.put(v, bits(2)).h;  // a 2-bit save: either blob will do; the first found serves
+  CHECK((again == narrow || again == wide));
+  auto const raw = f.store.put(v, bits(32)).h;  // exact: no quantized blob serves it
+  CHECK(f.store.info(raw).codec == codec_id::raw);
+  CHECK(f.store.put(v, bits(8)).h == raw);  // ... and raw bytes serve any width
+  // another owner's blob serves nothing of this owner's, even at the same width
+  auto const a = f.store.new_owner(), b = f.store.new_owner();
+  put_params pa = bits(4), pb = bits(4);
+  pa.owner = a;
+  pb.owner = b;
+  auto y = randn(4096, 4);
+  auto w = view(y.data(), dtype::float32, {4096});
+  auto const ha = f.store.put(w, pa).h;
+  auto const hb = f.store.put(w, pb).h;
+  CHECK(ha != hb);
+  CHECK(f.store.put(w, pa).h == ha);
+  CHECK(f.store.stats_json(b)["dedup_hits"] == 0);
+  for (auto h : {narrow, wide, raw, ha, hb}) {
+    while (f.store.release(h) > 0) {
+    }
+  }
+  CHECK(f.store.live_handles() == 0);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
 TEST_CASE("forget and begin_step end dedup against an entry") {
   fixture f;
   auto x = randn(1024, 2);
