@@ -553,8 +553,11 @@ _add("silu gelu mish softplus", "input through the activation's derivative",
 _add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
-for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ sgn sign amax amin max min maximum minimum fmax fmin " \
-          "prod l1_loss smooth_l1_loss huber_loss fmod fmod_ remainder remainder_ hardshrink softshrink".split():
+for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn sign amax amin max min maximum " \
+          "minimum fmax fmin median nanmedian scatter_reduce scatter_reduce_ index_reduce index_reduce_ prod l1_loss " \
+          "smooth_l1_loss huber_loss margin_ranking_loss hinge_embedding_loss multi_margin_loss " \
+          "multilabel_margin_loss fmod fmod_ remainder remainder_ hardshrink " \
+          "softshrink".split():
     TABLE[_n] = _EXACT_ROW
 _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex solve cholesky linalg_cholesky "
      "linalg_cholesky_ex cholesky_solve cholesky_inverse lu_solve linalg_lu_solve linalg_lu linalg_lu_factor "
@@ -568,7 +571,7 @@ _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex 
 _add("grad backward", "anything the double backward reads",
      "exact: saved by a backward with create_graph=True, whose next backward reads them in any way (an ELU's sign)",
      lambda *a: _EXACT)
-_add("div div_ true_divide", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
+_add("div div_ divide divide_ true_divide true_divide_", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
 _add("normalize", "input; its norm through a division", "input as values; the norm (one value per row) exact",
      _normalize)
@@ -578,7 +581,8 @@ _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std s
 _add("cdist pdist", "points; the distances through a division",
      "points as values; the distances exact (all exact at order 1, inf or 0)", _distance_result)
 _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
-     "triplet_margin_with_distance_loss atan2 atan2_ logit logit_ renorm renorm_",
+     "triplet_margin_with_distance_loss atan2 atan2_ arctan2 arctan2_ logit logit_ special_logit renorm renorm_ "
+     "lp_pool1d lp_pool2d lp_pool3d",
      "input through a division by a function of it", "exact: p(1-p), a variance, a norm or x^2 + y^2 divides",
      lambda *a: _EXACT)
 _add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
@@ -591,7 +595,8 @@ _add("bilinear", "inputs; the weight it is given", "inputs as values; a weight c
      _weight(2, "weight"))
 _add("grid_sample", "the grid as positions", "grid exact; input as values", _positions(1, "grid"))
 _add("deform_conv2d", "the offsets as positions", "offsets exact; input and mask as values", _positions(2, "offset"))
-_add("reciprocal reciprocal_ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log10 log1p",
+_add("reciprocal reciprocal_ __rdiv__ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log2_ log10 log10_ log1p log1p_ "
+     "special_log1p",
      "input or result in a division", "exact: a rounded value near zero makes 1/x explode", lambda *a: _EXACT)
 _add("max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices",
      "indices; input only for its shape", "indices lossless in window offsets (4 bits for 3x3); input: shape only",
@@ -603,7 +608,8 @@ _add("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d a
      "input only for its shape", "shape only", _pool_input_shape)
 _add("nll_loss nll_loss2d", "targets; input only for its shape", "input: shape only; targets kept", _loss_input_shape)
 _add("cross_entropy", "log-probabilities through exp", f"log-space values (>= {LOG_MIN_BITS} bits)", _cross_entropy)
-_add("log_softmax logsumexp ctc_loss", "log-space values through exp", f"log-space values (>= {LOG_MIN_BITS} bits)",
+_add("log_softmax special_log_softmax logsumexp special_logsumexp logcumsumexp logaddexp logaddexp2 ctc_loss",
+     "log-space values through exp", f"log-space values (>= {LOG_MIN_BITS} bits)",
      _log_result)
 _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_product_attention_math "
      "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
@@ -619,8 +625,11 @@ _add("rms_norm _fused_rms_norm", "input; 1/rms through a division", "input as va
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
      "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values otherwise",
      _pow)
-_add("acos acos_ asin asin_ acosh acosh_ atanh atanh_ erfinv erfinv_ digamma digamma_ lgamma lgamma_ polygamma "
-     "polygamma_ mvlgamma xlogy xlogy_ special_xlog1py hypot hypot_ cumprod cumprod_ addcdiv addcdiv_",
+_add("acos acos_ arccos arccos_ asin asin_ arcsin arcsin_ acosh acosh_ arccosh arccosh_ atanh atanh_ arctanh "
+     "arctanh_ erfinv erfinv_ special_erfinv digamma digamma_ special_digamma special_psi lgamma lgamma_ "
+     "special_gammaln polygamma polygamma_ special_polygamma mvlgamma special_multigammaln xlogy xlogy_ "
+     "special_xlogy special_xlog1py special_entr special_ndtri sinc sinc_ special_sinc hypot hypot_ cumprod cumprod_ "
+     "addcdiv addcdiv_",
      "input through a singular derivative or a division by it",
      "exact: 1/sqrt(1-x^2), 1/x, the poles of digamma, a product's quotients explode near their singularity",
      lambda *a: _EXACT)
