@@ -6,6 +6,7 @@ the test asks for 0.99 as the task states.
 """
 
 import collections
+import contextlib
 import gc
 import os
 import subprocess
@@ -1194,3 +1195,43 @@ def test_one_compressors_saves_are_never_served_by_another_compressors_blob():
     assert cd.stats()["store"]["live_handles"] == 0
     cg.close()
     cd.close()
+
+
+def test_a_with_block_entered_again_inside_other_hooks_is_the_innermost():
+    """`with comp:` inside a save_on_cpu (or a user's saved_tensors_hooks, or a non-reentrant checkpoint) that is
+    itself inside `with comp:`: as in torch, the innermost hooks take the saves. The inner `with` did nothing, so
+    save_on_cpu kept the saves; and a checkpointed function with `with comp:` inside gave its forward's saves to
+    the checkpoint and its recomputation's to comp: backward raised "Attempt to retrieve a tensor saved by
+    autograd multiple times without checkpoint recomputation being triggered"."""
+    import torch.utils.checkpoint as cp
+
+    torch.manual_seed(0)
+    blk, head = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64)), nn.Linear(64, 10)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    comp = gact.Compressor(nn.Sequential(blk, head), bits=8, min_bytes=0)
+    with comp:
+        with torch.autograd.graph.save_on_cpu():
+            with comp:
+                loss = blk(x).sum()
+    loss.backward()
+    assert comp.stats()["store"]["tensors_in"] >= 1  # the Tanh's output, stored by the innermost hooks: comp's
+    comp.step()
+
+    def f(h):
+        with comp:
+            return blk(h)
+
+    def grads(use_comp):
+        blk.zero_grad()
+        head.zero_grad()
+        with comp if use_comp else contextlib.nullcontext():
+            loss = F.cross_entropy(head(cp.checkpoint(f if use_comp else blk, x, use_reentrant=False)), y)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in blk.parameters()])
+
+    ref = grads(False)
+    got = grads(True)
+    comp.step()
+    assert F.cosine_similarity(ref, got, dim=0) > 0.999
+    assert comp.stats()["store"]["live_handles"] == 0
+    comp.close()

@@ -710,6 +710,16 @@ class Compressor:
                 raise
             local.ctx = (hooks, tracker)
             local.tracker = tracker
+        else:
+            # Entered again inside itself: its hooks go on top once more, so that they are the innermost, as torch's
+            # hooks are wherever a `with` enters them, over a save_on_cpu, a user's saved_tensors_hooks or a
+            # non-reentrant checkpoint entered in between (a checkpointed function with `with comp:` inside: in
+            # forward the checkpoint's hooks took its saves, in the recomputation comp's, and backward failed).
+            # The op tracker stays the one of the outermost `with`.
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            local.nested = getattr(local, "nested", None) or []
+            local.nested.append(hooks)
         local.depth = depth + 1
         return self
 
@@ -728,6 +738,8 @@ class Compressor:
         if depth == 0:
             raise RuntimeError("gact.Compressor: __exit__ without a matching __enter__ on this thread")
         local.depth = depth - 1
+        if depth > 1:
+            local.nested.pop().__exit__(*exc)
         if depth == 1:
             self._stack().clear()
             if self._deferred:
