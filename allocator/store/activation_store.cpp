@@ -189,11 +189,11 @@ void set_boundary(codec::encode_params& ep, codec::predicate_params const& q, in
   ep.boundary = {q.a, open ? q.b : 0.0f, open ? 1u : 0u, 0u};
 }
 
-/// Whether a stored values blob is as precise as a put asking for `p.bits`: raw bytes always are; a quantized
-/// one at no fewer bits. (The group size is the owner's, the same for each of its puts.)
+/// Whether a stored values blob is as precise as a put's reader tolerates (`p.min_bits`): raw bytes always are; a
+/// quantized one with no fewer bits. (A policy's wider width for a later save of the same storage is the policy's
+/// to model: its probe sees the first save's blob serve both.)
 bool precise_enough(tensor_info const& info, put_params const& p) noexcept {
-  if (info.codec != codec::codec_id::quant) return true;
-  return p.bits <= 8 && info.bits >= p.bits;
+  return info.codec != codec::codec_id::quant || info.bits >= p.min_bits;
 }
 
 bool same_predicate(codec::predicate_params const& a, codec::predicate_params const& b) noexcept {
@@ -802,7 +802,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
                                     : (view_off == e.span_lo && v.shape == e.info.shape && strides_in == e.view_strides);
         if (!inside) continue;
         // Only the owner's own entries serve it (another Compressor's blob has its widths, its lifetime and its
-        // abort_step()), and a values blob only when it is at least as precise as this save asks: a
+        // abort_step()), and a values blob only when it is as precise as this save's reader tolerates: a
         // log-space input or an attention score raised to 8 bits is not served by a 2-bit blob of the same
         // memory that another op saved first.
         if (e.owner != p.owner) continue;

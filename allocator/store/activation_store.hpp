@@ -31,8 +31,8 @@
 // a dense entry of the same storage, dtype and version counter is served by that
 // entry (a view saved by another op, such as a loss's `output.view(-1, V)`), when
 // the entry holds what the role needs, belongs to the same owner and, for values,
-// has at least the bits the put asks for (a log-space save raised to 4 bits gets a
-// blob of its own beside a 2-bit one); the result gives the view's offset in the
+// has at least the bits the put's reader tolerates (`min_bits`: a log-space save
+// raised to 4 bits gets a blob of its own beside a 2-bit one); the result gives the view's offset in the
 // decoded image. A predicate entry of a clamp's output (a ReLU's: x > 0 on x >= 0)
 // asked for values is upgraded in place to a boundary quant blob, which serves
 // both. Handles are reference counted; each put() must be matched by a release().
@@ -132,6 +132,10 @@ struct put_params {
   /// who stores it (new_owner(): one per Compressor); 0 = nobody in particular. Counted in that
   /// owner's statistics beside the store's, and its end_step() counts its own handles only.
   owner_id owner = 0;
+  /// values: the fewest bits the reader tolerates (a log-space input's 4, an attention score's 8), as
+  /// opposed to `bits`, the width chosen for this save: an earlier quantized blob of the same storage
+  /// serves it only with at least these bits; 0 = any.
+  int min_bits = 0;
 };
 
 /// What put() returns.

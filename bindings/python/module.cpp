@@ -449,7 +449,7 @@ PYBIND11_MODULE(_gact, m) {
       [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
          std::int64_t version, std::uintptr_t storage, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
          std::uintptr_t stream, std::string const& role, int threads, py::object norm, py::object pred, bool clamped,
-         py::object window, gact::store::owner_id owner, bool boundary) {
+         py::object window, gact::store::owner_id owner, bool boundary, int min_bits) {
         gact::store::tensor_view v;
         v.data = reinterpret_cast<void const*>(ptr);
         v.dtype = gact::store::parse_dtype(dtype);
@@ -501,6 +501,7 @@ PYBIND11_MODULE(_gact, m) {
         }
         p.owner = owner;
         p.boundary = boundary;
+        p.min_bits = min_bits;
         runtime& r = rt();
         if (device >= 0) r.ensure_device(device);
         gact::store::put_result res;
@@ -520,13 +521,14 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
       py::arg("stream") = 0, py::arg("role") = "values", py::arg("threads") = 0, py::arg("norm") = py::none(),
       py::arg("pred") = py::none(), py::arg("clamped") = false, py::arg("window") = py::none(),
-      py::arg("owner") = 0, py::arg("boundary") = false,
+      py::arg("owner") = 0, py::arg("boundary") = false, py::arg("min_bits") = 0,
       "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index (-1 = CPU), "
       "version counter, storage address) for a reader with role 'values', 'predicate' or 'indices'; returns "
       "(handle, offset of the view in the decoded image, served by an earlier entry, the view's strides in the "
       "decoded image, a predicate entry upgraded to values by this put, or values stored as a boundary blob). "
       "owner: store_new_owner()'s id, whose counters count it too (0 = none). boundary: values of a clamp's "
-      "output whose predicate `pred` a later predicate save reads (one blob serves both).");
+      "output whose predicate `pred` a later predicate save reads (one blob serves both). min_bits: the fewest "
+      "bits the reader tolerates (an earlier blob of the storage with fewer does not serve it).");
   m.def(
       "store_get",
       [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream, bool predicate,
@@ -838,14 +840,18 @@ PYBIND11_MODULE(_gact, m) {
                                         static_cast<int>(rt().opts.threads));
         }
         // One return type for both branches: pybind11 3.x's make_tuple is typed per argument.
-        if (res.nonfinite) return py::tuple(py::make_tuple(py::none(), true));
+        if (res.nonfinite || res.refused != gact::codec::refusal::none) {
+          auto const why = res.nonfinite ? gact::codec::refusal::nonfinite : res.refused;
+          return py::tuple(py::make_tuple(py::none(), std::string(gact::codec::refusal_name(why))));
+        }
         buf.resize(res.bytes);
-        return py::tuple(py::make_tuple(py::bytes(buf), false));
+        return py::tuple(py::make_tuple(py::bytes(buf), py::none()));
       },
       py::arg("src"), py::arg("dtype"), py::arg("shape"), py::arg("codec"), py::arg("bits"),
       py::arg("group_size"), py::arg("seed"), py::arg("key"),
-      "Encode a contiguous host tensor; returns (blob bytes, False), or (None, True) when the quant "
-      "codec refused NaN/Inf.");
+      "Encode a contiguous host tensor; returns (blob bytes, None), or (None, why) when the codec refused "
+      "it: why is 'nonfinite' (quant: NaN/Inf), 'float64_range' (quant: a float64 value outside float32's "
+      "range) or another refusal's name.");
   m.def(
       "codec_parse",
       [](py::bytes blob) {

@@ -113,6 +113,18 @@ def test_nan_falls_back_to_raw_unless_quant_was_asked_for():
         codecs.encode(x, bits=4, codec="quant")
 
 
+def test_float64_beyond_float32s_range_falls_back_to_raw_unless_quant_was_asked_for():
+    """A finite float64 value past float32's range (quantized in float32, it would overflow): the codec refuses
+    it. encode returned an empty blob and then raised CorruptBlobError('truncated header') on it."""
+    x = torch.randn(4096, dtype=torch.float64)
+    x[7] = 1e39
+    blob = codecs.encode(x, bits=8)
+    assert blob.codec == "raw"
+    assert torch.equal(codecs.decode(blob), x)
+    with pytest.raises(ValueError, match="float32's range"):
+        codecs.encode(x, bits=8, codec="quant")
+
+
 def test_bad_parameters_are_rejected_by_name():
     x = torch.randn(512)
     with pytest.raises(ValueError, match="bits"):

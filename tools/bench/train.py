@@ -275,9 +275,11 @@ def gact_step_bytes(gact, comp, step, arm) -> dict:
     stored = after["bytes_stored"] - before["bytes_stored"]
     held = after["unstored"]["held"]["bytes"] - before["unstored"]["held"]["bytes"]
     ratio = (after["bytes_in"] - before["bytes_in"]) / stored if stored else 0.0
-    # every saved tensor the Compressor saw: stored, or kept for a reason (parameters and inputs too)
+    # every saved tensor the Compressor saw: stored, kept for a reason (parameters and inputs too), or read for its
+    # shape alone
     tensors = after["tensors_in"] - before["tensors_in"] + sum(
-        after["skipped"][r]["tensors"] - before["skipped"][r]["tensors"] for r in after["skipped"])
+        after["skipped"][r]["tensors"] - before["skipped"][r]["tensors"] for r in after["skipped"]) + \
+        after["unstored"]["shape"]["tensors"] - before["unstored"]["shape"]["tensors"]
     return {"stored": stored, "kept": kept, "held": held, "store_ratio": ratio, "saved_tensors": tensors}
 
 

@@ -148,7 +148,8 @@ def encode(
         codec: ``"quant"``, ``"mask"`` or ``"raw"``; default: chosen from the dtype.
 
     Raises:
-        ValueError: for an unsupported dtype, bits, group size, codec, or NaN/Inf with codec="quant".
+        ValueError: for an unsupported dtype, bits, group size, codec, or NaN/Inf (float64 values outside
+            float32's range) with codec="quant"; without ``codec`` such a tensor is stored raw.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"gact.codecs.encode: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -163,12 +164,16 @@ def encode(
     explicit = codec is not None
     c = codec if explicit else _pick_codec(t)
     shape = tuple(t.shape)
-    blob, nonfinite = _C.codec_encode(
+    blob, refused = _C.codec_encode(
         t.data_ptr(), _compat.DTYPE_NAMES[t.dtype], shape, c, int(bits), int(group_size), int(seed), int(key)
     )
-    if nonfinite:
+    if refused is not None:
         if explicit:
-            raise ValueError("gact.codecs.encode: the tensor holds NaN or Inf, which codec='quant' refuses")
+            what = {"nonfinite": "holds NaN or Inf",
+                    "float64_range": "holds float64 values outside float32's range (quantized in float32)"}
+            raise ValueError(f"gact.codecs.encode: the tensor {what.get(refused, 'was refused (' + refused + ')')}, "
+                             f"which codec={c!r} refuses; codec='raw' keeps it as it is")
+        # (the codec chosen from the dtype refused it: kept as raw bytes, as the store keeps such a tensor)
         blob, _ = _C.codec_encode(
             t.data_ptr(), _compat.DTYPE_NAMES[t.dtype], shape, "raw", int(bits), int(group_size), int(seed), int(key)
         )

@@ -227,7 +227,7 @@ class _Packed:
     that of the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "logged", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -251,6 +251,7 @@ class _Packed:
         # tensor itself (detached), kept until then, and used as it is if it did
         self.hold: torch.Tensor | None = None
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
+        self.logged = False  # stored as exp(x) (a log-probability): decoded with log
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.vref, self.version, self)
@@ -289,6 +290,8 @@ class _Packed:
                                   torch.get_num_threads(), dec is not None,
                                   dec[0] if dec is not None else 1.0, dec[1] if dec is not None else 0.0)
         out = _from_dlpack(cap)
+        if self.logged:
+            return out.log_()  # (the image is this save's alone: its blob is of a temporary, never shared)
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
     def keep_exact(self) -> torch.Tensor | None:
@@ -300,6 +303,8 @@ class _Packed:
         dec = self.decode
         if dec is not None:
             hold = torch.full_like(hold, dec[1]).masked_fill_(_predicate_of(hold, self.pred), dec[0])
+        elif self.logged:
+            hold = hold.log()
         # (the alias before the hold goes and the handle is freed: a thread reading this save between sees one)
         self.alias = hold
         self.release()
@@ -1029,7 +1034,22 @@ class Compressor:
             q = self._store_derivative(t, key, _saved.activation_call(t))
             if q is not None:
                 return q
+        if kind == _saved.EXP:
+            return self._store_exp(t, key, d)
         return self._store(t, key, d if kind not in (_saved.NORMALIZED, _saved.DERIVATIVE) else _saved._VALUES)
+
+    def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
+        """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded
+        with log; where exp(t) cannot be computed (no memory for it), ``t`` as log-space values."""
+        try:
+            with torch.no_grad():
+                e = t.detach().exp()
+        except RuntimeError:  # out of memory (torch's, or gact's CPU allocator's)
+            return self._store(t, key, _saved._LOG)
+        q = self._store(e, key, d, keep=t)
+        if isinstance(q, _Packed):
+            q.logged = True
+        return q
 
     def _store_derivative(self, t: torch.Tensor, key: str, call: Any) -> Any:
         """Store the activation's derivative f'(t) for the stand-in ``call`` in place of its input ``t`` (a
@@ -1057,6 +1077,7 @@ class Compressor:
         min_bits = max(min_bits, d.min_bits)
         role, pred, window, decode = "values", None, None, None
         boundary = False
+        floor = 0  # the fewest bits the reader tolerates: an earlier blob of the storage with fewer does not serve it
         if kind == _saved.PREDICATE:
             # (inside a `with` block, whose end stores what still waits, or installed for the whole process
             # by gact-run, where backward's first unpack and step() do)
@@ -1071,11 +1092,12 @@ class Compressor:
             policy = self._policy
             bits = self._bits_for(key, t.numel())
             if kind == _saved.LOG:
-                bits = max(bits, LOG_SPACE_MIN_BITS)
+                bits, floor = max(bits, LOG_SPACE_MIN_BITS), LOG_SPACE_MIN_BITS
             if policy is None or not getattr(policy, "measuring", False):
                 # (a reference probe measures the width it asks for: its replay of a few samples can
                 # have small normalization blocks, raised to min_bits, where the whole batch has none)
                 bits = max(bits, min_bits)
+                floor = max(floor, min_bits)
         else:
             bits = 1
         waiting = None
@@ -1108,7 +1130,7 @@ class Compressor:
             h, offset, shared, strides, upgraded = _C.store_put(
                 ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
                 ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
-                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary)
+                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor)
         except _C.OutOfMemoryError as e:
             if waiting is not None:
                 self._resolve_one(waiting)
@@ -1136,7 +1158,8 @@ class Compressor:
         else:
             _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy
-        if policy is not None and role == "values" and kind != _saved.LOG and hasattr(policy, "on_stored"):
+        if policy is not None and role == "values" and kind not in (_saved.LOG, _saved.EXP) and \
+                hasattr(policy, "on_stored"):
             info = _C.store_info(h)
             if info["values"] and info["dtype"] in ("float32", "float16", "bfloat16", "float64"):
                 if upgraded:
@@ -1354,7 +1377,7 @@ class Compressor:
         if kind == _saved.PREDICATE and d.clamped and t.is_floating_point():
             # a clamp's output: if a later op reads its values too, the store keeps one boundary blob
             self._probe.note_clamp(t, d.pred[1])
-        if kind in (_saved.VALUES, _saved.LOG) and t.is_floating_point():
+        if kind in (_saved.VALUES, _saved.LOG, _saved.EXP) and t.is_floating_point():
             return self._probe.pack(t, key)
         if kind == _saved.NORMALIZED and t.is_floating_point():
             zs = self._probe_normalized(t, frame)

@@ -6,6 +6,10 @@ A saved tensor is stored the way its reader needs it, decided by the op that sav
 ``values``      quantized values at the tensor's bits (unbiased: linear readers such as a
                 convolution's weight gradient get an unbiased gradient)
 ``log``         values at no fewer than LOG_MIN_BITS bits (the reader exponentiates them)
+``exp``         a log-probability (log_softmax's result, at most 0) stored as its probability exp(x),
+                quantized, and decoded with log: the reader uses exp(x) linearly (softmax minus the
+                targets), so the gradient is unbiased, where rounding x itself biases it through the
+                exponential (a classifier with logits spanning 58: 0.11 of the gradient at 4 bits)
 ``predicate``   an exact 1-bit mask of what the backward tests (``x > 0`` for a ReLU), decoded
                 to two values that satisfy the test exactly as the original did
 ``normalized``  a normalization layer's input, quantized after normalizing with the layer's own
@@ -49,8 +53,8 @@ from . import _compat
 # exponentiates: at 2 bits a character LM lost 0.38 nats/char, at 4 bits 0.02.
 LOG_MIN_BITS = 4
 
-VALUES, LOG, PREDICATE, NORMALIZED, SHAPE, INDICES, EXACT, STATS, DERIVATIVE = (
-    "values", "log", "predicate", "normalized", "shape", "indices", "exact", "stats", "derivative")
+VALUES, LOG, EXP, PREDICATE, NORMALIZED, SHAPE, INDICES, EXACT, STATS, DERIVATIVE = (
+    "values", "log", "exp", "predicate", "normalized", "shape", "indices", "exact", "stats", "derivative")
 
 
 class Decision(NamedTuple):
@@ -66,6 +70,7 @@ class Decision(NamedTuple):
 
 _VALUES = Decision(VALUES)
 _LOG = Decision(LOG)
+_EXP = Decision(EXP, min_bits=LOG_MIN_BITS)  # (at 2 bits a step of a third of the largest probability: noisier than log space at 4)
 _SHAPE = Decision(SHAPE)
 _EXACT = Decision(EXACT)
 _STATS = Decision(STATS)
@@ -296,9 +301,25 @@ def _loss_input_shape(t, args, kwargs, frame) -> Decision:
 
 
 def _cross_entropy(t, args, kwargs, frame) -> Decision:
-    # log_softmax saves its result (log-space: read through exp); nll_loss then saves the same
-    # tensor (the same blob serves it) and the targets.
-    return _LOG if _is_float(t) and t.requires_grad else _VALUES
+    # With class-index targets and no label smoothing the call is log_softmax then nll_loss: log_softmax saves its
+    # result, read through exp (stored as exp); nll_loss then saves the same tensor for its shape alone, and the
+    # targets. Probability targets or smoothing read the log-probabilities in other ways: log-space values.
+    if not (_is_float(t) and t.requires_grad):
+        return _VALUES
+    target = _arg(args, kwargs, 1, "target")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or _arg(args, kwargs, 7, "label_smoothing"):
+        return _LOG
+    seen = (t.data_ptr(), t.storage_offset(), tuple(t.shape))
+    if frame is not None and frame.seen == seen:
+        return _SHAPE
+    if frame is not None:
+        frame.seen = seen
+    return _EXP
+
+
+def _log_softmax(t, args, kwargs, frame) -> Decision:
+    # (its only save is its result)
+    return _EXP if _is_float(t) else _VALUES
 
 
 def _log_result(t, args, kwargs, frame) -> Decision:
@@ -607,8 +628,13 @@ _add("adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d adaptive_max_p
 _add("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d",
      "input only for its shape", "shape only", _pool_input_shape)
 _add("nll_loss nll_loss2d", "targets; input only for its shape", "input: shape only; targets kept", _loss_input_shape)
-_add("cross_entropy", "log-probabilities through exp", f"log-space values (>= {LOG_MIN_BITS} bits)", _cross_entropy)
-_add("log_softmax special_log_softmax logsumexp special_logsumexp logcumsumexp logaddexp logaddexp2 ctc_loss",
+_add("cross_entropy", "log-probabilities through exp",
+     f"class targets: the probabilities exp(x) as values (>= {LOG_MIN_BITS} bits), decoded with log (unbiased); "
+     f"otherwise log-space values "
+     f"(>= {LOG_MIN_BITS} bits)", _cross_entropy)
+_add("log_softmax special_log_softmax", "its result through exp",
+     f"the probabilities exp(x) as values (>= {LOG_MIN_BITS} bits), decoded with log (unbiased)", _log_softmax)
+_add("logsumexp special_logsumexp logcumsumexp logaddexp logaddexp2 ctc_loss",
      "log-space values through exp", f"log-space values (>= {LOG_MIN_BITS} bits)",
      _log_result)
 _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_product_attention_math "
@@ -658,7 +684,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -666,6 +692,7 @@ class Frame:
         self.kwargs = kwargs
         self.pending: list | None = None
         self.stats: list | None = None
+        self.seen: tuple | None = None  # cross_entropy: the log-probabilities stored as exp (nll_loss saves them again)
 
     @property
     def name(self) -> str:
