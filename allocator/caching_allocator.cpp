@@ -431,7 +431,9 @@ struct caching_allocator::impl {
                       human_bytes(static_cast<std::size_t>(st.allocated_bytes[pool_all].current)) + ", limit " +
                       (opts.memory_limit == 0 ? std::string("none") : human_bytes(opts.memory_limit)) + "; " +
                       std::string(be.name()) + " backend: " + last_backend_error;
-    GACT_WARN_CAPPED(16, "{}", msg);
+    // (said by whoever catches it: torch's error, a Compressor's one warning as it keeps the tensor, gact's
+    // OutOfMemoryError; num_ooms counts it)
+    GACT_LOG_INFO("{}", msg);
     throw out_of_memory(msg);
   }
 
