@@ -5,6 +5,8 @@ gact-run must handle (tests/python/test_gact_run.py runs them under gact-run):
   launcher    this script starts itself again in a subprocess (mode thread) and waits
   by-hand     no optimizer: an LSTM cell unrolled over time, weights updated by hand
   grad-only   no optimizer and no backward: torch.autograd.grad, weights updated by hand
+  accumulate  gradient accumulation: four micro-batches' backward per optimizer step
+  by-data     no optimizer: zero_grad() first, weights updated through .data (pytorch/examples' word LM)
   ddp         one rank of DistributedDataParallel over gloo (started by torchrun)
   forever     trains until killed, printing "ready" after three steps
   gan         a GAN's loop: two optimizers, the generator's graph alive at the discriminator's step
@@ -76,6 +78,36 @@ def grad_only(steps):
         with torch.no_grad():
             for p, g in zip(params, grads):
                 p -= 0.05 * g
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+def accumulate(steps):
+    """Each step accumulates the gradients of four micro-batches, then steps the optimizer once."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    y = (x[:, :5].sum(1) > 0).long()
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        for mb in range(4):
+            loss = F.cross_entropy(model(x[mb * 16:(mb + 1) * 16]), y[mb * 16:(mb + 1) * 16]) / 4
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+def by_data(steps):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 2))
+    x = torch.randn(64, 32)
+    y = (x[:, 0] > 0).long()
+    for step in range(steps):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)  # (no version change: only the gradients tell)
         print(f"step {step} loss {loss.item():.4f}", flush=True)
 
 
@@ -155,7 +187,7 @@ def options():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "grad-only", "ddp", "forever", "gan", "keep-graph", "options"))
+    ap.add_argument("mode", choices=("thread", "launcher", "by-hand", "grad-only", "accumulate", "by-data", "ddp", "forever", "gan", "keep-graph", "options"))
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -169,6 +201,10 @@ def main():
         by_hand(args.steps)
     elif args.mode == "grad-only":
         grad_only(args.steps)
+    elif args.mode == "accumulate":
+        accumulate(args.steps)
+    elif args.mode == "by-data":
+        by_data(args.steps)
     elif args.mode == "ddp":
         ddp(args.steps)
     elif args.mode == "forever":
