@@ -1293,3 +1293,103 @@ def test_a_log_space_alias_keeps_the_log_space_floor(name):
 
     base, quant = widths(lambda a, b: a), widths(call)  # (the inputs' own saves, then the op's beside them)
     assert quant["2"] == base["2"] and quant["4"] + quant["8"] > base["4"] + base["8"], (name, base, quant)
+
+
+def test_log_probabilities_read_again_while_a_first_read_is_alive():
+    """The store shares a decoded image between readers; the log taken of the stored probabilities must not be
+    taken in place on it. A gradient penalty through cross_entropy (create_graph=True keeps the first read alive)
+    gave NaN gradients, and so did a second read of grad_fn._saved_result."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 100, requires_grad=True)
+    comp = gact.Compressor(None, bits=8, min_bytes=0)
+    with comp:
+        lp = torch.log_softmax(x * 2, dim=1)
+        loss = lp[:, 0].sum()
+    ref = lp.detach().clone()
+    del lp
+    node = loss.grad_fn
+    while node.name() != "LogSoftmaxBackward0":
+        node = node.next_functions[0][0]
+    a = node._saved_result
+    b = node._saved_result
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+    assert (a.exp() - ref.exp()).abs().max() <= 1 / 255 + 1e-6  # (probabilities at 8 bits: a group's range / 255)
+    comp.close()
+
+    w = torch.randn(100, 50, requires_grad=True)
+    y = torch.randint(0, 50, (64,))
+
+    def run(comp=None):
+        x1, w1 = x.detach().requires_grad_(), w.detach().requires_grad_()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(x1 @ w1, y)
+        g, = torch.autograd.grad(loss, x1, create_graph=True)
+        loss.backward(retain_graph=True)  # the loss's gradient first, the penalty's next: two reads
+        g.pow(2).sum().backward()
+        if comp is not None:
+            comp.close()
+        return w1.grad
+
+    plain, got = run(), run(gact.Compressor(None, bits=8, min_bytes=0))
+    assert torch.isfinite(got).all() and ((got - plain).norm() / plain.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("shape", [(2048, 1000), (64, 1000, 32), (8, 1000, 4, 4, 16)])
+def test_cross_entropy_over_any_rank_stores_one_blob(shape):
+    """nll_loss saves a reshaped view of the log-probabilities for a 3-D or 5-D input: it was taken for a new
+    save and stored a second time, as probabilities (twice the bytes)."""
+    def stored(shape):
+        torch.manual_seed(0)
+        z = torch.randn(shape, requires_grad=True)
+        y = torch.randint(0, 1000, (shape[0],) + shape[2:])
+        comp = gact.Compressor(None, bits=4, min_bytes=0)
+        with comp:
+            loss = F.cross_entropy(z * 1.0, y)
+        st = comp.stats()["store"]
+        loss.backward()
+        comp.close()
+        assert st["unstored"]["shape"]["tensors"] == 1, st  # nll_loss's save: its shape
+        return st["bytes_stored"]
+
+    assert stored(shape) <= 1.05 * stored((2048, 1000))  # (the same elements in two dimensions: one blob)
+
+
+def test_float64_log_probabilities_are_compressed():
+    """exp of a float64 log-probability below -87 is under float32's smallest normal, which the codec refuses in
+    float64 (it quantizes in float32): the whole tensor was kept raw. Such probabilities are stored as 0."""
+    torch.manual_seed(0)
+    z = (torch.randn(256, 100, dtype=torch.float64) * 30).requires_grad_()
+    y = torch.randint(0, 100, (256,))
+    F.cross_entropy(z, y).backward()
+    ref, z.grad = z.grad, None
+    comp = gact.Compressor(None, bits=8, min_bytes=0)
+    with comp:
+        loss = F.cross_entropy(z * 1.0, y)
+    st = comp.stats()["store"]
+    loss.backward()
+    comp.close()
+    assert st["bytes_stored"] * 4 < st["bytes_in"], st  # (8 bits of 64, and the groups' ranges)
+    assert ((z.grad - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_log_probabilities_the_program_still_holds_are_used_as_they_are():
+    """A language model's script keeps its log_softmax output alive through backward: its own tensor, unchanged,
+    serves the backward (exact), not the decoded probabilities."""
+    torch.manual_seed(0)
+    head, h = nn.Linear(64, 500), torch.randn(128, 64)
+    y = torch.randint(0, 500, (128,))
+
+    def run(comp=None):
+        head.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            out = F.log_softmax(head(h), dim=-1)  # (h, made before: kept; the only lossy save is `out`)
+            loss = F.nll_loss(out, y)
+        loss.backward()
+        return out, head.weight.grad.clone()
+
+    _, plain = run()
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    out, got = run(comp)
+    held = comp.stats()["store"]["unstored"]["held"]["tensors"]
+    comp.close()
+    assert held >= 1 and torch.equal(got, plain), held

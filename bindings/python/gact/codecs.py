@@ -149,7 +149,8 @@ def encode(
 
     Raises:
         ValueError: for an unsupported dtype, bits, group size, codec, or NaN/Inf (float64 values outside
-            float32's range) with codec="quant"; without ``codec`` such a tensor is stored raw.
+            float32's normal range, nonzero ones below it included) with codec="quant"; without ``codec``
+            such a tensor is stored raw.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"gact.codecs.encode: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -170,7 +171,7 @@ def encode(
     if refused is not None:
         if explicit:
             what = {"nonfinite": "holds NaN or Inf",
-                    "float64_range": "holds float64 values outside float32's range (quantized in float32)"}
+                    "float64_range": "holds float64 values outside float32's normal range (quantized in float32)"}
             raise ValueError(f"gact.codecs.encode: the tensor {what.get(refused, 'was refused (' + refused + ')')}, "
                              f"which codec={c!r} refuses; codec='raw' keeps it as it is")
         # (the codec chosen from the dtype refused it: kept as raw bytes, as the store keeps such a tensor)

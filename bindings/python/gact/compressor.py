@@ -80,6 +80,7 @@ _VALID_BITS = (1, 2, 4, 8)
 NORM_SMALL_BLOCK = 64
 NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
+_FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 _from_dlpack = _dlpack.from_dlpack
 _DTYPE_NAMES = _compat.DTYPE_NAMES
@@ -291,7 +292,9 @@ class _Packed:
                                   dec[0] if dec is not None else 1.0, dec[1] if dec is not None else 0.0)
         out = _from_dlpack(cap)
         if self.logged:
-            return out.log_()  # (the image is this save's alone: its blob is of a temporary, never shared)
+            # (not in place: the store shares a decoded image with a later reader while an earlier one holds it,
+            # a graph built with create_graph=True or a second read of grad_fn._saved_result)
+            return out.log()
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
     def keep_exact(self) -> torch.Tensor | None:
@@ -1044,11 +1047,20 @@ class Compressor:
         try:
             with torch.no_grad():
                 e = t.detach().exp()
+                if e.dtype is torch.float64:
+                    # (quantized in float32: a probability below its smallest normal, e^-87, is 0 to the
+                    # codec, which refuses float64 outside that range and would keep the tensor raw)
+                    e.masked_fill_(e < _FLOAT32_TINY, 0.0)
         except RuntimeError:  # out of memory (torch's, or gact's CPU allocator's)
             return self._store(t, key, _saved._LOG)
         q = self._store(e, key, d, keep=t)
         if isinstance(q, _Packed):
             q.logged = True
+            if q.handle and q.ref is not None:
+                # the temporary's address must never match a later tensor's; the program's own tensor, if it still
+                # holds it unchanged at unpack (a language model's output), is used as it is
+                _C.store_forget(q.handle)
+                q.ref, q.ptr = weakref.ref(t), t.data_ptr()
         return q
 
     def _store_derivative(self, t: torch.Tensor, key: str, call: Any) -> Any:
