@@ -1334,6 +1334,17 @@ def test_log_probabilities_read_again_while_a_first_read_is_alive():
     assert torch.isfinite(got).all() and ((got - plain).norm() / plain.norm()).item() < 0.05
 
 
+def _cross_entropy_store(z, y, bits):
+    """The store's counters of one cross_entropy of activations `z * 1` (min_bytes 0), after its backward."""
+    comp = gact.Compressor(None, bits=bits, min_bytes=0)
+    with comp:
+        loss = F.cross_entropy(z * 1.0, y)
+    st = comp.stats()["store"]
+    loss.backward()
+    comp.close()
+    return st
+
+
 @pytest.mark.parametrize("shape", [(2048, 1000), (64, 1000, 32), (8, 1000, 4, 4, 16)])
 def test_cross_entropy_over_any_rank_stores_one_blob(shape):
     """nll_loss saves a reshaped view of the log-probabilities for a 3-D or 5-D input: it was taken for a new
@@ -1341,13 +1352,7 @@ def test_cross_entropy_over_any_rank_stores_one_blob(shape):
     def stored(shape):
         torch.manual_seed(0)
         z = torch.randn(shape, requires_grad=True)
-        y = torch.randint(0, 1000, (shape[0],) + shape[2:])
-        comp = gact.Compressor(None, bits=4, min_bytes=0)
-        with comp:
-            loss = F.cross_entropy(z * 1.0, y)
-        st = comp.stats()["store"]
-        loss.backward()
-        comp.close()
+        st = _cross_entropy_store(z, torch.randint(0, 1000, (shape[0],) + shape[2:]), 4)
         assert st["unstored"]["shape"]["tensors"] == 1, st  # nll_loss's save: its shape
         return st["bytes_stored"]
 
@@ -1362,12 +1367,7 @@ def test_float64_log_probabilities_are_compressed():
     y = torch.randint(0, 100, (256,))
     F.cross_entropy(z, y).backward()
     ref, z.grad = z.grad, None
-    comp = gact.Compressor(None, bits=8, min_bytes=0)
-    with comp:
-        loss = F.cross_entropy(z * 1.0, y)
-    st = comp.stats()["store"]
-    loss.backward()
-    comp.close()
+    st = _cross_entropy_store(z, y, 8)
     assert st["bytes_stored"] * 4 < st["bytes_in"], st  # (8 bits of 64, and the groups' ranges)
     assert ((z.grad - ref).norm() / ref.norm()).item() < 0.05
 

@@ -27,11 +27,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def mlp_steps(steps):
+def mlp():
+    """A batch, its labels and a small MLP, the same in every run."""
     torch.manual_seed(0)
     x = torch.randn(64, 32)
     y = (x[:, :5].sum(1) > 0).long()
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    return x, y, nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+
+
+def mlp_steps(steps):
+    x, y, model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = 0
     while steps < 0 or step < steps:
@@ -67,10 +72,7 @@ def by_hand(steps):
 
 def grad_only(steps):
     """The gradients come from torch.autograd.grad alone (no .backward(), no optimizer)."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 32)
-    y = (x[:, :5].sum(1) > 0).long()
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    x, y, model = mlp()
     params = list(model.parameters())
     for step in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -83,10 +85,7 @@ def grad_only(steps):
 
 def accumulate(steps):
     """Each step accumulates the gradients of four micro-batches, then steps the optimizer once."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 32)
-    y = (x[:, :5].sum(1) > 0).long()
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 2))
+    x, y, model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         for mb in range(4):
