@@ -67,16 +67,7 @@ def _run_info(compressed, reason=None, policy=None):
 class _Steps:
     """When a step ends: after an optimizer step, or at the end of a backward in a script
     that has not called one. ``dirty``: something ran since the last step ended (a module's
-    forward, or a backward that did not end the step).
-
-    Before the first optimizer step a backward that leaves no graph alive may end an iteration of a
-    loop that updates its weights by hand, or one micro-batch of gradient accumulation: the step
-    waits for the next such backward to tell. Between the two, a loop by hand resets the gradients
-    (``p.grad = None``, ``zero_()``) or changes the weights; accumulation adds to the same gradient
-    tensors once. The first ends the step at the next iteration's first forward (or, where the reset
-    comes later, at its backward: two steps then), and every later backward ends one; the second
-    waits for the optimizer step. Without gradients to read (``torch.autograd.grad``, no modules), every
-    such backward ends a step."""
+    forward, or a backward that did not end the step)."""
 
     def __init__(self, comp):
         self.comp = comp
@@ -87,9 +78,6 @@ class _Steps:
         self.deferred = set()  # ids of the optimizers that stepped while the step's graphs were alive
         self.optimizers = set()  # ids of every optimizer that has stepped
         self.ended_by_optimizer = 0  # steps an optimizer step has ended
-        self.by_hand = False  # a loop without an optimizer seen: every backward that frees its graph ends a step
-        self.modules = {}  # id -> module whose forward ran, until by_hand or an optimizer step decides
-        self.pending = None  # the gradients after a backward that waits to tell (see above)
 
     def end(self):
         if self.in_step:
@@ -104,8 +92,6 @@ class _Steps:
     def after_optimizer_step(self, optimizer=None, *_args, **_kwargs):
         first = not self.seen_optimizer
         self.seen_optimizer = True
-        self.pending = None
-        self.modules.clear()
         if not (self.dirty or not first or self.deferred):
             return
         # Several optimizers (a GAN's discriminator and generator, teacher and student): the step ends
@@ -124,60 +110,8 @@ class _Steps:
         self.ended_by_optimizer += 1
         self.end()
 
-    def forward_started(self, module=None, *_args):
-        if self.pending is not None and not self.in_step and self.comp._live_count() == 0 and \
-                self._reset_since(self.pending, 1):
-            # the next iteration's first forward, after the loop by hand reset its gradients or changed its weights:
-            # the step before ends here (nothing of this iteration is saved yet)
-            self.by_hand, self.pending = True, None
-            self.modules.clear()
-            self.end()
+    def forward_started(self, *_args):
         self.dirty = True
-        if module is not None and not (self.seen_optimizer or self.by_hand):
-            self.modules[id(module)] = module
-
-    def _gradients(self) -> list:
-        """(parameter, its version, a weak reference to its gradient, the gradient's version) of each parameter with
-        a gradient in the modules seen."""
-        import weakref
-        out = []
-        for m in self.modules.values():
-            for p in m.parameters(recurse=False):
-                g = p.grad
-                if g is not None:
-                    out.append((p, p._version, weakref.ref(g), g._version))
-        return out
-
-    @staticmethod
-    def _reset_since(before: list, writes: int) -> bool:
-        """Whether the script updated or reset anything since ``before`` (a loop by hand), rather than add to the
-        same gradients (accumulation): a weight changed, a gradient replaced, or written ``writes`` times or more
-        (before the next forward: once, a zero_(); after its backward: twice, a zero_() and the backward's sum)."""
-        for p, pv, gref, gv in before:
-            g = p.grad
-            if p._version != pv or g is None or g is not gref() or g._version - gv >= writes:
-                return True
-        return False
-
-    def _backward_freed_its_graph(self):
-        if self.by_hand:
-            self.end()
-            return
-        grads = self._gradients()
-        if not grads:  # nothing to tell by: each backward is a step
-            self.end()
-        elif self.pending is None:
-            self.pending = grads
-            self.dirty = True
-        elif self._reset_since(self.pending, 2):
-            self.by_hand, self.pending = True, None
-            self.modules.clear()
-            self.end()  # the iteration before
-            self.dirty = True
-            self.end()  # and this one
-        else:
-            self.pending = grads  # accumulating: the optimizer step (or the end) ends the step
-            self.dirty = True
 
     def wrap_backward(self, backward):
         """``torch.autograd.backward`` (``Tensor.backward`` calls it) or ``torch.autograd.grad``, which a script
@@ -197,7 +131,7 @@ class _Steps:
                 if self.seen_optimizer or self.comp._live_count() > 0:
                     self.dirty = True
                 else:
-                    self._backward_freed_its_graph()
+                    self.end()
             return out
 
         return stepped_backward
@@ -280,7 +214,7 @@ def _install():
     torch.autograd.backward = steps.wrap_backward(torch.autograd.backward)
     torch.autograd.grad = steps.wrap_backward(torch.autograd.grad)
     if _compat.HAS_GLOBAL_MODULE_HOOKS:
-        torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _inp: steps.forward_started(m))
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _inp: steps.forward_started())
     else:
         steps.dirty = True  # no way to see a forward: every optimizer step ends a step
 
