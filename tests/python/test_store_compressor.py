@@ -453,11 +453,12 @@ def test_attention_query_and_key_keep_eight_bits():
     frame = saved.Frame(scaled_dot_product_attention, (q, k, v), {})
     assert [saved._attention(t, (q, k, v), {}, frame).min_bits for t in (q, k, v)] == [8, 8, 2]
     # multi-head attention: its first arguments are the layer's inputs, and the tracker does not see the attention
-    # call inside it; its 4-dimensional saves that need a gradient (torch 2.x's fused path: q, k, v, output) get 8
+    # call inside it; its 4-dimensional saves that need a gradient (torch 2.x's fused path) come as q, k, v, output
+    # (autograd saves an op's inputs in argument order, then its output): the first two get 8
     x = torch.randn(2, 16, 32, requires_grad=True)
     frame = saved.Frame(multi_head_attention_forward, (x, x, x), {})
-    qg = q.clone().requires_grad_()
-    assert saved._attention(qg, (x, x, x), {}, frame).min_bits == 8
+    four = [t.clone().requires_grad_() for t in (q, k, v, q)]
+    assert [saved._attention(t, (x, x, x), {}, frame).min_bits for t in four] == [8, 8, 2, 2]
     assert saved._attention(x, (x, x, x), {}, frame).min_bits == 2  # (the math path's 3-dimensional saves)
 
 

@@ -346,8 +346,12 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if frame is not None and frame.name == "multi_head_attention_forward":
         # (its first arguments are the layer's inputs; the tracker does not see the attention call inside it, whose
         # q, k, v and output are its only 4-dimensional saves that need a gradient (torch 2.x, need_weights=False:
-        # a fused kernel): all at q and k's floor, as nothing tells them apart)
-        return _ATTENTION_QK if t.dim() == 4 and t.requires_grad else _ATTENTION_VALUES
+        # a fused kernel). Autograd's generated code saves an op's inputs before its output, in argument order, so
+        # q and k are the first two: at their floor; v and the output at the run's bits)
+        if t.dim() == 4 and t.requires_grad:
+            frame.count += 1
+            return _ATTENTION_QK if frame.count <= 2 else _ATTENTION_VALUES
+        return _ATTENTION_VALUES
     q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
     if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
         return _ATTENTION_QK
@@ -684,7 +688,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -693,6 +697,7 @@ class Frame:
         self.pending: list | None = None
         self.stats: list | None = None
         self.seen: tuple | None = None  # cross_entropy: the log-probabilities stored as exp (nll_loss saves them again)
+        self.count = 0  # multi_head_attention_forward: its 4-dimensional saves so far
 
     @property
     def name(self) -> str:
