@@ -40,6 +40,7 @@ namespace gact::codec::detail {
   void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1);                 \
   void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint64_t m0, std::uint64_t m1,  \
                   std::uint64_t numel, std::uint8_t* out, mask_scan* scan);                              \
+  bool float64_in_float_range(double const* x, std::uint64_t a, std::uint64_t b);                        \
   }
 GACT_QUANT_LOOPS(generic)
 #if defined(GACT_CODEC_HAVE_AVX2)
@@ -56,24 +57,25 @@ struct isa_table {
   decltype(&generic::encode_range) encode;
   decltype(&generic::decode_range) decode;
   decltype(&generic::mask_range) mask;
+  decltype(&generic::float64_in_float_range) float64_fits;
   char const* name;
 };
 
-isa_table const k_generic{&generic::encode_range, &generic::decode_range, &generic::mask_range, "generic"};
+isa_table const k_generic{&generic::encode_range, &generic::decode_range, &generic::mask_range, &generic::float64_in_float_range, "generic"};
 
 /// The builds this CPU can run, the baseline first and the fastest last.
 std::vector<isa_table const*> const& available_isas() {
   static std::vector<isa_table const*> const list = [] {
     std::vector<isa_table const*> v{&k_generic};
 #if defined(GACT_CODEC_HAVE_AVX2)
-    static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, &avx2::mask_range, "avx2"};
+    static isa_table const avx2_table{&avx2::encode_range, &avx2::decode_range, &avx2::mask_range, &avx2::float64_in_float_range, "avx2"};
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     bool const f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
     if (__builtin_cpu_supports("avx2") && f16c) {
       v.push_back(&avx2_table);
 #if defined(GACT_CODEC_HAVE_AVX512)
       static isa_table const avx512_table{&avx512::encode_range, &avx512::decode_range, &avx512::mask_range,
-                                          "avx512"};
+                                          &avx512::float64_in_float_range, "avx512"};
       if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         v.push_back(&avx512_table);
@@ -226,17 +228,12 @@ std::vector<float> unpack_stats(quant_job const& job, bool inverse) {
 static bool float64_fits_float(double const* x, std::uint64_t n, int threads) {
   struct ctx_t {
     double const* x;
+    decltype(&generic::float64_in_float_range) fits;
     int bad;
-  } ctx{x, 0};
+  } ctx{x, isa().float64_fits, 0};
   parallel_for(n, threads, [](void* c, std::uint64_t a, std::uint64_t b) {
     auto* k = static_cast<ctx_t*>(c);
-    bool bad = false;
-    for (std::uint64_t i = a; i < b; ++i) {
-      double const m = std::fabs(k->x[i]);
-      bad |= (m < double(std::numeric_limits<float>::min()) && m != 0.0) ||
-             (m > double(std::numeric_limits<float>::max()) && m != std::numeric_limits<double>::infinity());
-    }
-    if (bad) __atomic_store_n(&k->bad, 1, __ATOMIC_RELAXED);
+    if (!k->fits(k->x, a, b)) __atomic_store_n(&k->bad, 1, __ATOMIC_RELAXED);
   }, &ctx);
   return __atomic_load_n(&ctx.bad, __ATOMIC_RELAXED) == 0;
 }

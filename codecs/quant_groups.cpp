@@ -1134,6 +1134,25 @@ void mask_range(void const* src, dtype dt, predicate_params const& q, std::uint6
   }
 }
 
+/// True if every value of x[a, b) is 0, infinite, NaN or of float32's normal range: the float64
+/// encode's precondition. Non-negative doubles order as their bit patterns, so each side is one
+/// unsigned range test, which the vectorizer takes (the comparisons of doubles it did not: 13.8
+/// against 1.9 us for 5 100 values here).
+bool float64_in_float_range(double const* x, std::uint64_t a, std::uint64_t b) {
+  std::uint64_t const lo = 0x3810000000000000ull;   // float32's smallest normal, as a double
+  std::uint64_t const hi = 0x47efffffe0000000ull;   // float32's largest finite
+  std::uint64_t const inf = 0x7ff0000000000000ull;
+  std::uint64_t bad = 0;
+  for (std::uint64_t i = a; i < b; ++i) {
+    std::uint64_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    u &= 0x7fffffffffffffffull;
+    // 0 < u < lo, or hi < u < inf (NaNs lie above inf and pass, as infinities do).
+    bad |= std::uint64_t(u - 1 < lo - 1) | std::uint64_t(u - hi - 1 < inf - hi - 1);
+  }
+  return bad == 0;
+}
+
 /// Decode groups [g0, g1) (metadata and statistics already validated by parse).
 void decode_range(quant_job const& job, void* dst, std::uint64_t g0, std::uint64_t g1) {
   switch (job.dt) {

@@ -726,6 +726,50 @@ TEST_CASE("float64 quant: error within a step of the float32-rounded values; val
   CHECK(encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 1).nonfinite);
 }
 
+TEST_CASE("float64 quant: the range test's edges, at every position of a vector, in every build of the loops") {
+  encode_params p;
+  p.bits = 4;
+  double const fmin = double(std::numeric_limits<float>::min()), fmax = double(std::numeric_limits<float>::max());
+  double const inf = std::numeric_limits<double>::infinity();
+  struct edge_case {
+    double v;
+    refusal want;
+  };
+  std::vector<edge_case> const cases{
+      {fmin, refusal::none}, {-fmin, refusal::none}, {fmax, refusal::none}, {-fmax, refusal::none},
+      {-0.0, refusal::none}, {std::nextafter(fmin, 0.0), refusal::float64_range},
+      {-std::nextafter(fmin, 0.0), refusal::float64_range}, {std::numeric_limits<double>::denorm_min(), refusal::float64_range},
+      {std::nextafter(fmax, inf), refusal::float64_range}, {-std::nextafter(fmax, inf), refusal::float64_range},
+      {std::numeric_limits<double>::max(), refusal::float64_range}};
+  std::size_t const n = 37;  // not a multiple of any vector width: the tail loop is tested too
+  bytes hb(n * 8), blob(blob_size(dtype::float64, std::vector<std::int64_t>{std::int64_t(n)}, p));
+  for (char const* isa : detail::quant_cpu_isas()) {
+    REQUIRE(detail::use_quant_cpu_isa(isa));
+    for (auto const& c : cases) {
+      for (std::size_t at : {std::size_t{0}, std::size_t{5}, n - 1}) {
+        std::vector<double> x(n, 0.5);
+        x[at] = c.v;
+        std::memcpy(hb.data(), x.data(), hb.size());
+        auto const r = encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{std::int64_t(n)}, p, blob.data(),
+                                  blob.size(), 1);
+        INFO(isa << " value " << c.v << " at " << at);
+        CHECK(r.refused == c.want);
+      }
+    }
+    // NaN and infinity pass the range test and are reported as non-finite
+    for (double v : {inf, -inf, std::numeric_limits<double>::quiet_NaN()}) {
+      std::vector<double> x(n, 0.5);
+      x[n - 1] = v;
+      std::memcpy(hb.data(), x.data(), hb.size());
+      auto const r = encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{std::int64_t(n)}, p, blob.data(),
+                                blob.size(), 1);
+      CHECK(r.refused != refusal::float64_range);
+      CHECK(r.nonfinite);
+    }
+  }
+  detail::use_quant_cpu_isa(nullptr);
+}
+
 // ---- threads -------------------------------------------------------------------------------
 
 TEST_CASE("a worker thread that cannot be created: the calling thread does its work, same bytes" *
