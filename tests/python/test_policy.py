@@ -1177,14 +1177,15 @@ def test_fixed_widths_pins_each_key_and_rejects_bad_widths():
 
     stored = {}
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+    # (ELU with alpha 1: its result as values, at any width; tanh's keep 4 bits at least)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ELU(), torch.nn.Linear(64, 64), torch.nn.ELU(),
                             torch.nn.Linear(64, 4))
     comp = gact.Compressor(m, policy=Recording({"1:0": 8}, default=2), min_bytes=0)
     with comp:
         m(torch.randn(32, 64)).sum().backward()
     comp.step()
     comp.close()
-    # the first tanh's output (also the next linear's input, "2:0": one blob) and the second's
+    # the first ELU's output (also the next linear's input, "2:0": one blob) and the second's
     assert stored.get("1:0") == 8 and stored.get("3:0") == 2, stored
     for bad in ({"a": 3}, {"a": True}, {"a": "8"}):
         with pytest.raises(ValueError, match="FixedWidths: a="):
@@ -2141,3 +2142,37 @@ def test_the_probe_leaves_the_runs_random_numbers_and_buffers_as_they_were():
     assert runs["auto"][1]["1.calls"].item() == 3.0 and runs["auto"][1]["1.replaced"].item() == 3.0
     for k, b in runs["plain"][1].items():
         assert torch.equal(runs["auto"][1][k], b), k
+
+
+def test_the_probe_replays_a_packed_sequence_input():
+    """A model called with a PackedSequence (a named tuple): the probe's replay rebuilt it as a plain tuple and
+    comp.step() raised AttributeError from nn.LSTM; the replay keeps its type, and the sequence whole."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    x, lengths = torch.randn(12, 16, 16), torch.arange(12, -4, -1).clamp_min(1)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = torch.nn.LSTM(16, 64, 2), torch.nn.Linear(64, 1)
+
+        def forward(self, p):
+            return self.head(pad_packed_sequence(self.rnn(p)[0])[0])
+
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    comp = gact.Compressor(m, bits="auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with comp:
+                loss = m(pack_padded_sequence(x, lengths)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            comp.step()
+    comp.close()
+    assert not any("probe failed" in str(w.message) or "could not be replayed" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    assert torch.isfinite(loss)

@@ -99,6 +99,27 @@ def key64(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
+#: the codec keeps a normalization block's shift (its mean) in bfloat16, 8 significant bits: a mean far from zero
+#: against the block's spread leaves a residual of up to |mean|·2⁻⁹, different in every block, which a group that
+#: spans blocks must cover with its one range (a float64 batch norm input at 1e7 ± 1: the 8-bit gradient 681x its
+#: norm from fp32). Beyond this many of a block's standard deviations the plain values are stored instead, each
+#: group with its own range.
+NORM_SHIFT_TOLERANCE = 0.125
+
+
+def _shift_residual_too_large(mean: torch.Tensor, rstd: torch.Tensor) -> bool:
+    """Whether some block's shift, rounded to bfloat16 as the codec stores it, misses its mean by more than
+    NORM_SHIFT_TOLERANCE of the block's standard deviation (1/rstd), and by more than plain values would lose: half
+    the spread of the blocks' means in the smallest deviation's units (a group of plain values spans blocks too).
+    float32 tensors of the block count."""
+    if mean.numel() == 0:
+        return False
+    off = float((mean - mean.to(torch.bfloat16).float()).abs_().mul_(rstd).max())
+    if not off > NORM_SHIFT_TOLERANCE:
+        return False
+    return 2 * off > float((mean.max() - mean.min()) * rstd.min())
+
+
 def _forget(handle: int, _ref: Any, _store_forget=_C.store_forget) -> None:
     try:
         _store_forget(handle)
@@ -1373,6 +1394,8 @@ class Compressor:
             return None, None
         m = mean.detach().reshape(-1).float().contiguous()
         r = rstd.detach().reshape(-1).float().contiguous()
+        if _shift_residual_too_large(m, r):
+            return None, None
         return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
 
     def _probe_pack(self, t: torch.Tensor, key: str, d: Any, frame: Any) -> Any:
@@ -1428,6 +1451,8 @@ class Compressor:
         else:
             return None
         std = torch.where(std > 0, std, torch.ones_like(std))
+        if _shift_residual_too_large(mean.reshape(-1), std.reciprocal().reshape(-1)):
+            return None  # (the store keeps plain values there too)
         z = ((x - mean) / std).to(t.dtype)  # in x's layout: grouped as the store groups
         if z.shape != t.shape:  # layer/group norm rows: back to the tensor's shape, std per element
             z = z.reshape(t.shape)

@@ -735,10 +735,10 @@ class AutoPolicy:
                 est = self._probe_estimates(closure)
             self._probe_closure = closure
             return est
-        except RuntimeError as e:
+        except Exception as e:  # (a replay of the user's forward may raise anything: training goes on without it)
             if not self._default_estimator:
                 raise
-            est = self._fall_back(f"the probe failed ({e})")
+            est = self._fall_back(f"the probe failed ({type(e).__name__}: {e})")
             # an op with no double backward: the closure itself ran forward and backward, so the checks can run
             self._fallback_checks = self._probe_stage == "double backward"
             self._probe_closure = closure if self._fallback_checks else None
@@ -761,7 +761,9 @@ class AutoPolicy:
         if not tensors or not outs:
             return
         n = tensors[0].shape[0]
-        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs)  # every output has the batch's rows
+        # every output has the batch's rows; and no input is a structure whose tensors' rows are not the batch's
+        # alone (a PackedSequence's data and its batch sizes: replayed whole)
+        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs) and not _has_named_tuple(args)
         k = min(n, self.probe_samples) if rows else n
         sliced: set[int] = set()  # id() of the kept tensors that are rows of the batch (cut again per pass)
 
@@ -1321,10 +1323,30 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         out = [_map_tensors(o, fn) for o in obj]
-        return out if isinstance(obj, list) else tuple(out)
+        if isinstance(obj, list):
+            return out
+        if type(obj) is tuple:
+            return tuple(out)
+        if hasattr(obj, "_fields"):  # a named tuple (a PackedSequence): rebuilt as its own type
+            return type(obj)(*out)
+        try:
+            return type(obj)(out)
+        except Exception:
+            return tuple(out)
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _has_named_tuple(obj: Any) -> bool:
+    """Whether a named tuple (a PackedSequence) lies in obj's nested tuples, lists and dicts."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_named_tuple(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_has_named_tuple(v) for v in obj.values())
+    return False
 
 
 def _kept_rows(rec: dict, lo: int, hi: int) -> Any:
