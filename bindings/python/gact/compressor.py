@@ -82,7 +82,8 @@ NORM_SMALL_MIN_BITS = 8
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
-_from_dlpack = _dlpack.from_dlpack
+# (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
+_from_dlpack = getattr(torch._C, "_from_dlpack", None) or _dlpack.from_dlpack
 _DTYPE_NAMES = _compat.DTYPE_NAMES
 _num_threads = torch.get_num_threads
 #: grad_fn types that are neither a dtype copy nor a view (a saved tensor made by one is no cast parameter)
