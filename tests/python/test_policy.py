@@ -2176,3 +2176,23 @@ def test_the_probe_replays_a_packed_sequence_input():
     assert not any("probe failed" in str(w.message) or "could not be replayed" in str(w.message) for w in caught), \
         [str(w.message) for w in caught]
     assert torch.isfinite(loss)
+
+
+def test_an_error_in_the_users_closure_reaches_the_user():
+    """A replay of the sampled step that raises falls back to the online estimator; the user's own closure with a
+    bug in it raises as it would without gact (not turned into a warning)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    comp = gact.Compressor(m, bits="auto")
+    x = torch.randn(32, 16)
+
+    def closure():
+        return m(x[:8]).sum() + None  # TypeError
+
+    with pytest.raises(TypeError, match="NoneType"):
+        for _ in range(3):
+            with comp:
+                loss = m(x).pow(2).mean()
+            loss.backward()
+            comp.step(closure)
+    comp.close()

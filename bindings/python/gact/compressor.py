@@ -103,22 +103,23 @@ def key64(key: str) -> int:
 #: the codec keeps a normalization block's shift (its mean) in bfloat16, 8 significant bits: a mean far from zero
 #: against the block's spread leaves a residual of up to |mean|·2⁻⁹, different in every block, which a group that
 #: spans blocks must cover with its one range (a float64 batch norm input at 1e7 ± 1: the 8-bit gradient 681x its
-#: norm from fp32). Beyond this many of a block's standard deviations the plain values are stored instead, each
-#: group with its own range.
+#: norm from fp32). Past this many of a block's standard deviations, plain values are weighed against it.
 NORM_SHIFT_TOLERANCE = 0.125
 
 
 def _shift_residual_too_large(mean: torch.Tensor, rstd: torch.Tensor) -> bool:
-    """Whether some block's shift, rounded to bfloat16 as the codec stores it, misses its mean by more than
-    NORM_SHIFT_TOLERANCE of the block's standard deviation (1/rstd), and by more than plain values would lose: half
-    the spread of the blocks' means in the smallest deviation's units (a group of plain values spans blocks too).
-    float32 tensors of the block count."""
+    """Whether plain values (each group with its own range) lose less than the normalized ones would, given each
+    block's shift rounded to bfloat16 as the codec stores it: the normalized groups span about 6 + 2·off of a block's
+    deviations, off the largest residual in deviations (past NORM_SHIFT_TOLERANCE only); a plain group spans the
+    blocks' means and 6 of the largest deviation, which the block with the smallest deviation must resolve. float32
+    host tensors of the blocks (a device's would cost a sync on every save: the caller keeps normalizing there)."""
     if mean.numel() == 0:
         return False
     off = float((mean - mean.to(torch.bfloat16).float()).abs_().mul_(rstd).max())
     if not off > NORM_SHIFT_TOLERANCE:
         return False
-    return 2 * off > float((mean.max() - mean.min()) * rstd.min())
+    plain = float(((mean.max() - mean.min()) + 6.0 / rstd.min()) * rstd.max())
+    return plain < 6.0 + 2.0 * off
 
 
 def _forget(handle: int, _ref: Any, _store_forget=_C.store_forget) -> None:
@@ -1395,7 +1396,7 @@ class Compressor:
             return None, None
         m = mean.detach().reshape(-1).float().contiguous()
         r = rstd.detach().reshape(-1).float().contiguous()
-        if _shift_residual_too_large(m, r):
+        if not m.is_cuda and _shift_residual_too_large(m, r):
             return None, None
         return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
 
@@ -1452,7 +1453,8 @@ class Compressor:
         else:
             return None
         std = torch.where(std > 0, std, torch.ones_like(std))
-        if _shift_residual_too_large(mean.reshape(-1), std.reciprocal().reshape(-1)):
+        # (the store decides with the layer's 1/sqrt(var + eps): torch's default eps here)
+        if not t.is_cuda and _shift_residual_too_large(mean.reshape(-1), (std.square() + 1e-5).rsqrt().reshape(-1)):
             return None  # (the store keeps plain values there too)
         z = ((x - mean) / std).to(t.dtype)  # in x's layout: grouped as the store groups
         if z.shape != t.shape:  # layer/group norm rows: back to the tensor's shape, std per element

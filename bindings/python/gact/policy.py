@@ -735,8 +735,10 @@ class AutoPolicy:
                 est = self._probe_estimates(closure)
             self._probe_closure = closure
             return est
-        except Exception as e:  # (a replay of the user's forward may raise anything: training goes on without it)
-            if not self._default_estimator:
+        except Exception as e:
+            # (gact's replay of the sampled step may meet anything in the user's forward: training goes on without
+            # it; the user's own closure raises as it would without gact)
+            if not self._default_estimator or (self.closure is not None and not isinstance(e, RuntimeError)):
                 raise
             est = self._fall_back(f"the probe failed ({type(e).__name__}: {e})")
             # an op with no double backward: the closure itself ran forward and backward, so the checks can run
@@ -763,7 +765,7 @@ class AutoPolicy:
         n = tensors[0].shape[0]
         # every output has the batch's rows; and no input is a structure whose tensors' rows are not the batch's
         # alone (a PackedSequence's data and its batch sizes: replayed whole)
-        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs) and not _has_named_tuple(args)
+        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs) and not _has_packed_sequence(args)
         k = min(n, self.probe_samples) if rows else n
         sliced: set[int] = set()  # id() of the kept tensors that are rows of the batch (cut again per pass)
 
@@ -1338,14 +1340,15 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def _has_named_tuple(obj: Any) -> bool:
-    """Whether a named tuple (a PackedSequence) lies in obj's nested tuples, lists and dicts."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+def _has_packed_sequence(obj: Any) -> bool:
+    """Whether a PackedSequence (whose tensors' rows are not the batch's) lies in obj's nested tuples, lists and
+    dicts."""
+    if isinstance(obj, torch.nn.utils.rnn.PackedSequence):
         return True
     if isinstance(obj, (tuple, list)):
-        return any(_has_named_tuple(o) for o in obj)
+        return any(_has_packed_sequence(o) for o in obj)
     if isinstance(obj, dict):
-        return any(_has_named_tuple(v) for v in obj.values())
+        return any(_has_packed_sequence(v) for v in obj.values())
     return False
 
 
