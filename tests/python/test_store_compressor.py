@@ -1237,3 +1237,32 @@ def test_a_with_block_entered_again_inside_other_hooks_is_the_innermost():
     assert F.cosine_similarity(ref, got, dim=0) > 0.999
     assert comp.stats()["store"]["live_handles"] == 0
     comp.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_a_sparse_adjacency_saved_beside_the_activations(layout):
+    """A graph layer's sparse adjacency times a layer's output: the sparse tensor is kept as it is; its size was
+    taken with is_contiguous(), which sparse CSR and CSC tensors do not have (RuntimeError in the forward)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    dense = (torch.rand(64, 64) < 0.1).float()
+    adj = {"coo": dense.to_sparse(), "csr": dense.to_sparse_csr(), "csc": dense.to_sparse_csc()}[layout]
+    x = torch.randn(64, 16)
+
+    def grads(comp=None):
+        lin.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = (adj @ lin(x)).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in lin.parameters()]
+
+    ref = grads()
+    comp = gact.Compressor(lin, bits=8)
+    got = grads(comp)
+    comp.step()
+    kept = comp.stats()["store"]
+    comp.close()
+    for a, b in zip(got, ref):
+        assert ((a - b).norm() / b.norm()).item() < 0.05
+    assert kept["skipped"]["layout"]["tensors"] >= 1, kept["skipped"]

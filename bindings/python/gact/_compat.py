@@ -97,7 +97,10 @@ AUTOCAST_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 def held_bytes(t: torch.Tensor) -> int:
     """The bytes of memory ``t``'s elements occupy: ``numel * element_size``, less for a view that reaches
-    some element more than once (an expanded tensor: its stride-0 dimensions take no memory)."""
+    some element more than once (an expanded tensor: its stride-0 dimensions take no memory); a sparse tensor's,
+    the sum of its indices and values (sparse CSR, CSC and BSR tensors have no is_contiguous)."""
+    if t.layout is not torch.strided:
+        return _component_bytes(t)
     n = t.numel()
     if n == 0 or t.is_contiguous():
         return n * t.element_size()
@@ -108,6 +111,26 @@ def held_bytes(t: torch.Tensor) -> int:
             distinct *= d
             span += (d - 1) * abs(s)
     return min(distinct, span) * t.element_size()
+
+
+def _component_bytes(t: torch.Tensor) -> int:
+    """held_bytes of a tensor of another layout: a sparse one's indices and values, otherwise its elements'."""
+    names = ("_indices", "_values") if t.layout is torch.sparse_coo else \
+        ("crow_indices", "ccol_indices", "col_indices", "row_indices", "values")
+    total, found = 0, False
+    for name in names:
+        try:
+            part = getattr(t, name)()
+        except (AttributeError, RuntimeError, TypeError):  # (each compressed layout has two of the four index arrays)
+            continue
+        found = True
+        total += part.numel() * part.element_size()
+    if found:
+        return total
+    try:
+        return t.numel() * t.element_size()
+    except RuntimeError:
+        return 0
 
 
 def is_dense(t: torch.Tensor) -> bool:
