@@ -1319,6 +1319,8 @@ _QUADRATIC_CALLS = {
     "rnn_tanh": lambda x: _RECURRENT["rnn_tanh"](x.view(8, 8, 256))[0],
     "lstm_cell": lambda x: _RECURRENT["lstm_cell"](x)[0],
     "gru_cell": lambda x: _RECURRENT["gru_cell"](x),
+    "pow3": lambda x: x.pow(3),  # (3 x^2: a hand-written tanh-approximated GELU's cube)
+    "__pow__1.5": lambda x: x.abs() ** 1.5,
 }
 _RECURRENT = {"lstm": torch.nn.LSTM(256, 64), "gru": torch.nn.GRU(256, 64), "rnn_tanh": torch.nn.RNN(256, 64),
               "lstm_cell": torch.nn.LSTMCell(256, 64), "gru_cell": torch.nn.GRUCell(256, 64)}
@@ -1342,6 +1344,18 @@ def test_a_result_read_through_its_square_keeps_four_bits(name):
 
     base, quant = widths(lambda a: a), widths(call)
     assert quant["2"] == base["2"] and quant["4"] > base["4"], (name, base, quant)
+
+
+def test_a_square_keeps_the_runs_width():
+    """x ** 2's backward is 2x, linear in the saved base: stored at the run's 2 bits."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        out = (x * 1.0).pow(2)
+    quant = comp.stats()["store"]["quant_bits"]
+    del out
+    comp.close()
+    assert quant["2"] >= 1 and quant["4"] == 0, quant
 
 
 @pytest.mark.parametrize("act", [torch.nn.Tanh, torch.nn.Sigmoid])

@@ -389,7 +389,9 @@ def _pow(t, args, kwargs, frame) -> Decision:
     # d(x^p)/dx = p x^(p-1): below p = 1 that is a division by a power of x (p = 0.5: 1/(2 sqrt x), p = -0.5:
     # a hand-written RMSNorm's rsqrt, p = -1: a reciprocal), which a rounded x near zero makes explode, as
     # for rsqrt and reciprocal: the base exact. A tensor exponent also reads log(x): the base exact. At
-    # p >= 1 the base is values (x^2's backward is 2x), and so is a tensor exponent and the result.
+    # p = 1 and 2 the base is values (x^2's backward is 2x, linear in it), and so is a tensor exponent and the
+    # result; any other p above 1 reads the base through a power (x^3: 3x^2, whose expectation under rounding
+    # misses by 3 Var(x)), kept at 4 bits or more as tanh's result is.
     base = _arg(args, kwargs, 0, "input") if frame.name != "__rpow__" else _arg(args, kwargs, 1, "other")
     if frame.name == "__rpow__" or not (_is_float(t) and _view_of(t, base)):
         return _VALUES
@@ -398,7 +400,12 @@ def _pow(t, args, kwargs, frame) -> Decision:
         p = _scalar(p) if p.dim() == 0 and not p.requires_grad else None
         if p is None:
             return _EXACT
-    return _EXACT if isinstance(p, (int, float)) and p < 1 else _VALUES
+    if isinstance(p, (int, float)) and not isinstance(p, bool):
+        if p < 1:
+            return _EXACT
+        if p != 1 and p != 2:
+            return _QUADRATIC
+    return _VALUES
 
 
 def _divisor(t, args, kwargs, frame) -> Decision:
@@ -668,7 +675,8 @@ _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an 
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
 _add("rms_norm _fused_rms_norm", "input; 1/rms through a division", "input as values; 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
-     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values otherwise",
+     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values for 1 and 2; "
+     f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased)",
      _pow)
 _add("acos acos_ arccos arccos_ asin asin_ arcsin arcsin_ acosh acosh_ arccosh arccosh_ atanh atanh_ arctanh "
      "arctanh_ erfinv erfinv_ special_erfinv digamma digamma_ special_digamma special_psi lgamma lgamma_ "
