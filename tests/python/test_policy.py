@@ -2196,3 +2196,51 @@ def test_an_error_in_the_users_closure_reaches_the_user():
             loss.backward()
             comp.step(closure)
     comp.close()
+
+
+def test_the_probe_replays_a_model_that_returns_its_hidden_state():
+    """A recurrent model returning (output, hidden), whose hidden state the loop detaches for the next batch (the
+    word language model of pytorch/examples): no gradient ever reaches the hidden outputs, and the sampled step
+    was declared not replayable (a warning, the online estimator from then on). The unused outputs take no part
+    in the replay: its estimates are those of the same model returning its output alone."""
+
+    class LM(torch.nn.Module):
+        def __init__(self, hidden_out: bool):
+            super().__init__()
+            self.emb, self.rnn = torch.nn.Embedding(50, 32), torch.nn.LSTM(32, 64, 2)
+            self.dec, self.hidden_out = torch.nn.Linear(64, 50), hidden_out
+
+        def forward(self, x, hidden):
+            out, hidden = self.rnn(self.emb(x), hidden)
+            logp = torch.log_softmax(self.dec(out).view(-1, 50), dim=1)
+            return (logp, hidden) if self.hidden_out else logp
+
+    x, y = torch.randint(0, 50, (12, 16)), torch.randint(0, 50, (12 * 16,))
+    estimates = []
+    for hidden_out in (True, False):
+        torch.manual_seed(0)
+        m = LM(hidden_out)
+        comp = gact.Compressor(m, bits="auto", seed=3)
+        hidden = (torch.zeros(2, 16, 64), torch.zeros(2, 16, 64))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                hidden = tuple(h.detach() for h in hidden)
+                with comp:
+                    out = m(x, hidden)
+                    if hidden_out:
+                        out, hidden = out
+                    loss = torch.nn.functional.nll_loss(out, y)
+                m.zero_grad()
+                loss.backward()
+                comp.step()
+        assert not any("could not be replayed" in str(w.message) or "probe failed" in str(w.message)
+                       for w in caught), [str(w.message) for w in caught]
+        assert not comp.policy._probe_disabled
+        tensors = comp.policy.stats()["tensors"]
+        estimates.append({k: v["variance"] for k, v in tensors.items() if v["estimates"]})
+        comp.close()
+    assert estimates[0] and estimates[0].keys() == estimates[1].keys()
+    assert any(v[0] > 0 for v in estimates[0].values())
+    for k in estimates[0]:
+        assert estimates[0][k] == pytest.approx(estimates[1][k], rel=1e-5, abs=1e-12), k

@@ -63,7 +63,9 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     ``estimator=gact.policy.Probe(closure)``. Chosen by default, the probe falls back to
     the online estimator, with a RuntimeWarning that says why, when it cannot run (a
     model called with keyword arguments only, an op autograd cannot differentiate
-    twice). The estimators' extra forward passes leave batch-norm statistics as they were.
+    twice). Outputs no gradient reached (a recurrent model's last hidden state, returned
+    beside its output and detached for the next batch) take no part in the replay. The
+    estimators' extra forward passes leave batch-norm statistics as they were.
 
 ``"reference"``
     GACT's perturbation method with common random numbers, its constants fixed:
@@ -787,14 +789,16 @@ class AutoPolicy:
         """The sampled step replayed on its kept rows ``lo:hi`` (all by default), or None when nothing
         was kept (or an output's gradient never came)."""
         rec = self._replay
-        if rec is None or any(g is None for g in rec["grads"]):
+        if rec is None or all(g is None for g in rec["grads"]):
             return None
         model = self._comp.model
         k = rec["k"]
         hi = k if hi is None else hi
         whole = lo == 0 and hi == k
         args = rec["args"] if whole else _kept_rows(rec, lo, hi)
-        grads = [g if whole or g.dim() == 0 else g[lo:hi] for g in rec["grads"]]
+        # (an output whose gradient never came, once another's did, took no part in the loss: an RNN's last hidden
+        # state, returned beside its output and detached for the next batch; its δ is zero)
+        grads = [g if whole or g is None or g.dim() == 0 else g[lo:hi] for g in rec["grads"]]
 
         def replay() -> torch.Tensor:
             # Σ out·δ has the sampled step's output gradient δ as its own: the parameter gradients
@@ -802,7 +806,8 @@ class AutoPolicy:
             outs = [o for o in _compat.flatten(model(*args)) if isinstance(o, torch.Tensor) and o.requires_grad]
             if len(outs) != rec["count"]:
                 raise RuntimeError("the replayed forward returned other outputs than the sampled step")
-            return sum((o[: hi - lo] * g).sum() if o.dim() >= 1 else (o * g).sum() for o, g in zip(outs, grads))
+            return sum((o[: hi - lo] * g).sum() if o.dim() >= 1 else (o * g).sum()
+                       for o, g in zip(outs, grads) if g is not None)
 
         replay.row_share = (hi - lo) / rec["n"] if rec["rows"] else 1.0  # type: ignore[attr-defined]
         return replay
@@ -816,7 +821,7 @@ class AutoPolicy:
         that mixes rows, whose first dimension is time, or whose attention groups several rows together:
         :func:`_groups_span_rows`)."""
         rec = self._replay
-        if rec is None or any(g is None for g in rec["grads"]):
+        if rec is None or all(g is None for g in rec["grads"]):
             return None
         k = rec["k"]
         per = self.probe_pass_rows
@@ -1073,6 +1078,10 @@ class AutoPolicy:
                         q.grad = None
                     stored.clear()
                     stored.append(t)
+                    if g is None:
+                        # (torch 2.x calls the hook with no gradient where none reaches the tensor: a recurrent
+                        # layer's last step, whose hidden state the loss does not read) a zero Jᵀv adds nothing
+                        return
                     # one blob saved under several keys: the same noise enters each use
                     w = g.detach().float().reshape(-1)
                     slot = partial.get(k)
