@@ -1114,6 +1114,11 @@ class Compressor:
         boundary = False
         floor = 0  # the fewest bits the reader tolerates: an earlier blob of the storage with fewer does not serve it
         if kind == _saved.PREDICATE:
+            if t.dtype is torch.float64 and not _saved.predicate_fits_float32(d):
+                # the codec tests float64 values in float32 and decodes the mask to float32 values: a bound that
+                # float32 does not hold (threshold 0.1) would move the test's edge, and a decode value equal to it
+                # (threshold's, clamp's, hardtanh's) would land on the wrong side of torch's float64 test
+                return self._keep(t if keep is None else keep, "exact")
             # (inside a `with` block, whose end stores what still waits, or installed for the whole process
             # by gact-run, where backward's first unpack and step() do)
             if defer and d.clamped and keep is None and self._probe is None and \

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import sys
+import struct
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -139,6 +140,45 @@ def _outside(a: float) -> float:
 
 def _above(a: float) -> float:
     return a + max(1.0, abs(a))
+
+
+def _float32(x: float) -> float | None:
+    """``x`` rounded to float32 (as the codec holds bounds and decode values); None past float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except (OverflowError, struct.error):
+        return None
+
+
+def _pred_holds(pred: tuple, v: float) -> bool:
+    """The predicate ``pred`` (codecs/README.md) of a float64 value ``v``, as torch's float64 backward tests it."""
+    name, a, b = pred
+    if name in ("gt_or_nan", "gt"):
+        return v > a or (name == "gt_or_nan" and v != v)
+    if name == "ge":
+        return v >= a
+    if name == "lt":
+        return v < a
+    if name == "le":
+        return v <= a
+    if name == "open":
+        return a < v < b
+    if name == "closed":
+        return a <= v <= b
+    return v != 0
+
+
+def predicate_fits_float32(d: "Decision") -> bool:
+    """Whether a float64 tensor's mask keeps torch's test: the codec evaluates the predicate on values narrowed to
+    float32 against float32 bounds, and decodes its two values as float32; both bounds must be float32 values and
+    each decode value, rounded, must stay on its side of the float64 test."""
+    name, a, b = d.pred
+    bounds = (a, b) if name in ("open", "closed") else (a,)
+    if any(_float32(x) != x for x in bounds):
+        return False
+    true_value, false_value = (_float32(v) for v in d.decode)
+    return true_value is not None and false_value is not None and \
+        _pred_holds(d.pred, true_value) and not _pred_holds(d.pred, false_value)
 
 
 def _is_float(t: torch.Tensor) -> bool:
