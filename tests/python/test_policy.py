@@ -1177,9 +1177,10 @@ def test_fixed_widths_pins_each_key_and_rejects_bad_widths():
 
     stored = {}
     torch.manual_seed(0)
-    # (ELU with alpha 1: its result as values, at any width; tanh's keep 4 bits at least)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ELU(), torch.nn.Linear(64, 64), torch.nn.ELU(),
-                            torch.nn.Linear(64, 4))
+    # (an in-place ELU with alpha 1: its result as values, read linearly, at any width; out of place its input keeps
+    # 4 bits at least, as tanh's result does)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ELU(inplace=True), torch.nn.Linear(64, 64),
+                            torch.nn.ELU(inplace=True), torch.nn.Linear(64, 4))
     comp = gact.Compressor(m, policy=Recording({"1:0": 8}, default=2), min_bytes=0)
     with comp:
         m(torch.randn(32, 64)).sum().backward()

@@ -275,7 +275,41 @@ def _dropout(t, args, kwargs, frame) -> Decision:
 
 def _elu(t, args, kwargs, frame) -> Decision:
     alpha = _scalar(_arg(args, kwargs, 1, "alpha", 1.0))
-    return _VALUES if alpha == 1.0 else _EXACT
+    if alpha != 1.0:
+        return _EXACT
+    # (in place, the result is saved and read linearly, result + alpha; out of place the input, through exp:
+    # a convex derivative, biased by the rounding's variance as tanh's square is)
+    return _VALUES if _in_place(args, kwargs, frame) else _QUADRATIC
+
+
+def _in_place(args, kwargs, frame) -> bool:
+    """Whether an elu-like call writes its input (``elu_``, or F.elu's ``inplace=True``, its third argument)."""
+    return frame.name.endswith("_") or _arg(args, kwargs, 2, "inplace", False) is True
+
+
+def _celu(t, args, kwargs, frame) -> Decision:
+    # an elu with its input scaled by 1/alpha: a continuous derivative at any alpha, read as elu's
+    return _VALUES if _in_place(args, kwargs, frame) else _QUADRATIC
+
+
+#: a softmax over fewer values than this keeps at least QUADRATIC_MIN_BITS: its backward reads the result
+#: through y·(g - Σ g·y), whose diagonal term E[ŷ²] is biased by the rounding's variance. Over 8 values at 2
+#: bits the 128-seed mean of the gradient stayed 1.6x what noise leaves, over 32 1.4x; over 256 (an
+#: attention map's rows) 1.06x, where most values are far below the group's range and the map's bytes count
+SOFTMAX_WIDE = 128
+
+
+def _softmax(t, args, kwargs, frame) -> Decision:
+    if not _is_float(t):
+        return _VALUES
+    dim = _arg(args, kwargs, 1, "dim")
+    if dim is None:
+        dim = 0 if t.dim() in (0, 1, 3) else 1  # (F.softmax's implicit dimension)
+    try:
+        n = t.shape[int(dim)] if t.dim() > 0 else 1
+    except (IndexError, TypeError, ValueError):
+        return _QUADRATIC
+    return _QUADRATIC if n < SOFTMAX_WIDE else _VALUES
 
 
 def _pool_input_shape(t, args, kwargs, frame) -> Decision:
@@ -637,7 +671,23 @@ _add("rnn_relu rnn_relu_cell", "each time step's result > 0, inside one call",
      "(stored as values, small positives rounded to 0 lost their gradient: a bias)", lambda *a: _EXACT)
 _add("sin sin_ cos cos_", "input through cos and sin",
      "exact: a rounding step of a radian or more (a SIREN's 30 x) moves the derivative's sign", lambda *a: _EXACT)
-_add("elu elu_", "input, sign of input", "values when alpha = 1 (continuous derivative); exact otherwise", _elu)
+_add("elu elu_", "input through exp (in place: the result, linearly), sign of input",
+     f"when alpha = 1 (continuous derivative) values, at least {QUADRATIC_MIN_BITS} bits out of place (exp of a rounded "
+     "value is biased); exact otherwise", _elu)
+_add("celu celu_", "input through exp (in place: the result, linearly)",
+     f"values, at least {QUADRATIC_MIN_BITS} bits out of place (exp of a rounded value is biased)", _celu)
+_add("erf erf_ special_erf erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh "
+     "sinh_ cosh cosh_ log_sigmoid logsigmoid tanhshrink",
+     "input through a curve (exp(-x²), 1/(1+x²), cosh, sigmoid; tanhshrink's tanh through its square)",
+     f"values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased by its rounding variance "
+     "(erf 5.5x, atan 4.3x what noise leaves at 2 bits)", lambda *a: _QUADRATIC)
+_add("softmax _softmax special_softmax", "result through y·(g - Σ g·y)",
+     f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
+     "value is biased; a router's or a head's softmax)", _softmax)
+_add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss",
+     "input through a division by 1 + abs(x) or a sigmoid",
+     "exact: biased even at 4 bits (softsign 3.1x, multilabel_soft_margin_loss 8.5x what noise leaves); a loss's "
+     "inputs are small", lambda *a: _EXACT)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
 for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn sign amax amin max min maximum " \
