@@ -268,3 +268,52 @@ def test_saves_of_a_create_graph_backward_are_exact():
 
     # (the forward's matmul inputs are 8-bit values: about 7e-3 of noise; 0.14 with the backward's saves rounded)
     assert _rel(penalty_grad(True), penalty_grad(False)) < 0.03
+
+
+def _func_transforms():
+    try:
+        from torch.func import grad, vmap
+    except ImportError:  # torch 1.13: functorch
+        functorch = pytest.importorskip("functorch")
+        grad, vmap = functorch.grad, functorch.vmap
+    return grad, vmap
+
+
+def test_torch_func_transforms_run_under_gacts_hooks():
+    """torch.func.grad (vjp, jacrev, hessian; functorch's on 1.13) refuses saved-tensor hooks, and under gact-run
+    gact's cover the whole process: per-sample gradients taken with vmap(grad(...)) failed where the script ran
+    without gact. gact's hooks step aside for the transform (its saves are autograd's own: exact) and are back after
+    it; with other hooks on the stack, torch's error stays."""
+    grad, vmap = _func_transforms()
+    torch.manual_seed(0)
+    w = torch.randn(16, 16)
+    x = torch.randn(8, 16)
+
+    def loss(w, xx):
+        return torch.tanh(xx @ w).pow(2).sum()
+
+    want = vmap(grad(loss), in_dims=(None, 0))(w, x)
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    for installed in ("global", "with"):
+        if installed == "global":
+            comp.install_global()
+        else:
+            comp.__enter__()
+        try:
+            got = vmap(grad(loss), in_dims=(None, 0))(w, x)
+            assert torch.equal(got, want)
+            # gact's hooks are back: a save after the transform is stored
+            before = comp.stats()["store"]["tensors_in"]
+            y = torch.tanh(x.requires_grad_() @ w)
+            assert comp.stats()["store"]["tensors_in"] > before
+            y.sum().backward()
+            x.requires_grad_(False)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                with pytest.raises(RuntimeError, match="saved tensor"):
+                    grad(loss)(w, x[0])
+        finally:
+            if installed == "global":
+                comp.uninstall_global()
+            else:
+                comp.__exit__(None, None, None)
+    comp.close()

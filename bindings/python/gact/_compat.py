@@ -14,6 +14,7 @@ version number, so the rest of the package reads the same on every torch:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -239,6 +240,70 @@ def push_default_hooks(pack, unpack):
     ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
     ctx.__enter__()
     return lambda: ctx.__exit__(None, None, None)
+
+
+#: per thread, the default saved-tensor hooks pushed since track_saved_hooks() wrapped torch's push and pop, oldest
+#: first: [(pack, unpack)]
+_pushed = threading.local()
+_torch_push = _torch_pop = _torch_disable = None
+
+
+def _pushed_stack() -> list:
+    s = getattr(_pushed, "stack", None)
+    if s is None:
+        s = _pushed.stack = []
+    return s
+
+
+def is_gact_pack(pack: Any) -> bool:
+    """Whether a pack hook is a Compressor's (its function carries ``_gact_pack``)."""
+    return getattr(getattr(pack, "__func__", pack), "_gact_pack", False)
+
+
+def track_saved_hooks() -> None:
+    """Let gact's saved-tensor hooks make way for the transforms that refuse any (``torch.func.grad``, ``vjp``,
+    ``jacrev``, ``hessian``, functorch's): they enter ``torch.autograd.graph.disable_saved_tensors_hooks``, which
+    raises while hooks are on the thread's stack, and under ``gact-run`` gact's cover the whole process (a script that
+    logs per-sample gradient norms with ``vmap(grad(...))`` failed where it ran without gact). Wraps torch's push and
+    pop of default hooks (once) to know what is on the stack; where every entry on it is gact's, they are taken off for
+    the transform's extent and put back after (the transform's saves are then autograd's own, uncompressed); with any
+    other hooks on it, torch raises its error as it does without gact. Hooks pushed before this ran are not known:
+    they stay, and torch raises."""
+    global _torch_push, _torch_pop, _torch_disable
+    graph = getattr(torch.autograd, "graph", None)
+    if _torch_push is not None or not HAS_DEFAULT_HOOKS or not hasattr(graph, "disable_saved_tensors_hooks"):
+        return
+    ag = torch._C._autograd
+    _torch_push, _torch_pop = ag._push_saved_tensors_default_hooks, ag._pop_saved_tensors_default_hooks
+    _torch_disable = graph.disable_saved_tensors_hooks
+
+    def push(pack: Any, unpack: Any) -> None:
+        _torch_push(pack, unpack)
+        _pushed_stack().append((pack, unpack))
+
+    def pop() -> None:
+        _torch_pop()
+        s = _pushed_stack()
+        if s:
+            s.pop()
+
+    @contextlib.contextmanager
+    def disable_saved_tensors_hooks(error_message: str):
+        s = _pushed_stack()
+        aside = list(s) if s and all(is_gact_pack(p) for p, _ in s) else []
+        for _ in aside:
+            pop()
+        try:
+            with _torch_disable(error_message):
+                yield
+        finally:
+            for pack, unpack in aside:
+                push(pack, unpack)
+
+    disable_saved_tensors_hooks.__doc__ = _torch_disable.__doc__
+    ag._push_saved_tensors_default_hooks = push
+    ag._pop_saved_tensors_default_hooks = pop
+    graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
 
 def weak_hook(obj: Any, func: Any, *bound: Any) -> Any:

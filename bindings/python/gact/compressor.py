@@ -721,6 +721,7 @@ class Compressor:
     def __enter__(self) -> "Compressor":
         local = self._local
         depth = getattr(local, "depth", 0)
+        _compat.track_saved_hooks()  # (once: torch.func's transforms then find gact's hooks out of their way)
         if depth == 0:
             self._stack().clear()
             if not self._step_open:
@@ -1063,6 +1064,8 @@ class Compressor:
         if kind == _saved.EXP:
             return self._store_exp(t, key, d)
         return self._store(t, key, d if kind not in (_saved.NORMALIZED, _saved.DERIVATIVE) else _saved._VALUES)
+
+    _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded
@@ -1491,6 +1494,7 @@ class Compressor:
         if getattr(self, "_global_pop", None) is not None:
             return
         self._global_depth += 1
+        _compat.track_saved_hooks()
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
