@@ -1117,10 +1117,11 @@ class Compressor:
         boundary = False
         floor = 0  # the fewest bits the reader tolerates: an earlier blob of the storage with fewer does not serve it
         if kind == _saved.PREDICATE:
-            if t.dtype is torch.float64 and not _saved.predicate_fits_float32(d):
-                # the codec tests float64 values in float32 and decodes the mask to float32 values: a bound that
-                # float32 does not hold (threshold 0.1) would move the test's edge, and a decode value equal to it
-                # (threshold's, clamp's, hardtanh's) would land on the wrong side of torch's float64 test
+            if t.dtype is not torch.float32 and not _saved.predicate_fits(d, t.dtype):
+                # the codec tests in float32 against float32 bounds and decodes in the tensor's dtype: a bound the
+                # dtype does not hold (threshold 0.1 in float64 or bfloat16) would move the test's edge from
+                # torch's, and a decode value equal to it (threshold's, clamp's, hardtanh's) would land on the
+                # wrong side of it
                 return self._keep(t if keep is None else keep, "exact")
             # (inside a `with` block, whose end stores what still waits, or installed for the whole process
             # by gact-run, where backward's first unpack and step() do)

@@ -38,6 +38,7 @@ An op the table does not know, or a save outside any function the mode sees (a c
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import struct
@@ -168,17 +169,34 @@ def _pred_holds(pred: tuple, v: float) -> bool:
     return v != 0
 
 
-def predicate_fits_float32(d: "Decision") -> bool:
-    """Whether a float64 tensor's mask keeps torch's test: the codec evaluates the predicate on values narrowed to
-    float32 against float32 bounds, and decodes its two values as float32; both bounds must be float32 values and
-    each decode value, rounded, must stay on its side of the float64 test."""
-    name, a, b = d.pred
+def _rounded_to(x: float, dtype: torch.dtype) -> float | None:
+    """``x`` as a value of the 16-bit ``dtype`` (None where it overflows to infinity)."""
+    v = torch.tensor(x, dtype=dtype).item()
+    return v if math.isfinite(v) or not math.isfinite(x) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _predicate_fits(pred: tuple, decode: tuple, dtype: torch.dtype) -> bool:
+    name, a, b = pred
+    rounded = _float32 if dtype is torch.float64 else (lambda x: _rounded_to(x, dtype))
     bounds = (a, b) if name in ("open", "closed") else (a,)
-    if any(_float32(x) != x for x in bounds):
+    if any(rounded(x) != x for x in bounds):
         return False
-    true_value, false_value = (_float32(v) for v in d.decode)
+    true_value, false_value = (rounded(v) for v in decode)
     return true_value is not None and false_value is not None and \
-        _pred_holds(d.pred, true_value) and not _pred_holds(d.pred, false_value)
+        _pred_holds(pred, true_value) and not _pred_holds(pred, false_value)
+
+
+def predicate_fits(d: "Decision", dtype: torch.dtype) -> bool:
+    """Whether a mask of a ``dtype`` tensor keeps torch's own test. The codec evaluates the predicate on the values
+    as float32 (16-bit ones widened, float64 narrowed) against float32 bounds and decodes its two values in the
+    tensor's dtype (float64: through float32). torch tests a float64 tensor against the exact bound, and a 16-bit one
+    against the bound as float32 (threshold, hardtanh) or rounded to its dtype (clamp): the codec agrees with all of
+    them where each bound is a value of the dtype (of float32, for float64), and a decode value that equals a bound
+    (threshold's, clamp's, hardtanh's) then lands on its side. float32 tensors always fit (torch's bound is float32)."""
+    if dtype is torch.float32:
+        return True
+    return _predicate_fits(d.pred, d.decode, dtype)
 
 
 def _is_float(t: torch.Tensor) -> bool:
