@@ -1351,20 +1351,20 @@ _RECURRENT = {"lstm": torch.nn.LSTM(256, 64), "gru": torch.nn.GRU(256, 64), "rnn
 def test_a_result_read_through_its_square_keeps_four_bits(name):
     """tanh and sigmoid read their result y through 1 - y² and y(1 - y), whose expectation under rounding misses by
     its variance; the recurrent calls' gates are such results. At 2 bits their saves keep 4."""
-    call = _QUADRATIC_CALLS[name]
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
-
-    def widths(f):
-        comp = gact.Compressor(None, bits=2, min_bytes=0)
-        with comp:
-            out = f(x * 1.0)
-        quant = comp.stats()["store"]["quant_bits"]
-        del out
-        comp.close()
-        return quant
-
-    base, quant = widths(lambda a: a), widths(call)
+    base, quant = _widths_at_two_bits(lambda a: a), _widths_at_two_bits(_QUADRATIC_CALLS[name])
     assert quant["2"] == base["2"] and quant["4"] > base["4"], (name, base, quant)
+
+
+def _widths_at_two_bits(f) -> dict:
+    """How many tensors of each width a 2-bit Compressor stored for ``f`` of a (64, 256) activation."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        out = f(x * 1.0)
+    quant = comp.stats()["store"]["quant_bits"]
+    del out
+    comp.close()
+    return quant
 
 
 @pytest.mark.parametrize("call", [lambda x: torch.softmax(x, -1), lambda x: torch.nn.functional.elu(x.clone(), inplace=True)],
@@ -1372,13 +1372,7 @@ def test_a_result_read_through_its_square_keeps_four_bits(name):
 def test_a_wide_softmax_and_an_inplace_elu_keep_the_runs_width(call):
     """A softmax over 256 values (an attention map's rows: a bias of 1.06x the noise at 2 bits, where the bytes count)
     and an in-place ELU (its result, read linearly: result + alpha) stay at the run's 2 bits."""
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    comp = gact.Compressor(None, bits=2, min_bytes=0)
-    with comp:
-        out = call(x * 1.0)
-    quant = comp.stats()["store"]["quant_bits"]
-    del out
-    comp.close()
+    quant = _widths_at_two_bits(call)
     assert quant["2"] >= 1 and quant["4"] == 0, quant
 
 
@@ -1434,13 +1428,7 @@ def test_curves_of_the_input_are_unbiased_at_two_bits(name):
 
 def test_a_square_keeps_the_runs_width():
     """x ** 2's backward is 2x, linear in the saved base: stored at the run's 2 bits."""
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    comp = gact.Compressor(None, bits=2, min_bytes=0)
-    with comp:
-        out = (x * 1.0).pow(2)
-    quant = comp.stats()["store"]["quant_bits"]
-    del out
-    comp.close()
+    quant = _widths_at_two_bits(lambda a: a.pow(2))
     assert quant["2"] >= 1 and quant["4"] == 0, quant
 
 
