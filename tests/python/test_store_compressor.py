@@ -1319,3 +1319,18 @@ def test_a_mask_keeps_torchs_test_at_a_bound_the_dtype_does_not_hold(op, mask, b
         assert torch.equal(ref != 0, mask(x))
     if op.__code__.co_names[-1:] == ("relu6",):
         assert masks == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float32])
+def test_dropout_in_every_float_dtype_is_stored(dtype):
+    """Dropout's mask (x != 0) has no decode values: the check of a mask's bounds against the dtype raised TypeError
+    on it for float64 and bfloat16 tensors, in every training step with dropout."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).to(dtype)
+    x = torch.randn(32, 64, dtype=dtype)
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        y = F.dropout(lin(x), 0.5, training=True)
+    y.float().sum().backward()
+    comp.close()
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad.float()).all()

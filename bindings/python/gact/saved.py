@@ -194,7 +194,7 @@ def predicate_fits(d: "Decision", dtype: torch.dtype) -> bool:
     against the bound as float32 (threshold, hardtanh) or rounded to its dtype (clamp): the codec agrees with all of
     them where each bound is a value of the dtype (of float32, for float64), and a decode value that equals a bound
     (threshold's, clamp's, hardtanh's) then lands on its side. float32 tensors always fit (torch's bound is float32)."""
-    if dtype is torch.float32:
+    if dtype is torch.float32 or d.decode is None:  # (no decode values: dropout's mask, x != 0)
         return True
     return _predicate_fits(d.pred, d.decode, dtype)
 
