@@ -279,18 +279,20 @@ def _func_transforms():
     return grad, vmap
 
 
-def test_torch_func_transforms_run_under_gacts_hooks():
+@pytest.mark.parametrize("act", [torch.tanh, F.gelu, F.silu])
+def test_torch_func_transforms_run_under_gacts_hooks(act):
     """torch.func.grad (vjp, jacrev, hessian; functorch's on 1.13) refuses saved-tensor hooks, and under gact-run
     gact's cover the whole process: per-sample gradients taken with vmap(grad(...)) failed where the script ran
     without gact. gact's hooks step aside for the transform (its saves are autograd's own: exact) and are back after
-    it; with other hooks on the stack, torch's error stays."""
+    it; with other hooks on the stack, torch's error stays. Inside the transform the op tracker runs GELU and SiLU as
+    torch's (their stand-ins are autograd.Functions, which the transforms refuse)."""
     grad, vmap = _func_transforms()
     torch.manual_seed(0)
     w = torch.randn(16, 16)
     x = torch.randn(8, 16)
 
     def loss(w, xx):
-        return torch.tanh(xx @ w).pow(2).sum()
+        return act(xx @ w).pow(2).sum()
 
     want = vmap(grad(loss), in_dims=(None, 0))(w, x)
     comp = gact.Compressor(None, bits=2, min_bytes=0)
@@ -304,7 +306,7 @@ def test_torch_func_transforms_run_under_gacts_hooks():
             assert torch.equal(got, want)
             # gact's hooks are back: a save after the transform is stored
             before = comp.stats()["store"]["tensors_in"]
-            y = torch.tanh(x.requires_grad_() @ w)
+            y = act(x.requires_grad_() @ w)
             assert comp.stats()["store"]["tensors_in"] > before
             y.sum().backward()
             x.requires_grad_(False)
@@ -317,3 +319,28 @@ def test_torch_func_transforms_run_under_gacts_hooks():
             else:
                 comp.__exit__(None, None, None)
     comp.close()
+
+
+def test_hooks_pushed_through_torchs_reexport_stay_on_top_of_a_transform():
+    """torch 1.13 re-exports the default-hooks push in torch.autograd: a hook pushed there over gact's was popped
+    by the step-aside for torch.func (as if gact's) and gact's pushed back in its place, so the user's hook never
+    saw a save again. Now torch's error stays (a non-gact hook is on the stack) and the user's hook keeps its saves."""
+    push = getattr(torch.autograd, "_push_saved_tensors_default_hooks", None)
+    pop = getattr(torch.autograd, "_pop_saved_tensors_default_hooks", None)
+    if push is None or pop is None:
+        pytest.skip("this torch does not re-export the default-hooks push in torch.autograd")
+    grad, _ = _func_transforms()
+    w, x = torch.randn(16, 16), torch.randn(16)
+    seen = []
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        push(lambda t: seen.append(1) or t, lambda t: t)
+        try:
+            with pytest.raises(RuntimeError, match="saved tensor"):
+                grad(lambda w: torch.tanh(x @ w).sum())(w)
+            y = torch.tanh(x.requires_grad_() @ w)
+        finally:
+            pop()
+    comp.close()
+    assert seen, "the user's hook saw no save"
+    y.sum().backward()

@@ -2245,3 +2245,35 @@ def test_the_probe_replays_a_model_that_returns_its_hidden_state():
     assert any(v[0] > 0 for v in estimates[0].values())
     for k in estimates[0]:
         assert estimates[0][k] == pytest.approx(estimates[1][k], rel=1e-5, abs=1e-12), k
+
+
+def test_the_probe_replays_a_model_with_an_unread_sibling_output():
+    """A model returning both halves of a chunk, with the loss reading one: torch calls the other half's gradient
+    hook with None, and the replay's capture raised AttributeError from the user's loss.backward()."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.head = torch.nn.Linear(16, 64), torch.nn.Linear(32, 1)
+
+        def forward(self, x):
+            mu, aux = torch.relu(self.lin(x)).chunk(2, -1)
+            return self.head(mu), aux
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(32, 16)
+    comp = gact.Compressor(m, bits="auto", min_bytes=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with comp:
+                out, _aux = m(x)
+                loss = out.pow(2).mean()
+            m.zero_grad()
+            loss.backward()
+            comp.step()
+    comp.close()
+    assert not any("could not be replayed" in str(w.message) or "probe failed" in str(w.message)
+                   for w in caught), [str(w.message) for w in caught]
+    assert not comp.policy._probe_disabled

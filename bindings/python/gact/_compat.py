@@ -273,16 +273,26 @@ def track_saved_hooks() -> None:
     graph = getattr(torch.autograd, "graph", None)
     if _torch_push is not None or not HAS_DEFAULT_HOOKS or not hasattr(graph, "disable_saved_tensors_hooks"):
         return
-    ag = torch._C._autograd
-    _torch_push, _torch_pop = ag._push_saved_tensors_default_hooks, ag._pop_saved_tensors_default_hooks
-    _torch_disable = graph.disable_saved_tensors_hooks
+    with _track_lock:  # (two threads entering their first Compressor at once: one wraps, and only once)
+        if _torch_push is not None:
+            return
+        ag = torch._C._autograd
+        torch_push, torch_pop = ag._push_saved_tensors_default_hooks, ag._pop_saved_tensors_default_hooks
+        torch_disable = graph.disable_saved_tensors_hooks
+        _wrap_saved_hooks(ag, graph, torch_push, torch_pop, torch_disable)
+        _torch_push, _torch_pop, _torch_disable = torch_push, torch_pop, torch_disable
 
+
+_track_lock = threading.Lock()
+
+
+def _wrap_saved_hooks(ag: Any, graph: Any, torch_push: Any, torch_pop: Any, torch_disable: Any) -> None:
     def push(pack: Any, unpack: Any) -> None:
-        _torch_push(pack, unpack)
+        torch_push(pack, unpack)
         _pushed_stack().append((pack, unpack))
 
     def pop() -> None:
-        _torch_pop()
+        torch_pop()
         s = _pushed_stack()
         if s:
             s.pop()
@@ -294,15 +304,20 @@ def track_saved_hooks() -> None:
         for _ in aside:
             pop()
         try:
-            with _torch_disable(error_message):
+            with torch_disable(error_message):
                 yield
         finally:
             for pack, unpack in aside:
                 push(pack, unpack)
 
-    disable_saved_tensors_hooks.__doc__ = _torch_disable.__doc__
+    disable_saved_tensors_hooks.__doc__ = torch_disable.__doc__
     ag._push_saved_tensors_default_hooks = push
     ag._pop_saved_tensors_default_hooks = pop
+    # (torch 1.13 re-exports the two in torch.autograd: a push there would pass the stack gact keeps)
+    for name, orig, wrapper in (("_push_saved_tensors_default_hooks", torch_push, push),
+                                ("_pop_saved_tensors_default_hooks", torch_pop, pop)):
+        if getattr(torch.autograd, name, None) is orig:
+            setattr(torch.autograd, name, wrapper)
     graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
 

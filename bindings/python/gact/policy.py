@@ -780,7 +780,9 @@ class AutoPolicy:
         rec = {"args": _map_tensors(args, cut), "n": n, "k": k, "rows": rows, "sliced": sliced,
                "grads": [None] * len(outs), "count": len(outs)}
         for i, o in enumerate(outs):
-            def grad_hook(g: torch.Tensor, i: int = i) -> None:
+            def grad_hook(g: torch.Tensor | None, i: int = i) -> None:
+                if g is None:  # (an output of a node whose other outputs the loss reads: chunk's, split's)
+                    return
                 rec["grads"][i] = g[:k].detach().clone() if g.dim() >= 1 else g.detach().clone()
             o.register_hook(grad_hook)
         self._replay = rec

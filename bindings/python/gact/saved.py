@@ -872,9 +872,10 @@ class OpTracker(TorchFunctionMode):
             subs = self.substitutes
             if subs is not None:
                 sub = subs.get(func)
-                # (not under forward-mode AD: the stand-ins have no jvp)
+                # (not under forward-mode AD: the stand-ins have no jvp; not inside a torch.func / functorch
+                # transform, whose tensors are wrapped: they refuse an autograd.Function without setup_context)
                 if sub is not None and (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)) \
-                        and not _compat.forward_ad_active():
+                        and not _compat.forward_ad_active() and not self._transformed(args, frame.kwargs):
                     func = sub
             return func(*args, **frame.kwargs)
         finally:
@@ -884,6 +885,12 @@ class OpTracker(TorchFunctionMode):
 
     def current(self) -> Frame | None:
         return self.stack[-1] if self.stack else None
+
+    @staticmethod
+    def _transformed(args: tuple, kwargs: dict) -> bool:
+        """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's)."""
+        x = args[0] if args else kwargs.get("input")
+        return isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x)
 
     def _too_small(self, args: tuple, kwargs: dict) -> bool:
         """Whether an activation's input is below the size the Compressor stores (see min_store_bytes)."""
