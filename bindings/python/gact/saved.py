@@ -199,6 +199,12 @@ def predicate_fits(d: "Decision", dtype: torch.dtype) -> bool:
     return _predicate_fits(d.pred, d.decode, dtype)
 
 
+def _matrix_power(t, args, kwargs, frame) -> Decision:
+    # a negative power is an inverse's (read through -A⁻ᵀ·g·A⁻ᵀ, 11x the gradient at 1 bit); others are products
+    n = _arg(args, kwargs, 1, "n")
+    return _EXACT if not isinstance(n, int) or n < 0 else _VALUES
+
+
 def _is_float(t: torch.Tensor) -> bool:
     return t.is_floating_point()
 
@@ -295,19 +301,10 @@ def _elu(t, args, kwargs, frame) -> Decision:
     alpha = _scalar(_arg(args, kwargs, 1, "alpha", 1.0))
     if alpha != 1.0:
         return _EXACT
-    # (in place, the result is saved and read linearly, result + alpha; out of place the input, through exp:
-    # a convex derivative, biased by the rounding's variance as tanh's square is)
-    return _VALUES if _in_place(args, kwargs, frame) else _QUADRATIC
-
-
-def _in_place(args, kwargs, frame) -> bool:
-    """Whether an elu-like call writes its input (``elu_``, or F.elu's ``inplace=True``, its third argument)."""
-    return frame.name.endswith("_") or _arg(args, kwargs, 2, "inplace", False) is True
-
-
-def _celu(t, args, kwargs, frame) -> Decision:
-    # an elu with its input scaled by 1/alpha: a continuous derivative at any alpha, read as elu's
-    return _VALUES if _in_place(args, kwargs, frame) else _QUADRATIC
+    # (out of place the input is saved, read through exp; in place the result, through min(result + alpha, 1),
+    # whose kink at 0 rounding biases too: a convex or kinked derivative, biased by the rounding's variance as tanh's
+    # square is)
+    return _QUADRATIC
 
 
 #: a softmax over fewer values than this keeps at least QUADRATIC_MIN_BITS: its backward reads the result
@@ -320,9 +317,12 @@ SOFTMAX_WIDE = 128
 def _softmax(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
-    dim = _arg(args, kwargs, 1, "dim")
+    if frame.name == "gumbel_softmax":  # (logits, tau, hard, eps, dim=-1)
+        dim = _arg(args, kwargs, 4, "dim", -1)
+    else:
+        dim = _arg(args, kwargs, 1, "dim")
     if dim is None:
-        dim = 0 if t.dim() in (0, 1, 3) else 1  # (F.softmax's implicit dimension)
+        dim = 0 if t.dim() in (0, 1, 3) else 1  # (F.softmax's and F.softmin's implicit dimension)
     try:
         n = t.shape[int(dim)] if t.dim() > 0 else 1
     except (IndexError, TypeError, ValueError):
@@ -689,23 +689,30 @@ _add("rnn_relu rnn_relu_cell", "each time step's result > 0, inside one call",
      "(stored as values, small positives rounded to 0 lost their gradient: a bias)", lambda *a: _EXACT)
 _add("sin sin_ cos cos_", "input through cos and sin",
      "exact: a rounding step of a radian or more (a SIREN's 30 x) moves the derivative's sign", lambda *a: _EXACT)
-_add("elu elu_", "input through exp (in place: the result, linearly), sign of input",
-     f"when alpha = 1 (continuous derivative) values, at least {QUADRATIC_MIN_BITS} bits out of place (exp of a rounded "
-     "value is biased); exact otherwise", _elu)
-_add("celu celu_", "input through exp (in place: the result, linearly)",
-     f"values, at least {QUADRATIC_MIN_BITS} bits out of place (exp of a rounded value is biased)", _celu)
+_add("elu elu_", "input through exp (in place: the result through min(result + alpha, 1)), sign of input",
+     f"values (>= {QUADRATIC_MIN_BITS} bits) when alpha = 1 (a curve or a kink of a rounded value is biased); exact "
+     "otherwise", _elu)
+_add("celu celu_", "input through exp (in place: the result through min(result + alpha, 1))",
+     f"values (>= {QUADRATIC_MIN_BITS} bits): a curve or a kink of a rounded value is biased", lambda *a: _QUADRATIC)
 _add("erf erf_ special_erf erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh "
-     "sinh_ cosh cosh_ log_sigmoid logsigmoid tanhshrink",
-     "input through a curve (exp(-x²), 1/(1+x²), cosh, sigmoid; tanhshrink's tanh through its square)",
+     "sinh_ cosh cosh_ log_sigmoid logsigmoid tanhshrink tan tan_ glu i0 i0_ special_i0 igamma igamma_ igammac "
+     "igammac_ special_gammainc special_gammaincc kl_div",
+     "input through a curve (exp(-x²), 1/(1+x²), cosh, sigmoid, i1; tan's and tanhshrink's result through its "
+     "square; kl_div's target through log)",
      f"values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased by its rounding variance "
-     "(erf 5.5x, atan 4.3x what noise leaves at 2 bits)", lambda *a: _QUADRATIC)
-_add("softmax _softmax special_softmax", "result through y·(g - Σ g·y)",
+     "(erf 5.5x, atan 4.3x, tan 9x what noise leaves at 2 bits; 4 bits leave a bias of 0.3-2.5 % of the gradient)",
+     lambda *a: _QUADRATIC)
+_add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inverse)",
+     "values for a power >= 0; exact for a negative one (an inverse)", _matrix_power)
+_add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
      f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
      "value is biased; a router's or a head's softmax)", _softmax)
-_add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss",
-     "input through a division by 1 + abs(x) or a sigmoid",
-     "exact: biased even at 4 bits (softsign 3.1x, multilabel_soft_margin_loss 8.5x what noise leaves); a loss's "
-     "inputs are small", lambda *a: _EXACT)
+_add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss copysign copysign_ "
+     "special_i0e special_i1 special_i1e special_ndtr special_log_ndtr special_zeta segment_reduce _segment_reduce "
+     "vander linalg_vander",
+     "input through a division by 1 + abs(x) or by x, a sigmoid, a sign, a Gaussian's density, a power",
+     "exact: biased even at 4 bits (softsign 3.1x, multilabel_soft_margin_loss 8.5x what noise leaves, "
+     "copysign's sign and segment_reduce's max lost at any width)", lambda *a: _EXACT)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
 for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn sign amax amin max min maximum " \
@@ -719,7 +726,8 @@ _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex 
      "linalg_lu_factor_ex lu lu_unpack linalg_lstsq lstsq qr linalg_qr pinverse linalg_pinv linalg_eigh "
      "linalg_eigvalsh symeig linalg_eig linalg_eigvals eig svd linalg_svd linalg_svdvals linalg_matrix_norm "
      "linalg_cond triangular_solve linalg_solve_triangular linalg_ldl_factor linalg_ldl_solve "
-     "geqrf ormqr linalg_householder_product",
+     "geqrf ormqr linalg_householder_product orgqr inverse linalg_inv linalg_inv_ex linalg_tensorinv linalg_tensorsolve "
+     "nuclear_norm",
      "the matrix, its factors", "exact: the backward solves with them or divides by eigenvalue gaps, so a rounded "
      "matrix's error grows with its condition number (logdet of a random 16x16 SPD matrix: 20x the gradient)",
      lambda *a: _EXACT)
@@ -748,7 +756,8 @@ _add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d li
      "input; the weight it is given", "input as values; a weight computed in the forward exact", _weight(1, "weight"))
 _add("bilinear", "inputs; the weight it is given", "inputs as values; a weight computed in the forward exact",
      _weight(2, "weight"))
-_add("grid_sample", "the grid as positions", "grid exact; input as values", _positions(1, "grid"))
+_add("grid_sample grid_sampler grid_sampler_2d grid_sampler_3d", "the grid as positions", "grid exact; input as values",
+     _positions(1, "grid"))
 _add("deform_conv2d", "the offsets as positions", "offsets exact; input and mask as values", _positions(2, "offset"))
 _add("reciprocal reciprocal_ __rdiv__ rsqrt rsqrt_ sqrt sqrt_ log log_ log2 log2_ log10 log10_ log1p log1p_ "
      "special_log1p",
@@ -788,7 +797,7 @@ _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base throug
      _pow)
 _add("acos acos_ arccos arccos_ asin asin_ arcsin arcsin_ acosh acosh_ arccosh arccosh_ atanh atanh_ arctanh "
      "arctanh_ erfinv erfinv_ special_erfinv digamma digamma_ special_digamma special_psi lgamma lgamma_ "
-     "special_gammaln polygamma polygamma_ special_polygamma mvlgamma special_multigammaln xlogy xlogy_ "
+     "special_gammaln polygamma polygamma_ special_polygamma mvlgamma mvlgamma_ special_multigammaln xlogy xlogy_ "
      "special_xlogy special_xlog1py special_entr special_ndtri sinc sinc_ special_sinc hypot hypot_ cumprod cumprod_ "
      "addcdiv addcdiv_",
      "input through a singular derivative or a division by it",
