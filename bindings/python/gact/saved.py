@@ -309,8 +309,9 @@ def _elu(t, args, kwargs, frame) -> Decision:
 
 #: a softmax over fewer values than this keeps at least QUADRATIC_MIN_BITS: its backward reads the result
 #: through y·(g - Σ g·y), whose diagonal term E[ŷ²] is biased by the rounding's variance. Over 8 values at 2
-#: bits the 128-seed mean of the gradient stayed 1.6x what noise leaves, over 32 1.4x; over 256 (an
-#: attention map's rows) 1.06x, where most values are far below the group's range and the map's bytes count
+#: bits the 128-seed mean of the gradient stayed 1.6x what noise leaves, over 32 1.4x; over 64, 128 and 256
+#: 1.02, 1.23 and 1.06-1.13x (256 seeds): the bias follows how peaked the rows are more than their width, and
+#: wide rows (an attention map's) are where the bytes count
 SOFTMAX_WIDE = 128
 
 
