@@ -790,7 +790,13 @@ def test_channels_last_gelu_gets_its_layout_back():
 
 # ---- activations stored as their derivative ----------------------------------------------------------
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "mish": F.mish, "softplus": lambda a: F.softplus(a, beta=2.0)}
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "mish": F.mish, "softplus": lambda a: F.softplus(a, beta=2.0),
+                "elu": F.elu, "elu_alpha": lambda a: F.elu(a, 0.5), "elu_": lambda a: F.elu(a * 1, inplace=True),
+                "celu": lambda a: F.celu(a, 0.5), "erf": torch.erf, "erf_method": lambda a: a.erf(),
+                "logsigmoid": F.logsigmoid}
+#: without the derivative these keep at least 4 bits at a 2-bit run (or exact): their values' bias is smaller than
+#: the test can see in 400 runs
+_FLOORED_WITHOUT_DERIVATIVE = {"elu", "elu_alpha", "elu_", "celu", "erf", "erf_method", "logsigmoid"}
 
 
 def _activation_input_grads(act, seeds, **kw):
@@ -835,6 +841,8 @@ def test_an_activation_stored_as_its_derivative_has_an_unbiased_gradient(name):
     sigma = gy.abs() * s_d / 2
     z = (runs.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
     assert z.max().item() < 5, (name, z.max().item())
+    if name in _FLOORED_WITHOUT_DERIVATIVE:
+        return
     _, _, _, runs_v = _activation_input_grads(act, range(1, k + 1), derivatives=False)
     z_v = (runs_v.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
     assert z_v.max().item() > 5, (name, "values: no bias seen", z_v.max().item())
@@ -1394,14 +1402,16 @@ _RECURRENT = {"lstm": torch.nn.LSTM(256, 64), "gru": torch.nn.GRU(256, 64), "rnn
 def test_a_result_read_through_its_square_keeps_four_bits(name):
     """tanh and sigmoid read their result y through 1 - y² and y(1 - y), whose expectation under rounding misses by
     its variance; the recurrent calls' gates are such results. At 2 bits their saves keep 4."""
-    base, quant = _widths_at_two_bits(lambda a: a), _widths_at_two_bits(_QUADRATIC_CALLS[name])
+    # (derivatives off: elu, celu, erf and logsigmoid are stored as their derivative otherwise, at the run's bits)
+    base = _widths_at_two_bits(lambda a: a, derivatives=False)
+    quant = _widths_at_two_bits(_QUADRATIC_CALLS[name], derivatives=False)
     assert quant["2"] == base["2"] and quant["4"] > base["4"], (name, base, quant)
 
 
-def _widths_at_two_bits(f) -> dict:
+def _widths_at_two_bits(f, **kwargs) -> dict:
     """How many tensors of each width a 2-bit Compressor stored for ``f`` of a (64, 256) activation."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    comp = gact.Compressor(None, bits=2, min_bytes=0, **kwargs)
     with comp:
         out = f(x * 1.0)
     quant = comp.stats()["store"]["quant_bits"]

@@ -279,7 +279,7 @@ def _func_transforms():
     return grad, vmap
 
 
-@pytest.mark.parametrize("act", [torch.tanh, F.gelu, F.silu])
+@pytest.mark.parametrize("act", [torch.tanh, F.gelu, F.silu, F.elu, torch.erf])
 def test_torch_func_transforms_run_under_gacts_hooks(act):
     """torch.func.grad (vjp, jacrev, hessian; functorch's on 1.13) refuses saved-tensor hooks, and under gact-run
     gact's cover the whole process: per-sample gradients taken with vmap(grad(...)) failed where the script ran

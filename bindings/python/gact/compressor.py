@@ -434,8 +434,8 @@ class Compressor:
             closure given to :meth:`step` or as ``gact.policy.Probe(closure)``.
         adapt_interval: with ``bits="auto"``, steps between re-estimations. Default: the
             ``adapt_interval`` option (GACT_ADAPT_INTERVAL).
-        derivatives: store the input of ``silu``, ``gelu``, ``mish`` and
-            ``softplus`` as the activation's derivative (their backward is then linear in what
+        derivatives: store the input of ``silu``, ``gelu``, ``mish``, ``softplus``, ``elu``, ``celu``, ``erf``
+            and ``logsigmoid`` as the activation's derivative (their backward is then linear in what
             is stored: an unbiased gradient, less noise); a backward with
             ``create_graph=True`` through them raises. Default: the ``derivatives`` option
             (GACT_DERIVATIVES, true).
