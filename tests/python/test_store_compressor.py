@@ -1334,3 +1334,21 @@ def test_dropout_in_every_float_dtype_is_stored(dtype):
     y.float().sum().backward()
     comp.close()
     assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad.float()).all()
+
+
+@pytest.mark.parametrize("act", [nn.GELU, nn.ELU, nn.SiLU])
+def test_jit_trace_under_a_global_install_records_torchs_activations(act):
+    """Under gact-run the op tracker covers the whole process: torch.jit.trace of a GELU, ELU or SiLU model recorded
+    the derivative stand-in (an autograd.Function, a Python op) and its check of the traced graph failed
+    ("Tracing failed sanity checks"). While a trace records, the tracker runs torch's own activations."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), act(), nn.Linear(256, 10))
+    x = torch.randn(32, 64)
+    comp = gact.Compressor(None, bits=4)
+    comp.install_global()
+    try:
+        traced = torch.jit.trace(model, x)
+    finally:
+        comp.uninstall_global()
+        comp.close()
+    assert torch.equal(traced(x), model(x))

@@ -857,6 +857,13 @@ class Frame:
         return getattr(self.func, "__name__", "") or ""
 
 
+_get_tracing_state = getattr(torch._C, "_get_tracing_state", None)
+
+
+def _jit_tracing() -> bool:
+    return _get_tracing_state is not None and _get_tracing_state() is not None
+
+
 #: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
 _DATA = torch.Tensor.data
 _METHOD_WRAPPER = type(torch.Tensor.data.__get__)
@@ -895,9 +902,11 @@ class OpTracker(TorchFunctionMode):
             if subs is not None:
                 sub = subs.get(func)
                 # (not under forward-mode AD: the stand-ins have no jvp; not inside a torch.func / functorch
-                # transform, whose tensors are wrapped: they refuse an autograd.Function without setup_context)
-                if sub is not None and (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)) \
-                        and not _compat.forward_ad_active() and not self._transformed(args, frame.kwargs):
+                # transform, whose tensors are wrapped: they refuse an autograd.Function without setup_context;
+                # not while torch.jit.trace records, where sizes are traced values)
+                if sub is not None and not self._transformed(args, frame.kwargs) and \
+                        (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)) \
+                        and not _compat.forward_ad_active():
                     func = sub
             return func(*args, **frame.kwargs)
         finally:
@@ -910,7 +919,11 @@ class OpTracker(TorchFunctionMode):
 
     @staticmethod
     def _transformed(args: tuple, kwargs: dict) -> bool:
-        """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's)."""
+        """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's), or
+        torch.jit.trace is recording (a stand-in would be traced as a Python op, and the trace's check of its
+        graph fails)."""
+        if _jit_tracing():
+            return True
         x = args[0] if args else kwargs.get("input")
         return isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x)
 
