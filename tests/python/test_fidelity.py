@@ -1420,6 +1420,14 @@ def _widths_at_two_bits(f, **kwargs) -> dict:
     return quant
 
 
+def test_a_tensor_exponent_keeps_four_bits():
+    """x ** e with e a tensor that needs a gradient: the base's gradient reads e through x^(e-1) (stored at 2 bits, a
+    sweep measured the mean 3.3x what noise leaves in 2048 seeds). The exponent keeps 4 bits; the base is exact (it
+    is read through log) and the result is values at the run's width."""
+    quant = _widths_at_two_bits(lambda x: torch.pow(x.abs() + 1, x))
+    assert quant["4"] == 1, quant
+
+
 def test_a_wide_softmax_keeps_the_runs_width():
     """A softmax over 256 values (an attention map's rows: a bias of 1.06x the noise at 2 bits in 128 seeds, where the
     bytes count) stays at the run's 2 bits."""
