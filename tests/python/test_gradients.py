@@ -19,6 +19,7 @@ torchvision's resnet18 (32x32, batch 4), nn.TransformerEncoder and a 2-layer GCN
 Thresholds sit below the values measured with gact (written beside them) with margin.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -344,3 +345,78 @@ def test_hooks_pushed_through_torchs_reexport_stay_on_top_of_a_transform():
     comp.close()
     assert seen, "the user's hook saw no save"
     y.sum().backward()
+
+
+@pytest.mark.parametrize("act", [
+    lambda h: F.elu(h, inplace=True), lambda h: F.celu(h, 0.5, inplace=True), nn.ELU(inplace=True), F.logsigmoid,
+    torch.erf, F.gelu], ids=["elu_", "celu_", "nn.ELU_inplace", "logsigmoid", "erf", "gelu"])
+def test_derivative_stand_ins_under_a_non_reentrant_checkpoint(act):
+    """A derivative stand-in saves the activation's input for gact's hooks; under a non-reentrant checkpoint's the
+    recomputation runs torch's own op, which saves other tensors (in-place ELU its result: the gradient was 0.10 of
+    its norm off at 8 bits, CELU 0.195; logsigmoid a buffer too: the recomputation raised). Under other hooks the
+    tracker runs torch's op: the checkpointed block's gradient is fp32's."""
+    import torch.utils.checkpoint as cp
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(16, 64), nn.Linear(64, 16)
+    x = torch.randn(32, 16)
+
+    def block(a):
+        return lin2(act(lin1(a))).tanh()
+
+    def grad(comp):
+        lin1.weight.grad = None
+        xx = x.clone().requires_grad_()
+        with comp if comp is not None else contextlib.nullcontext():
+            out = cp.checkpoint(block, xx, use_reentrant=False) if comp is not None else block(xx)
+        out.sum().backward()
+        return lin1.weight.grad.clone()
+
+    ref = grad(None)
+    comp = gact.Compressor(None, bits=8, min_bytes=0)
+    got = grad(comp)
+    comp.close()
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7), ((got - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("act", [F.softplus, F.elu, torch.erf, F.logsigmoid])
+def test_vmap_of_a_model_with_an_activation_of_its_parameters(act):
+    """Inside vmap an autograd.Function without setup_context is refused whatever its inputs: an activation of a
+    parameter (a positive scale made by softplus) raised under gact; and a mul of a batched and a plain tensor
+    raised "Cannot access data pointer" in the storage table's rule."""
+    _, vmap = _func_transforms()
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.raw = nn.Linear(8, 8), nn.Parameter(torch.randn(64, 8))
+
+        def forward(self, x):
+            return self.lin(x) * act(self.raw * 1).mean(0)
+
+    torch.manual_seed(0)
+    m, xs = M(), torch.randn(5, 8)
+    ref = vmap(m)(xs)
+    comp = gact.Compressor(None, bits=4, min_bytes=0)
+    with comp:
+        out = vmap(m)(xs)
+    comp.close()
+    assert torch.equal(out, ref)
+
+
+def test_bits_auto_trains_a_float64_model():
+    """The policy's gradient-norm hook asked vector_norm for float32 of a float64 gradient, which it refuses: every
+    float64 model with a Linear or Conv layer raised inside loss.backward() under bits="auto"."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(64, 32, dtype=torch.float64)
+    comp = gact.Compressor(m, bits="auto", min_bytes=0)
+    for _ in range(3):
+        with comp:
+            loss = m(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        comp.step()
+    comp.close()
+    assert torch.isfinite(loss)

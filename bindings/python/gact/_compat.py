@@ -260,6 +260,23 @@ def is_gact_pack(pack: Any) -> bool:
     return getattr(getattr(pack, "__func__", pack), "_gact_pack", False)
 
 
+def gact_hooks_on_top() -> bool:
+    """Whether the calling thread's innermost saved-tensor hooks are a Compressor's, as far as track_saved_hooks has
+    seen the stack: a derivative stand-in saves for them alone (under a non-reentrant checkpoint's hooks, whose
+    recomputation runs torch's own op, or save_on_cpu's, the call must save what torch's own op saves)."""
+    s = getattr(_pushed, "stack", None)
+    return bool(s) and is_gact_pack(s[-1][0])
+
+
+#: whether a torch.func / functorch transform is running on this thread (an autograd.Function without setup_context
+#: is refused inside any, whatever its inputs)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def functorch_active() -> bool:
+    return _transforms_active is not None and bool(_transforms_active())
+
+
 def track_saved_hooks() -> None:
     """Let gact's saved-tensor hooks make way for the transforms that refuse any (``torch.func.grad``, ``vjp``,
     ``jacrev``, ``hessian``, functorch's): they enter ``torch.autograd.graph.disable_saved_tensors_hooks``, which

@@ -528,7 +528,10 @@ class AutoPolicy:
             def grad_hook(g: torch.Tensor) -> None:
                 # no float64 copy of g (twice the size of the layer's output, on the user's step); a
                 # float16 gradient (scaled by AMP's loss scale) is summed in float32, where it cannot overflow
-                slot[i] += float(torch.linalg.vector_norm(g.detach(), dtype=torch.float32)) ** 2
+                # (float64 as it is: vector_norm refuses to narrow it)
+                g = g.detach()
+                slot[i] += float(torch.linalg.vector_norm(g, dtype=None if g.dtype == torch.float64 else
+                                                          torch.float32)) ** 2
 
             output.register_hook(grad_hook)
 

@@ -193,7 +193,9 @@ def predicate_fits(d: "Decision", dtype: torch.dtype) -> bool:
     tensor's dtype (float64: through float32). torch tests a float64 tensor against the exact bound, and a 16-bit one
     against the bound as float32 (threshold, hardtanh) or rounded to its dtype (clamp): the codec agrees with all of
     them where each bound is a value of the dtype (of float32, for float64), and a decode value that equals a bound
-    (threshold's, clamp's, hardtanh's) then lands on its side. float32 tensors always fit (torch's bound is float32)."""
+    (threshold's, clamp's, hardtanh's) then lands on its side. float32 tensors always fit (torch's bound is float32).
+    (A float64 value within float32's rounding of a bound, 3e-8 of it, or below 1.4e-45 in magnitude, is tested on its
+    float32 rounding and may land on the other side: a rare element, README Known limits.)"""
     if dtype is torch.float32 or d.decode is None:  # (no decode values: dropout's mask, x != 0)
         return True
     return _predicate_fits(d.pred, d.decode, dtype)
@@ -394,8 +396,10 @@ def _view_of(t: torch.Tensor, x: Any) -> bool:
     """Whether `t` is `x` or a view of all of it (the same storage start and element count)."""
     if t is x:
         return True
+    # (a torch.func transform's wrapped tensor has no storage of its own to compare: inside vmap a mul of a
+    # batched and a plain tensor raised "Cannot access data pointer")
     return isinstance(x, torch.Tensor) and t.numel() == x.numel() and t.dtype == x.dtype and \
-        t.data_ptr() == x.data_ptr()
+        not _compat.is_functorch_wrapped(x) and not _compat.is_functorch_wrapped(t) and t.data_ptr() == x.data_ptr()
 
 
 def _loss_input_shape(t, args, kwargs, frame) -> Decision:
@@ -704,15 +708,16 @@ _add("rnn_relu rnn_relu_cell", "each time step's result > 0, inside one call",
 _add("sin sin_ cos cos_", "input through cos and sin",
      "exact: a rounding step of a radian or more (a SIREN's 30 x) moves the derivative's sign", lambda *a: _EXACT)
 _add("elu elu_", "input through exp (in place: the result through min(result + alpha, 1)), sign of input",
-     "the derivative f'(x) as values (`derivatives` option); without it values (>= "
+     "the derivative f'(x) as values where gact's stand-in runs (F.elu; `derivatives` option); otherwise values (>= "
      f"{QUADRATIC_MIN_BITS} bits) when alpha = 1 (a curve or a kink of a rounded value is biased), exact otherwise",
      _or_derivative(_elu))
 _add("celu celu_", "input through exp (in place: the result through min(result + alpha, 1))",
-     f"the derivative f'(x) as values (`derivatives` option); without it values (>= {QUADRATIC_MIN_BITS} bits): a "
-     "curve or a kink of a rounded value is biased", _or_derivative(lambda *a: _QUADRATIC))
+     f"the derivative f'(x) as values where gact's stand-in runs (F.celu; `derivatives` option); otherwise values (>= "
+     f"{QUADRATIC_MIN_BITS} bits): a curve or a kink of a rounded value is biased", _or_derivative(lambda *a: _QUADRATIC))
 _add("erf special_erf logsigmoid log_sigmoid", "input through exp(-x²), sigmoid(-x)",
-     f"the derivative f'(x) as values (`derivatives` option); without it (and in place) values (>= "
-     f"{QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased", _or_derivative(lambda *a: _QUADRATIC))
+     "the derivative f'(x) as values where gact's stand-in runs (torch.erf, Tensor.erf, F.logsigmoid; `derivatives` "
+     f"option); otherwise values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased",
+     _or_derivative(lambda *a: _QUADRATIC))
 _add("erf_ erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh "
      "sinh_ cosh cosh_ tanhshrink tan tan_ glu i0 i0_ special_i0 igamma igamma_ igammac "
      "igammac_ special_gammainc special_gammaincc kl_div",
@@ -911,8 +916,12 @@ class OpTracker(TorchFunctionMode):
                 # (not under forward-mode AD: the stand-ins have no jvp; not inside a torch.func / functorch
                 # transform, whose tensors are wrapped: they refuse an autograd.Function without setup_context;
                 # not while torch.jit.trace records, where sizes are traced values)
+                # A derivative stand-in saves for gact's hooks alone: under other hooks on top (a non-reentrant
+                # checkpoint's, whose recomputation runs torch's own op; save_on_cpu's) torch's op saves what its
+                # own backward reads (in-place ELU its result, logsigmoid a buffer too)
                 if sub is not None and not self._transformed(args, frame.kwargs) and \
-                        (sub not in _DERIVATIVE_STAND_INS or not self._too_small(args, frame.kwargs)) \
+                        (sub not in _DERIVATIVE_STAND_INS or
+                         (_compat.gact_hooks_on_top() and not self._too_small(args, frame.kwargs))) \
                         and not _compat.forward_ad_active():
                     func = sub
             return func(*args, **frame.kwargs)
@@ -929,7 +938,7 @@ class OpTracker(TorchFunctionMode):
         """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's), or
         torch.jit.trace is recording (a stand-in would be traced as a Python op, and the trace's check of its
         graph fails)."""
-        if _jit_tracing():
+        if _jit_tracing() or _compat.functorch_active():
             return True
         x = args[0] if args else kwargs.get("input")
         return isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x)
@@ -1237,9 +1246,9 @@ class _ActivationCall:
 
 class ActivationFunction(torch.autograd.Function):
     """An activation with torch's values, saving its input; a Compressor's pack hook may store f'(x) for it
-    instead (marking the call), and the backward then multiplies by what it gets back. Where the save went
-    to other hooks (a non-reentrant checkpoint's, save_on_cpu's) or was kept, the input comes back and the
-    backward is torch's."""
+    instead (marking the call), and the backward then multiplies by what it gets back. The tracker runs it only
+    where gact's hooks are the innermost (under a non-reentrant checkpoint's or save_on_cpu's, torch's own op
+    runs); where the save was kept, the input comes back and the backward is torch's."""
 
     @staticmethod
     def forward(ctx, x, copy, call):
