@@ -792,7 +792,7 @@ class AutoPolicy:
 
     def _replay_closure(self, lo: int = 0, hi: int | None = None) -> Callable[[], Any] | None:
         """The sampled step replayed on its kept rows ``lo:hi`` (all by default), or None when nothing
-        was kept (or an output's gradient never came)."""
+        was kept (or no output's gradient came)."""
         rec = self._replay
         if rec is None or all(g is None for g in rec["grads"]):
             return None

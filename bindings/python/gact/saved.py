@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import struct
 import threading
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -143,14 +142,6 @@ def _above(a: float) -> float:
     return a + max(1.0, abs(a))
 
 
-def _float32(x: float) -> float | None:
-    """``x`` rounded to float32 (as the codec holds bounds and decode values); None past float32's range."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except (OverflowError, struct.error):
-        return None
-
-
 def _pred_holds(pred: tuple, v: float) -> bool:
     """The predicate ``pred`` (codecs/README.md) of a float64 value ``v``, as torch's float64 backward tests it."""
     name, a, b = pred
@@ -170,7 +161,8 @@ def _pred_holds(pred: tuple, v: float) -> bool:
 
 
 def _rounded_to(x: float, dtype: torch.dtype) -> float | None:
-    """``x`` as a value of the 16-bit ``dtype`` (None where it overflows to infinity)."""
+    """``x`` as a value of ``dtype`` (float32, as the codec holds bounds and decode values, or a 16-bit one); None
+    where it overflows to infinity."""
     v = torch.tensor(x, dtype=dtype).item()
     return v if math.isfinite(v) or not math.isfinite(x) else None
 
@@ -178,7 +170,11 @@ def _rounded_to(x: float, dtype: torch.dtype) -> float | None:
 @functools.lru_cache(maxsize=4096)
 def _predicate_fits(pred: tuple, decode: tuple, dtype: torch.dtype) -> bool:
     name, a, b = pred
-    rounded = _float32 if dtype is torch.float64 else (lambda x: _rounded_to(x, dtype))
+    held = torch.float32 if dtype is torch.float64 else dtype  # (float64's mask goes through float32)
+
+    def rounded(x: float) -> float | None:
+        return _rounded_to(x, held)
+
     bounds = (a, b) if name in ("open", "closed") else (a,)
     if any(rounded(x) != x for x in bounds):
         return False
