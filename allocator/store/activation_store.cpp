@@ -387,6 +387,7 @@ struct activation_store::entry {
   std::uint64_t key = 0;        // put_params::key, for the event trace
   handle self = 0;              // this entry's handle
   owner_id owner = 0;           // put_params::owner of the put that made it
+  std::uint64_t group = 0;      // put_params::group of the put that made it
   // identity
   bool has_identity = false;
   storage_key skey;
@@ -805,7 +806,7 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         // abort_step()), and a values blob only when it is as precise as this save's reader tolerates: a
         // log-space input or an attention score raised to 8 bits is not served by a 2-bit blob of the same
         // memory that another op saved first.
-        if (e.owner != p.owner) continue;
+        if (e.owner != p.owner || e.group != p.group) continue;  // (a correlated call's group: put_params::group)
         bool serves = false;
         switch (p.what) {
           case role::values: serves = e.info.values && precise_enough(e.info, p); break;
@@ -921,6 +922,7 @@ fresh:
   ent->info.refcount = 1;
   ent->key = p.key;
   ent->owner = p.owner;
+  ent->group = p.group;
   ent->dense = dense;
   ent->numel = static_cast<std::int64_t>(numel);
   ent->span_lo = view_off;

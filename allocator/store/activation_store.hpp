@@ -136,6 +136,12 @@ struct put_params {
   /// opposed to `bits`, the width chosen for this save: an earlier quantized blob of the same storage
   /// serves it only with at least these bits; 0 = any.
   int min_bits = 0;
+  /// values: which blobs of the storage serve it, and which later saves it serves: 0, the storage's common
+  /// ones; another value, only those put with the same group. A call whose reader multiplies a save with a
+  /// gradient computed from another read of the same values (`p * log(p)` over a softmax's result, which the
+  /// softmax saved too) stores its saves in a group of its own: one rounding read twice in one product is
+  /// biased by its variance; the call's own saves of the memory (`p * p`) still share one blob.
+  std::uint64_t group = 0;
 };
 
 /// What put() returns.

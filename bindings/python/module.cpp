@@ -449,7 +449,7 @@ PYBIND11_MODULE(_gact, m) {
       [](std::uintptr_t ptr, std::string const& dtype, py::sequence shape, py::sequence strides, int device,
          std::int64_t version, std::uintptr_t storage, std::uint64_t key, int bits, int group_size, std::uint64_t seed,
          std::uintptr_t stream, std::string const& role, int threads, py::object norm, py::object pred, bool clamped,
-         py::object window, gact::store::owner_id owner, bool boundary, int min_bits) {
+         py::object window, gact::store::owner_id owner, bool boundary, int min_bits, std::uint64_t group) {
         gact::store::tensor_view v;
         v.data = reinterpret_cast<void const*>(ptr);
         v.dtype = gact::store::parse_dtype(dtype);
@@ -502,6 +502,7 @@ PYBIND11_MODULE(_gact, m) {
         p.owner = owner;
         p.boundary = boundary;
         p.min_bits = min_bits;
+        p.group = group;
         runtime& r = rt();
         if (device >= 0) r.ensure_device(device);
         gact::store::put_result res;
@@ -521,14 +522,15 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("version"), py::arg("storage"), py::arg("key"), py::arg("bits"), py::arg("group_size"), py::arg("seed"),
       py::arg("stream") = 0, py::arg("role") = "values", py::arg("threads") = 0, py::arg("norm") = py::none(),
       py::arg("pred") = py::none(), py::arg("clamped") = false, py::arg("window") = py::none(),
-      py::arg("owner") = 0, py::arg("boundary") = false, py::arg("min_bits") = 0,
+      py::arg("owner") = 0, py::arg("boundary") = false, py::arg("min_bits") = 0, py::arg("group") = 0,
       "Store a tensor given as (data pointer, dtype name, shape, strides in elements, device index (-1 = CPU), "
       "version counter, storage address) for a reader with role 'values', 'predicate' or 'indices'; returns "
       "(handle, offset of the view in the decoded image, served by an earlier entry, the view's strides in the "
       "decoded image, a predicate entry upgraded to values by this put, or values stored as a boundary blob). "
       "owner: store_new_owner()'s id, whose counters count it too (0 = none). boundary: values of a clamp's "
       "output whose predicate `pred` a later predicate save reads (one blob serves both). min_bits: the fewest "
-      "bits the reader tolerates (an earlier blob of the storage with fewer does not serve it).");
+      "bits the reader tolerates (an earlier blob of the storage with fewer does not serve it). group: 0, or a group "
+      "of saves (a correlated call's) served only by blobs of the same group, and serving only them.");
   m.def(
       "store_get",
       [](std::uint64_t h, std::uintptr_t dst, std::size_t dst_bytes, std::uintptr_t stream, bool predicate,

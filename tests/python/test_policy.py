@@ -1237,7 +1237,8 @@ def _classifier_head():
 
 class SquaredLeaf(torch.nn.Module):
     """A tensor saved by a functional op (tanh's result) and then twice by a leaf module (x * x saves its
-    input twice): the leaf's cut is one more use of the blob, counted once."""
+    input twice): a correlated call, whose two saves are one blob of their own in the store (a group: tanh's
+    backward reads its own save), and one record of their own in the probe, with or without copies."""
 
     class Square(torch.nn.Module):
         def forward(self, x):

@@ -433,8 +433,10 @@ def test_attention_input_that_needs_no_gradient_is_stored_as_values():
     comp.close()
     after = C.stats_document()["store"]
     widths = {b: after["quant_bits"][b] - before["quant_bits"][b] for b in after["quant_bits"]}
-    # (torch 2.x's fused path stores the attention's q, k, v and output at 8 bits: see the test below)
-    assert widths["4"] == 0 and widths["2"] >= 1 and widths["2"] + widths["8"] >= 5, widths
+    # (torch 2.x's fused path stores the attention's q, k, v and output at 8 bits: see the test below; torch 1.13's
+    # math path its attention map over 32 keys at a short softmax's 4 bits, and nothing else there)
+    fused = hasattr(torch.nn.functional, "scaled_dot_product_attention")
+    assert widths["4"] == (0 if fused else 1) and widths["2"] >= 1 and widths["2"] + widths["8"] >= 5, widths
 
 
 def test_attention_query_and_key_keep_eight_bits():

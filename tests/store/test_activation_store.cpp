@@ -119,6 +119,41 @@ TEST_CASE("dedup: same view and version share one entry; a new version does not"
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
+TEST_CASE("dedup: a group's saves share their own blobs, with their own rounding, and serve no other save") {
+  fixture f;
+  auto x = randn(4096, 5);
+  auto v = view(x.data(), dtype::float32, {64, 64});
+  auto const first = f.store.put(v, bits(2)).h;  // a softmax's save of its result
+  put_params own = bits(2, 7);                   // (its own key, as each save has: the noise follows the key)
+  own.group = 1;  // a mul's save of it whose other operand is log(p)
+  auto const mine = f.store.put(v, own).h;
+  CHECK(mine != first);
+  CHECK(f.store.info(first).refcount == 1);
+  CHECK(f.store.stats_json()["dedup_hits"] == 0);
+  // the same values, rounded apart: the two decoded images differ somewhere (2 bits over 4096 normal values)
+  std::vector<float> a(x.size()), b(x.size());
+  f.store.get(first, a.data(), a.size() * 4);
+  f.store.get(mine, b.data(), b.size() * 4);
+  CHECK(a != b);
+  // the group's second save of the memory (p * p) is served by its blob; another group's is not
+  CHECK(f.store.put(v, own).h == mine);
+  put_params other = bits(2, 8);
+  other.group = 2;
+  auto const theirs = f.store.put(v, other).h;
+  CHECK(theirs != mine);
+  CHECK(theirs != first);
+  // a later plain save is served by the common blob, never by a group's
+  CHECK(f.store.put(v, bits(2)).h == first);
+  CHECK(f.store.info(first).refcount == 2);
+  CHECK(f.store.info(mine).refcount == 2);
+  for (auto h : {first, mine, theirs}) {
+    while (f.store.release(h) > 0) {
+    }
+  }
+  CHECK(f.store.live_handles() == 0);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
 TEST_CASE("dedup: a blob serves a save whose reader tolerates its bits, and only its owner's") {
   fixture f;
   auto x = randn(4096, 3);

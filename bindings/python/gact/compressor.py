@@ -1063,7 +1063,11 @@ class Compressor:
                 return q
         if kind == _saved.EXP:
             return self._store_exp(t, key, d)
-        return self._store(t, key, d if kind not in (_saved.NORMALIZED, _saved.DERIVATIVE) else _saved._VALUES)
+        if kind == _saved.NORMALIZED or kind == _saved.DERIVATIVE:
+            d, kind = _saved._VALUES, _saved.VALUES
+        # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
+        group = _saved.correlation_group(t, frame) if kind == _saved.VALUES or kind == _saved.LOG else 0
+        return self._store(t, key, d, group=group)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
 
@@ -1107,10 +1111,12 @@ class Compressor:
         return q
 
     def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
-               normalized: bool = False, keep: torch.Tensor | None = None, defer: bool = True) -> Any:
+               normalized: bool = False, keep: torch.Tensor | None = None, defer: bool = True,
+               group: int = 0) -> Any:
         """Store `t` as `d` says; a _Packed, or `t` itself (`keep`, when given) when the arena could not hold
         it. `min_bits`: the fewest bits it is stored with; `normalized`: a normalization layer's input (told to
-        the policy)."""
+        the policy); `group`: the store's group of a correlated call's saves (saved.correlation_group), 0 for the
+        storage's common blobs."""
         kind = d.kind
         min_bits = max(min_bits, d.min_bits)
         role, pred, window, decode = "values", None, None, None
@@ -1146,7 +1152,7 @@ class Compressor:
             bits = 1
         waiting = None
         if self._deferred and role == "values":
-            waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES else None
+            waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES and not group else None
             if waiting is not None:
                 pred, boundary = waiting[3].pred, True  # one boundary blob for these values and its predicate
             else:
@@ -1174,7 +1180,7 @@ class Compressor:
             h, offset, shared, strides, upgraded = _C.store_put(
                 ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
                 ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
-                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor)
+                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor, group)
         except _C.OutOfMemoryError as e:
             if waiting is not None:
                 self._resolve_one(waiting)
@@ -1424,7 +1430,9 @@ class Compressor:
             # a clamp's output: if a later op reads its values too, the store keeps one boundary blob
             self._probe.note_clamp(t, d.pred[1])
         if kind in (_saved.VALUES, _saved.LOG, _saved.EXP) and t.is_floating_point():
-            return self._probe.pack(t, key)
+            # (a correlated call's saves are blobs of their own in the store: records of their own here)
+            group = _saved.correlation_group(t, frame) if kind != _saved.EXP else 0
+            return self._probe.pack(t, key, group=group)
         if kind == _saved.NORMALIZED and t.is_floating_point():
             zs = self._probe_normalized(t, frame)
             return self._probe.pack(t, key) if zs is None else self._probe.pack(t, key, z=zs[0], std=zs[1])

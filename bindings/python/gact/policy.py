@@ -1239,12 +1239,15 @@ class _ProbeRecorder:
         if noted is not None:
             self.clamps[self._ident(dst)] = (noted[0], dst)
 
-    def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None) -> Any:
+    def pack(self, t: torch.Tensor, key: str, z: torch.Tensor | None = None, std: torch.Tensor | None = None,
+             group: int = 0) -> Any:
         """``z``, ``std``: a tensor the store keeps normalized (a normalization layer's input): its
-        rounding variance is z's, scaled back by std² (``std`` broadcasts to z's shape)."""
+        rounding variance is z's, scaled back by std² (``std`` broadcasts to z's shape). ``group``: the
+        store's group of a correlated call's saves (gact.saved.correlation_group), a blob apart from the
+        tensor's other saves."""
         if not t.is_floating_point():
             return t if t.grad_fn is None else t.detach()  # masks: stored losslessly, nothing to probe
-        ident = self._ident(t)
+        ident = self._ident(t) if not group else self._ident(t) + (group,)
         i = self.index.get(ident)
         if i is None:  # the tensor stays referenced, so its address is not reused
             i = self.index[ident] = len(self.tensors)

@@ -39,6 +39,7 @@ An op the table does not know, or a save outside any function the mode sees (a c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 import threading
@@ -449,7 +450,10 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _EXACT
-    if frame is not None and frame.name == "multi_head_attention_forward":
+    mha = frame is not None and frame.name == "multi_head_attention_forward"
+    if _attention_map(t, args, kwargs, mha):
+        return _QUADRATIC
+    if mha:
         # (its first arguments are the layer's inputs; the tracker does not see the attention call inside it, whose
         # q, k, v and output are its only 4-dimensional saves that need a gradient (torch 2.x, need_weights=False:
         # a fused kernel). Autograd's generated code saves an op's inputs before its output, in argument order, so
@@ -462,6 +466,33 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
         return _ATTENTION_QK
     return _ATTENTION_VALUES
+
+
+def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> bool:
+    """Whether ``t`` has the shape of the call's attention probabilities (queries × keys) over fewer than
+    SOFTMAX_WIDE keys: the math path (torch 1.13's multi-head attention, a 2.x call with need_weights=True,
+    scaled_dot_product_attention on inputs no fused kernel takes: enable_gqa on the CPU, a float64 call) saves
+    the softmax's result, which its backward reads as any softmax's (y·(g − Σ g·y)): at least QUADRATIC_MIN_BITS,
+    as a softmax over as few values. A fused kernel's saves (the inputs, the output, the log-sum-exp) are not
+    maps; where a copy of q or kᵀ has the same shape (head size equal to a sequence length), it gets the floor
+    too (bytes, not bias)."""
+    if t.dim() < 2 or not t.requires_grad:
+        return False
+    if mha:  # (query (L, N, E) or (L, E), key (S, N, E) or (S, E); the maps are (N·heads, L, S) or (N, heads, L, S))
+        q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2):
+            return False
+        queries, keys = q.shape[0], k.shape[0]
+    else:  # (query (..., L, E), key (..., S, E))
+        q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 2 and k.dim() >= 2):
+            return False
+        queries, keys = q.shape[-2], k.shape[-2]
+    if keys >= SOFTMAX_WIDE or t.shape[-2] != queries or t.shape[-1] != keys:
+        return False
+    g = t.grad_fn
+    # (a fused kernel's output, saved by its own node: never a map of probabilities)
+    return g is None or "Attention" not in type(g).__name__
 
 
 def _rms_norm(t, args, kwargs, frame) -> Decision:
@@ -804,9 +835,10 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "_scaled_dot_product_efficient_attention _scaled_dot_product_flash_attention "
      "_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_cudnn_attention "
      "_efficient_attention_forward _flash_attention_forward",
-     "q, k, v, output; log-sum-exp through exp; the mask", "q and k at >= 8 bits (fused kernels recompute "
+     "q, k, v, output; log-sum-exp through exp; the mask; the math path's probabilities", "q and k at >= 8 bits (fused kernels recompute "
      "exp(q kᵀ·scale − lse): a bias that grows with the scores; in multi-head attention's fused path v and the "
-     "output too), v and output at >= 2 bits; the log-sum-exp and a float mask exact; "
+     f"output too), v and output at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
+     f"{QUADRATIC_MIN_BITS} bits (a softmax's); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
@@ -849,7 +881,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -859,6 +891,7 @@ class Frame:
         self.stats: list | None = None
         self.seen: tuple | None = None  # cross_entropy: the log-probabilities stored as exp (nll_loss saves them again)
         self.count = 0  # multi_head_attention_forward: its 4-dimensional saves so far
+        self.group = 0  # the store's group of its correlated saves (correlation_group), once it has one
 
     @property
     def name(self) -> str:
@@ -1448,3 +1481,96 @@ def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
     if row is None:
         return _VALUES
     return row.rule(t, frame.args, frame.kwargs, frame)
+
+
+#: how far back through another operand's graph correlated() looks for the saved tensor, and how many nodes it
+#: visits at most (a hand-written RMSNorm's rsqrt(h.pow(2).mean(-1) + eps) reaches h in 4 steps)
+CORRELATION_DEPTH = 6
+CORRELATION_NODES = 64
+
+
+def _operands(frame: Frame) -> list:
+    """The tensors a call was given (directly, or in a list or tuple argument: torch.cat's, einsum's)."""
+    out = []
+    for a in (*frame.args, *frame.kwargs.values()) if frame.kwargs else frame.args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif type(a) in (list, tuple):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+_GROUPS = itertools.count(1)
+
+
+def correlation_group(t: torch.Tensor, frame: Frame | None) -> int:
+    """The store's group for a save of ``t`` (put_params::group): the call's own (one per call, shared by its
+    saves of the same memory) where correlated(), else 0 (the storage's common blobs)."""
+    if not correlated(t, frame):
+        return 0
+    if not frame.group:
+        frame.group = next(_GROUPS)
+    return frame.group
+
+
+def correlated(t: torch.Tensor, frame: Frame | None) -> bool:
+    """Whether the call saving ``t`` for its values was given another operand computed from ``t`` (or ``t``'s
+    memory twice): ``p * log(p)``, ``p * p``, ``h * rsqrt(h.pow(2).mean(-1) + eps)``, ``e / e.sum(-1)``. Its
+    backward multiplies this read of ``t`` with a gradient that flows back into ``t`` through the other operand,
+    where another save of ``t`` (softmax's of its result, pow's of its base) is read again: served by one blob,
+    both reads are one rounding, and their product is biased by the rounding's variance (the entropy of a
+    softmax over 256 classes: 1.6x the gradient's norm at 2 bits, not shrinking with seeds). Such a call's saves
+    get blobs of their own (correlation_group), with their own rounding. Looks CORRELATION_DEPTH nodes back at
+    most (a dependence further back keeps the shared blob)."""
+    if frame is None:
+        return False
+    if t.grad_fn is None:
+        # (a leaf: computed from nothing the call was given, but possibly given twice, as a policy's probe cuts a
+        # module's input with one leaf for both operands of x * x)
+        return t.requires_grad and sum(1 for a in _operands(frame) if a is t) >= 2
+    # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
+    # each; this runs for every stored save)
+    ops = [a for a in _operands(frame) if not a.is_leaf]
+    if not ops or (len(ops) == 1 and _view_of(t, ops[0])):
+        return False
+    base = None  # the operand t is (or a whole view of)
+    others = []
+    for a in ops:
+        if base is None and _view_of(t, a):
+            base = a
+        elif _view_of(t, a):
+            return True  # the same memory twice (p * p)
+        else:
+            others.append(a)
+    if base is None:
+        # (a tensor the call made, saved inside it: its inputs existed before it and cannot be computed from it)
+        return False
+    g, nr = base.grad_fn, base.output_nr
+    seen: dict = {}  # id -> node (held: a node's Python object can be made anew and take a freed one's id)
+    for a in others:
+        ag = a.grad_fn
+        if ag is g:
+            # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
+            # same output is another view of t's memory
+            if a.output_nr == nr:
+                return True
+            continue
+        frontier = [ag]
+        for _ in range(CORRELATION_DEPTH):
+            nxt = []
+            for node in frontier:
+                for fn, i in node.next_functions:
+                    if fn is None:
+                        continue
+                    if fn is g and i == nr:
+                        return True
+                    k = id(fn)
+                    if k not in seen:
+                        seen[k] = fn
+                        nxt.append(fn)
+                if len(seen) > CORRELATION_NODES:
+                    return False
+            if not nxt:
+                break
+            frontier = nxt
+    return False
