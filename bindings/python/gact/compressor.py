@@ -573,6 +573,9 @@ class Compressor:
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
+        # the tensors this step stored as a call's own result or inner tensor (saved.correlation_group): a later
+        # call that reads one for its own gradient gets a blob of its own
+        self._results: set[tuple] = set()
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
@@ -811,6 +814,7 @@ class Compressor:
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
+        self._results = set()
         self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
@@ -1074,7 +1078,7 @@ class Compressor:
         if kind == _saved.NORMALIZED or kind == _saved.DERIVATIVE:
             d, kind = _saved._VALUES, _saved.VALUES
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
-        group = _saved.correlation_group(t, frame) if kind == _saved.VALUES or kind == _saved.LOG else 0
+        group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
         return self._store(t, key, d, group=group)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
@@ -1160,7 +1164,7 @@ class Compressor:
             bits = 1
         waiting = None
         if self._deferred and role == "values":
-            waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES and not group else None
+            waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES else None
             if waiting is not None:
                 pred, boundary = waiting[3].pred, True  # one boundary blob for these values and its predicate
             else:
@@ -1197,7 +1201,7 @@ class Compressor:
             # its predicate save: served by the blob just stored; a ReLU's backward tests result > 0, which the
             # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values
             # image the next layer's backward decodes (kept for it: decoded once), not a mask decoded apart
-            self._resolve_one(waiting, values=h if upgraded else 0)
+            self._resolve_one(waiting, values=h if upgraded else 0, group=group)
         p = _Packed(h, t, key, decode, self._owner, strides)
         self._note_live(p)
         p.offset = offset
@@ -1316,14 +1320,15 @@ class Compressor:
                     return self._deferred.pop(i)
         return None
 
-    def _resolve_one(self, entry: tuple, values: int = 0) -> None:
+    def _resolve_one(self, entry: tuple, values: int = 0, group: int = 0) -> None:
         """Store a waiting predicate save: a dedup hit when its values were just stored as the boundary blob of
-        handle ``values``, whose values image a ReLU's save then reads."""
+        handle ``values``, whose values image a ReLU's save then reads (``group``: the blob's store group; a mask
+        read from a boundary blob is exact, so a correlated call's blob serves it as any other)."""
         ref, t, key, d = entry
         p = ref()
         if p is None or p.aborted:
             return  # its graph is gone: nothing reads it
-        q = self._store(t, key, d, keep=None, defer=False)
+        q = self._store(t, key, d, keep=None, defer=False, group=group)
         if isinstance(q, _Packed) and self._adopt(p, q):
             # (served by that very blob: a storage whose .data was taken gets blobs of its own, a mask here)
             if values and p.handle == values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 \
@@ -1440,7 +1445,7 @@ class Compressor:
             self._probe.note_clamp(t, d.pred[1])
         if kind in (_saved.VALUES, _saved.LOG, _saved.EXP) and t.is_floating_point():
             # (a correlated call's saves are blobs of their own in the store: records of their own here)
-            group = _saved.correlation_group(t, frame) if kind != _saved.EXP else 0
+            group = _saved.correlation_group(t, frame, self._results) if kind != _saved.EXP else 0
             return self._probe.pack(t, key, group=group)
         if kind == _saved.NORMALIZED and t.is_floating_point():
             zs = self._probe_normalized(t, frame)

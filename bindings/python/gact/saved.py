@@ -445,12 +445,16 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
     mask = _arg(args, kwargs, 3, "attn_mask")
-    if isinstance(mask, torch.Tensor) and _view_of(t, mask):
+    # (the mask, or autocast's copy of it in the call's dtype: a float32 ALiBi bias under bfloat16 autocast)
+    if isinstance(mask, torch.Tensor) and (_view_of(t, mask) or cast_copy_of(t, mask)):
         return _EXACT
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
         return _EXACT
     mha = frame is not None and frame.name == "multi_head_attention_forward"
+    q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
+    if not mha and (_query_or_key(t, q) or _query_or_key(t, k)):
+        return _ATTENTION_QK  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
     if _attention_map(t, args, kwargs, mha):
         return _QUADRATIC
     if mha:
@@ -462,10 +466,16 @@ def _attention(t, args, kwargs, frame) -> Decision:
             frame.count += 1
             return _ATTENTION_QK if frame.count <= 2 else _ATTENTION_VALUES
         return _ATTENTION_VALUES
-    q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
-    if (isinstance(q, torch.Tensor) and _view_of(t, q)) or (isinstance(k, torch.Tensor) and _view_of(t, k)):
-        return _ATTENTION_QK
     return _ATTENTION_VALUES
+
+
+def _query_or_key(t: torch.Tensor, a: Any) -> bool:
+    """Whether ``t`` is the query or key ``a`` the call was given, a view of it, or autocast's copy of it in the
+    call's dtype (rotary embeddings with float32 cos/sin under bfloat16 autocast hand a float32 q and k to an
+    attention that computes in bfloat16: the fused kernel saves the copies, and rebuilds the weights from them)."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    return _view_of(t, a) or (t.dtype != a.dtype and _derived_from(t, a))
 
 
 def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> bool:
@@ -473,9 +483,10 @@ def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> boo
     SOFTMAX_WIDE keys: the math path (torch 1.13's multi-head attention, a 2.x call with need_weights=True,
     scaled_dot_product_attention on inputs no fused kernel takes: enable_gqa on the CPU, a float64 call) saves
     the softmax's result, which its backward reads as any softmax's (y·(g − Σ g·y)): at least QUADRATIC_MIN_BITS,
-    as a softmax over as few values. A fused kernel's saves (the inputs, the output, the log-sum-exp) are not
-    maps; where a copy of q or kᵀ has the same shape (head size equal to a sequence length), it gets the floor
-    too (bytes, not bias)."""
+    as a softmax over as few values. A map is made by the softmax (or a dropout of it, or a mask applied to it:
+    a product), through views: a fused kernel's saves (the inputs, the output, the log-sum-exp) and q, k, v
+    (projections, views of them) are not, whatever their shapes; the math path's scaled copy of q is a product,
+    given the floor where the head size equals the keys' count (bytes, not bias)."""
     if t.dim() < 2 or not t.requires_grad:
         return False
     if mha:  # (query (L, N, E) or (L, E), key (S, N, E) or (S, E); the maps are (N·heads, L, S) or (N, heads, L, S))
@@ -490,9 +501,17 @@ def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> boo
         queries, keys = q.shape[-2], k.shape[-2]
     if keys >= SOFTMAX_WIDE or t.shape[-2] != queries or t.shape[-1] != keys:
         return False
-    g = t.grad_fn
-    # (a fused kernel's output, saved by its own node: never a map of probabilities)
-    return g is None or "Attention" not in type(g).__name__
+    if any(isinstance(a, torch.Tensor) and (_view_of(t, a) or (t.dtype != a.dtype and _derived_from(t, a)))
+           for a in (*args, *kwargs.values())):
+        return False  # (what the call was given, or autocast's copy of it: q, k, v, a mask; a map is made inside it)
+    g = through_copies(t.grad_fn)[0]
+    return g is not None and type(g).__name__ in _MAP_NODES
+
+
+#: what makes an attention call's map of probabilities on its math path (seen through views): the softmax, the
+#: dropout of it, a mask or scale applied to it
+_MAP_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "NativeDropoutBackward0", "FusedDropoutBackward0",
+                        "MulBackward0", "DivBackward0", "MaskedFillBackward0", "WhereBackward0"})
 
 
 def _rms_norm(t, args, kwargs, frame) -> Decision:
@@ -1487,6 +1506,9 @@ def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
 #: visits at most (a hand-written RMSNorm's rsqrt(h.pow(2).mean(-1) + eps) reaches h in 4 steps)
 CORRELATION_DEPTH = 6
 CORRELATION_NODES = 64
+#: results recorded in one step at most (correlated): a program that never calls step() does not grow the record
+#: without end
+RESULTS_MAX = 1 << 16
 
 
 def _operands(frame: Frame) -> list:
@@ -1503,36 +1525,72 @@ def _operands(frame: Frame) -> list:
 _GROUPS = itertools.count(1)
 
 
-def correlation_group(t: torch.Tensor, frame: Frame | None) -> int:
+def correlation_group(t: torch.Tensor, frame: Frame | None, results: set | None = None) -> int:
     """The store's group for a save of ``t`` (put_params::group): the call's own (one per call, shared by its
-    saves of the same memory) where correlated(), else 0 (the storage's common blobs)."""
-    if not correlated(t, frame):
+    saves of the same memory) where correlated(), else 0 (the storage's common blobs). ``results``: the step's
+    tensors stored as a call's own result or inner tensor (what this records, for correlated())."""
+    if not correlated(t, frame, results):
         return 0
     if not frame.group:
         frame.group = next(_GROUPS)
     return frame.group
 
 
-def correlated(t: torch.Tensor, frame: Frame | None) -> bool:
+def _record(results: set, t: torch.Tensor) -> None:
+    if len(results) >= RESULTS_MAX:  # (a program that never ends a step: the record starts again)
+        results.clear()
+    results.add(_result_key(t))
+
+
+def _result_key(t: torch.Tensor) -> tuple:
+    """A recorded result's memory: its storage and version (a view of it, read later, is found by it too)."""
+    return (t.data_ptr() - t.storage_offset() * t.element_size(), t._version, t.dtype)
+
+
+def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None) -> bool:
     """Whether the call saving ``t`` for its values was given another operand computed from ``t`` (or ``t``'s
-    memory twice): ``p * log(p)``, ``p * p``, ``h * rsqrt(h.pow(2).mean(-1) + eps)``, ``e / e.sum(-1)``. Its
-    backward multiplies this read of ``t`` with a gradient that flows back into ``t`` through the other operand,
-    where another save of ``t`` (softmax's of its result, pow's of its base) is read again: served by one blob,
-    both reads are one rounding, and their product is biased by the rounding's variance (the entropy of a
-    softmax over 256 classes: 1.6x the gradient's norm at 2 bits, not shrinking with seeds). Such a call's saves
-    get blobs of their own (correlation_group), with their own rounding. Looks CORRELATION_DEPTH nodes back at
-    most (a dependence further back keeps the shared blob)."""
+    memory twice), element for element: ``p * log(p)``, ``p * p``, ``e / e.exp()``. Its backward multiplies this
+    read of ``t`` with a gradient that flows back into ``t`` through the other operand, where another save of
+    ``t`` (softmax's of its result) is read again: served by one blob, both reads are one rounding, and their
+    product is biased by the rounding's variance (the entropy of a softmax over 256 classes: 1.6x the gradient's
+    norm at 2 bits, not shrinking with seeds). Such a call's saves get blobs of their own (correlation_group),
+    with their own rounding. Not an operand that reduces ``t`` over 8 or more of its values per element (a
+    hand-written RMSNorm's rsqrt(h.pow(2).mean(-1)), a per-row sum): its term is one n-th of the sum, and the
+    tensor's extra blob would cost every such layer bytes (README, Known limits). Looks CORRELATION_DEPTH nodes
+    back at most, CORRELATION_NODES nodes in all (a dependence further back keeps the shared blob).
+
+    Across calls (``results``, the step's record): a call whose only operand that needs a gradient is ``t`` reads
+    it for ``t``'s own gradient (``y ** 2``, ``mse_loss(y, target)``, ``y.var()``, ``y.norm()``), and where ``t``
+    was stored as another call's result (``exp``'s, ``softmax``'s, ``tanh``'s: their backward multiplies that
+    gradient with their own read of it), the two reads would be one rounding (``mse_loss(exp(h), t)`` at 2 bits:
+    14x what noise leaves in 1 024 seeds; an exp-parameterized Normal's ``log_prob``). Such a read gets its own.
+    A save that is no operand of its call (its result, or a tensor made inside it) is recorded there."""
     if frame is None:
         return False
     if t.grad_fn is None:
-        # (a leaf: computed from nothing the call was given, but possibly given twice, as a policy's probe cuts a
-        # module's input with one leaf for both operands of x * x)
-        return t.requires_grad and sum(1 for a in _operands(frame) if a is t) >= 2
+        if not t.requires_grad:
+            return False
+        # a leaf (a policy's probe cuts a module's input with one): computed from nothing, but given twice, or read
+        # by an operand through its AccumulateGrad node
+        ops = _operands(frame)
+        if sum(1 for a in ops if a is t) >= 2:
+            return True
+        others = [a for a in ops if a is not t and not a.is_leaf and a.numel() * 8 > t.numel()]
+        return bool(others) and _reaches(others, lambda fn, i: getattr(fn, "variable", None) is t)
     # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
     # each; this runs for every stored save)
-    ops = [a for a in _operands(frame) if not a.is_leaf]
-    if not ops or (len(ops) == 1 and _view_of(t, ops[0])):
+    every = _operands(frame)
+    ops = [a for a in every if not a.is_leaf]
+    if not ops:
+        if results is not None and not any(_view_of(t, a) for a in every):
+            _record(results, t)  # (a result of operands that need no gradient: see below)
         return False
+    if len(ops) == 1 and _view_of(t, ops[0]):
+        # t is the call's one operand with a graph: read for its own gradient alone when no leaf operand needs one
+        # (a weight's gradient reads it too: a linear layer's input)
+        if not results or any(a.requires_grad for a in every if a.is_leaf):
+            return False
+        return _result_key(t) in results
     base = None  # the operand t is (or a whole view of)
     others = []
     for a in ops:
@@ -1540,29 +1598,46 @@ def correlated(t: torch.Tensor, frame: Frame | None) -> bool:
             base = a
         elif _view_of(t, a):
             return True  # the same memory twice (p * p)
-        else:
+        elif a.numel() * 8 > t.numel():
             others.append(a)
     if base is None:
-        # (a tensor the call made, saved inside it: its inputs existed before it and cannot be computed from it)
+        # (no operand is t: the call's result or a tensor it made inside; its inputs existed before it and cannot
+        # be computed from it. Recorded: a later call reading it for its own gradient gets a blob of its own)
+        if results is not None:
+            _record(results, t)
         return False
-    g, nr = base.grad_fn, base.output_nr
-    seen: dict = {}  # id -> node (held: a node's Python object can be made anew and take a freed one's id)
+    if not others:
+        return False
+    # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
+    targets = [(base.grad_fn, base.output_nr)]
+    root = base._base
+    if root is not None and root.grad_fn is not None and _view_of(base, root):
+        targets.append((root.grad_fn, root.output_nr))
     for a in others:
-        ag = a.grad_fn
-        if ag is g:
-            # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
-            # same output is another view of t's memory
-            if a.output_nr == nr:
-                return True
-            continue
-        frontier = [ag]
+        for g, nr in targets:
+            if a.grad_fn is g:
+                # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
+                # same output is another view of t's memory
+                if a.output_nr == nr:
+                    return True
+                others = [o for o in others if o is not a]
+                break
+    return bool(others) and _reaches(others, lambda fn, i: any(fn is g and i == nr for g, nr in targets))
+
+
+def _reaches(operands: list, hit: Callable[[Any, int], bool]) -> bool:
+    """Whether a node that ``hit(node, input_nr)`` accepts is among the inputs of the graphs of ``operands``,
+    CORRELATION_DEPTH nodes back at most and CORRELATION_NODES nodes in all."""
+    seen: dict = {}  # id -> node (held: a node's Python object can be made anew and take a freed one's id)
+    for a in operands:
+        frontier = [a.grad_fn]
         for _ in range(CORRELATION_DEPTH):
             nxt = []
             for node in frontier:
                 for fn, i in node.next_functions:
                     if fn is None:
                         continue
-                    if fn is g and i == nr:
+                    if hit(fn, i):
                         return True
                     k = id(fn)
                     if k not in seen:
