@@ -573,9 +573,9 @@ class Compressor:
         self._excluded_ptrs: frozenset[int] = frozenset()
         self._key_counts: dict[str, int] = {}
         self._input_ptrs: set[int] = set()
-        # the tensors this step stored as a call's own result or inner tensor (saved.correlation_group): a later
-        # call that reads one for its own gradient gets a blob of its own
-        self._results: set[tuple] = set()
+        # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
+        # a later call that reads one for its own gradient gets a blob of its own
+        self._results: dict[tuple, Any] = {}
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._names: dict[int, str] = {}
@@ -814,7 +814,7 @@ class Compressor:
         self._excluded_ptrs = frozenset(_compat.storage_base(t) for t in self._excluded_tensors) - {0}
         self._key_counts = {}
         self._input_ptrs = set()
-        self._results = set()
+        self._results = {}
         self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True

@@ -942,9 +942,9 @@ class AutoPolicy:
         hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec, copy_inputs))
                  for m in comp.model.modules() if _cut_here(m)]
         user_grads = [p.grad for p in params]
-        saved_state = comp._key_counts, comp._input_ptrs, comp._step_open
+        saved_state = comp._key_counts, comp._input_ptrs, comp._step_open, comp._results
         # the probe keys tensors as a step does, but stores nothing: no store step is opened
-        comp._key_counts, comp._input_ptrs, comp._step_open = {}, set(), True
+        comp._key_counts, comp._input_ptrs, comp._step_open, comp._results = {}, set(), True, {}
         comp._probe = rec
         comp._row_share = getattr(closure, "row_share", 1.0)
         retry = False
@@ -960,7 +960,7 @@ class AutoPolicy:
             finally:
                 comp._probe = None
                 comp._row_share = 1.0
-                comp._key_counts, comp._input_ptrs, comp._step_open = saved_state
+                comp._key_counts, comp._input_ptrs, comp._step_open, comp._results = saved_state
                 for h in hooks:
                     h.remove()
             if retry:

@@ -475,7 +475,29 @@ def _query_or_key(t: torch.Tensor, a: Any) -> bool:
     attention that computes in bfloat16: the fused kernel saves the copies, and rebuilds the weights from them)."""
     if not isinstance(a, torch.Tensor):
         return False
-    return _view_of(t, a) or (t.dtype != a.dtype and _derived_from(t, a))
+    return _view_of(t, a) or (t.dtype != a.dtype and _copy_of(t, a))
+
+
+def _copy_of(t: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``t`` is a dtype copy of ``a`` (autocast's), or a view of one: of that very output of its node (q, k and
+    v split from one projection share a node), or, without a graph, a copy of ``a``'s shape."""
+    g = t.grad_fn
+    if g is None:
+        return cast_copy_of(t, a)
+    for _ in range(7):
+        name = type(g).__name__
+        if name == "ToCopyBackward0":
+            fn, nr = g.next_functions[0]
+            if a.grad_fn is not None:
+                return fn is a.grad_fn and nr == a.output_nr
+            return getattr(fn, "variable", None) is a
+        if name not in VIEW_NODES:
+            return False
+        nxt = g.next_functions
+        if not nxt or nxt[0][0] is None:
+            return False
+        g = nxt[0][0]
+    return False
 
 
 def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> bool:
@@ -501,7 +523,7 @@ def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> boo
         queries, keys = q.shape[-2], k.shape[-2]
     if keys >= SOFTMAX_WIDE or t.shape[-2] != queries or t.shape[-1] != keys:
         return False
-    if any(isinstance(a, torch.Tensor) and (_view_of(t, a) or (t.dtype != a.dtype and _derived_from(t, a)))
+    if any(isinstance(a, torch.Tensor) and (_view_of(t, a) or (t.dtype != a.dtype and _copy_of(t, a)))
            for a in (*args, *kwargs.values())):
         return False  # (what the call was given, or autocast's copy of it: q, k, v, a mask; a map is made inside it)
     g = through_copies(t.grad_fn)[0]
@@ -1525,7 +1547,7 @@ def _operands(frame: Frame) -> list:
 _GROUPS = itertools.count(1)
 
 
-def correlation_group(t: torch.Tensor, frame: Frame | None, results: set | None = None) -> int:
+def correlation_group(t: torch.Tensor, frame: Frame | None, results: dict | None = None) -> int:
     """The store's group for a save of ``t`` (put_params::group): the call's own (one per call, shared by its
     saves of the same memory) where correlated(), else 0 (the storage's common blobs). ``results``: the step's
     tensors stored as a call's own result or inner tensor (what this records, for correlated())."""
@@ -1536,10 +1558,21 @@ def correlation_group(t: torch.Tensor, frame: Frame | None, results: set | None 
     return frame.group
 
 
-def _record(results: set, t: torch.Tensor) -> None:
+def _record(results: dict, t: torch.Tensor) -> None:
     if len(results) >= RESULTS_MAX:  # (a program that never ends a step: the record starts again)
         results.clear()
-    results.add(_result_key(t))
+    try:
+        r = weakref.ref(t)
+    except TypeError:  # (a tensor that takes no weak reference: not recorded)
+        return
+    results[_result_key(t)] = r
+
+
+def _recorded(results: dict, t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is a recorded result that still lives (a dead one's address may hold another tensor
+    now, of the same version and dtype)."""
+    r = results.get(_result_key(t))
+    return r is not None and r() is not None
 
 
 def _result_key(t: torch.Tensor) -> tuple:
@@ -1547,22 +1580,24 @@ def _result_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr() - t.storage_offset() * t.element_size(), t._version, t.dtype)
 
 
-def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None) -> bool:
+def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None) -> bool:
     """Whether the call saving ``t`` for its values was given another operand computed from ``t`` (or ``t``'s
     memory twice), element for element: ``p * log(p)``, ``p * p``, ``e / e.exp()``. Its backward multiplies this
     read of ``t`` with a gradient that flows back into ``t`` through the other operand, where another save of
     ``t`` (softmax's of its result) is read again: served by one blob, both reads are one rounding, and their
     product is biased by the rounding's variance (the entropy of a softmax over 256 classes: 1.6x the gradient's
     norm at 2 bits, not shrinking with seeds). Such a call's saves get blobs of their own (correlation_group),
-    with their own rounding. Not an operand that reduces ``t`` over 8 or more of its values per element (a
-    hand-written RMSNorm's rsqrt(h.pow(2).mean(-1)), a per-row sum): its term is one n-th of the sum, and the
-    tensor's extra blob would cost every such layer bytes (README, Known limits). Looks CORRELATION_DEPTH nodes
-    back at most, CORRELATION_NODES nodes in all (a dependence further back keeps the shared blob).
+    with their own rounding. An operand that reduces ``t`` (fewer than 1/8 of its elements) counts when the
+    reduction is signed (a DCN cross layer's x0 @ w), not through a sum of squares (a hand-written RMSNorm's
+    rsqrt(h.pow(2).mean(-1)), a norm: its term is one n-th of the sum, and the tensor's extra blob would cost every
+    such layer bytes; README, Known limits). Looks CORRELATION_DEPTH nodes back at most, CORRELATION_NODES nodes
+    in all (a dependence further back keeps the shared blob).
 
-    Across calls (``results``, the step's record): a call whose only operand that needs a gradient is ``t`` reads
-    it for ``t``'s own gradient (``y ** 2``, ``mse_loss(y, target)``, ``y.var()``, ``y.norm()``), and where ``t``
-    was stored as another call's result (``exp``'s, ``softmax``'s, ``tanh``'s: their backward multiplies that
-    gradient with their own read of it), the two reads would be one rounding (``mse_loss(exp(h), t)`` at 2 bits:
+    Across calls (``results``, the step's record): a call that reads ``t`` for ``t``'s own gradient (``y ** 2``,
+    ``mse_loss(y, target)`` with either side trained, ``y.var()``, ``y.norm()``, ``cosine_similarity``; not a
+    product's factor, a layer's input for its weight or a numerator, _CROSS_READS), where ``t`` was stored as
+    another call's result that still lives (``exp``'s, ``softmax``'s, ``tanh``'s: their backward multiplies that
+    gradient with their own read of it), would make the two reads one rounding (``mse_loss(exp(h), t)`` at 2 bits:
     14x what noise leaves in 1 024 seeds; an exp-parameterized Normal's ``log_prob``). Such a read gets its own.
     A save that is no operand of its call (its result, or a tensor made inside it) is recorded there."""
     if frame is None:
@@ -1575,8 +1610,9 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None)
         ops = _operands(frame)
         if sum(1 for a in ops if a is t) >= 2:
             return True
-        others = [a for a in ops if a is not t and not a.is_leaf and a.numel() * 8 > t.numel()]
-        return bool(others) and _reaches(others, lambda fn, i: getattr(fn, "variable", None) is t)
+        others = [a for a in ops if a is not t and not a.is_leaf]
+        return bool(others) and _reaches(others, lambda fn, i: getattr(fn, "variable", None) is t,
+                                         [a.numel() * 8 <= t.numel() for a in others])
     # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
     # each; this runs for every stored save)
     every = _operands(frame)
@@ -1586,11 +1622,8 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None)
             _record(results, t)  # (a result of operands that need no gradient: see below)
         return False
     if len(ops) == 1 and _view_of(t, ops[0]):
-        # t is the call's one operand with a graph: read for its own gradient alone when no leaf operand needs one
-        # (a weight's gradient reads it too: a linear layer's input)
-        if not results or any(a.requires_grad for a in every if a.is_leaf):
-            return False
-        return _result_key(t) in results
+        # t is the call's one operand with a graph
+        return _reads_a_result(t, frame, results)
     base = None  # the operand t is (or a whole view of)
     others = []
     for a in ops:
@@ -1598,7 +1631,7 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None)
             base = a
         elif _view_of(t, a):
             return True  # the same memory twice (p * p)
-        elif a.numel() * 8 > t.numel():
+        else:
             others.append(a)
     if base is None:
         # (no operand is t: the call's result or a tensor it made inside; its inputs existed before it and cannot
@@ -1606,40 +1639,78 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: set | None = None)
         if results is not None:
             _record(results, t)
         return False
-    if not others:
+    if others:
+        # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
+        targets = [(base.grad_fn, base.output_nr)]
+        root = base._base
+        if root is not None and root.grad_fn is not None and _view_of(base, root):
+            targets.append((root.grad_fn, root.output_nr))
+        rest = []
+        for a in others:
+            sibling = False
+            for g, nr in targets:
+                if a.grad_fn is g:
+                    # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
+                    # same output is another view of t's memory
+                    if a.output_nr == nr:
+                        return True
+                    sibling = True
+            if not sibling:
+                rest.append(a)
+        hit = lambda fn, i: any(fn is g and i == nr for g, nr in targets)  # noqa: E731
+        # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
+        if rest and _reaches(rest, hit, [a.numel() * 8 <= t.numel() for a in rest]):
+            return True
+    return _reads_a_result(t, frame, results)
+
+
+#: calls that read a saved operand only for another operand's gradient (a product's factors, a layer's input for its
+#: weight) or only for its shape (torch 1.13's mean and gather): a result read there is not read for its own gradient
+_CROSS_READS = frozenset("""mul __mul__ __rmul__ __imul__ mul_ multiply matmul __matmul__ __rmatmul__ mm bmm linear addmm
+    addmm_ baddbmm baddbmm_ addbmm addbmm_ addmv addmv_ mv dot vdot inner outer ger einsum tensordot kron chain_matmul
+    multi_dot bilinear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d addcmul addcmul_
+    addcdiv addcdiv_ embedding embedding_bag mean gather take_along_dim index_select""".split())
+#: a quotient reads its numerator only for the denominator's gradient
+_DIVISIONS = frozenset("div div_ __truediv__ __itruediv__ true_divide divide __floordiv__".split())
+
+
+def _reads_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool:
+    """Whether the call reads ``t`` for ``t``'s own gradient (not a product's factor, a layer's input for its weight,
+    a numerator) where ``t``'s memory is a result the step recorded and that still lives (rule (2) of correlated)."""
+    if not results or frame.name in _CROSS_READS:
         return False
-    # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
-    targets = [(base.grad_fn, base.output_nr)]
-    root = base._base
-    if root is not None and root.grad_fn is not None and _view_of(base, root):
-        targets.append((root.grad_fn, root.output_nr))
-    for a in others:
-        for g, nr in targets:
-            if a.grad_fn is g:
-                # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
-                # same output is another view of t's memory
-                if a.output_nr == nr:
-                    return True
-                others = [o for o in others if o is not a]
-                break
-    return bool(others) and _reaches(others, lambda fn, i: any(fn is g and i == nr for g, nr in targets))
+    if frame.name in _DIVISIONS and _view_of(t, _arg(frame.args, frame.kwargs, 0, "input")):
+        return False
+    return _recorded(results, t)
 
 
-def _reaches(operands: list, hit: Callable[[Any, int], bool]) -> bool:
+#: a sum of squares (a norm, a variance, a mean of x²): a reduction through one of these carries each value's rounding
+#: as one n-th of the sum (README, Known limits), and is left shared; a signed one (x0 @ w in a DCN cross layer, a
+#: pooled gate) is not (the entry's own rounding squared stays about 1/√n of it: 4.5 % of the gradient over 256 values)
+_SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "NormBackward1", "NormBackward2",
+                          "NormBackward3", "LinalgVectorNormBackward0", "VarBackward0", "VarBackward1", "StdBackward0",
+                          "StdBackward1", "VarMeanBackward0", "StdMeanBackward0"})
+
+
+def _reaches(operands: list, hit: Callable[[Any, int], bool], reduced: list | None = None) -> bool:
     """Whether a node that ``hit(node, input_nr)`` accepts is among the inputs of the graphs of ``operands``,
-    CORRELATION_DEPTH nodes back at most and CORRELATION_NODES nodes in all."""
+    CORRELATION_DEPTH nodes back at most and CORRELATION_NODES nodes in all; for an operand whose ``reduced`` entry
+    is set (a reduction of the saved tensor), not through a sum of squares (_SQUARE_SUMS)."""
     seen: dict = {}  # id -> node (held: a node's Python object can be made anew and take a freed one's id)
-    for a in operands:
+    for j, a in enumerate(operands):
+        barrier = reduced is not None and reduced[j]
         frontier = [a.grad_fn]
         for _ in range(CORRELATION_DEPTH):
             nxt = []
             for node in frontier:
+                if barrier and type(node).__name__ in _SQUARE_SUMS:
+                    continue
                 for fn, i in node.next_functions:
                     if fn is None:
                         continue
                     if hit(fn, i):
                         return True
-                    k = id(fn)
+                    k = (barrier, id(fn))  # (a node left unexpanded behind a barrier is expanded for another operand)
                     if k not in seen:
                         seen[k] = fn
                         nxt.append(fn)
