@@ -536,6 +536,17 @@ _MAP_NODES = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0", "NativeDropo
                         "MulBackward0", "DivBackward0", "MaskedFillBackward0", "WhereBackward0"})
 
 
+def _kl_div(t, args, kwargs, frame) -> Decision:
+    # kl_div(input, target): the target's gradient reads it through log (log_target: exp); the input's reads the
+    # target linearly, and the input is read by nothing but the target's gradient (linearly)
+    if not _is_float(t):
+        return _VALUES
+    target = _arg(args, kwargs, 1, "target")
+    if isinstance(target, torch.Tensor) and _view_of(t, target):
+        return _EXACT if target.requires_grad else _QUADRATIC
+    return _VALUES
+
+
 def _rms_norm(t, args, kwargs, frame) -> Decision:
     # x * rsqrt(mean(x^2) + eps) * w: the input as values; 1/rms (one value per row, read through a
     # division in the backward) exact, like a norm's result.
@@ -630,7 +641,21 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         largest = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 0
     except RuntimeError:  # shapes the call does not broadcast (it reduces them first)
         largest = max(math.prod(sh) for sh in shapes)
-    return _EXACT if t.numel() < largest else _VALUES
+    if t.numel() < largest:
+        return _EXACT
+    # a reduction over a dimension of size 1 (h[:, :1].norm(dim=-1), a distance over one feature) keeps every
+    # element: its result, made by the norm's own node, is still the divisor (stored as values, the 1024-seed mean
+    # stayed 1.1x the gradient's norm off)
+    if not any(isinstance(a, torch.Tensor) and _view_of(t, a) for a in (*args, *kwargs.values())):
+        g = through_copies(t.grad_fn)[0]
+        if g is not None and any(k in type(g).__name__ for k in _REDUCTION_RESULT_NODES):
+            return _EXACT
+    return _VALUES
+
+
+#: the nodes of a norm's, a deviation's or a distance's result (a full-size difference inside a pairwise distance is a
+#: subtraction's, read linearly)
+_REDUCTION_RESULT_NODES = ("Norm", "Std", "Dist")
 
 
 def _distance_result(t, args, kwargs, frame) -> Decision:
@@ -788,12 +813,16 @@ _add("erf special_erf logsigmoid log_sigmoid", "input through exp(-x²), sigmoid
      _or_derivative(lambda *a: _QUADRATIC))
 _add("erf_ erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh "
      "sinh_ cosh cosh_ tanhshrink tan tan_ glu i0 i0_ special_i0 igamma igamma_ igammac "
-     "igammac_ special_gammainc special_gammaincc kl_div",
+     "igammac_ special_gammainc special_gammaincc",
      "input through a curve (exp(-x²), 1/(1+x²), cosh, sigmoid, i1; tan's and tanhshrink's result through its "
-     "square; kl_div's target through log)",
+     "square)",
      f"values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased by its rounding variance "
      "(erf 5.5x, atan 4.3x, tan 9x what noise leaves at 2 bits; 4 bits leave a bias of 0.3-2.5 % of the gradient)",
      lambda *a: _QUADRATIC)
+_add("kl_div", "the input, linearly; a trained target through log",
+     f"the input as values; a target that needs a gradient exact (its log of a rounded value: at 4 bits mutual "
+     f"learning's kl_div(log_softmax(b), softmax(a)) stayed 2.7x what noise leaves); otherwise values (>= "
+     f"{QUADRATIC_MIN_BITS} bits)", _kl_div)
 _add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inverse)",
      "values for a power >= 0; exact for a negative one (an inverse)", _matrix_power)
 _add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
@@ -1604,7 +1633,8 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         return False
     if t.grad_fn is None:
         if not t.requires_grad:
-            return False
+            # an alias without a graph (p.detach()) of a live recorded result: that result's reads are its
+            return _alias_of_a_result(t, frame, results)
         # a leaf (a policy's probe cuts a module's input with one): computed from nothing, but given twice, or read
         # by an operand through its AccumulateGrad node
         ops = _operands(frame)
@@ -1623,6 +1653,9 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         return False
     if len(ops) == 1 and _view_of(t, ops[0]):
         # t is the call's one operand with a graph
+        if results is not None and _in_place(frame) and _view_of(t, _arg(frame.args, frame.kwargs, 0, "input")):
+            _record(results, t)  # (an in-place call's result, saved as the operand it overwrote: exp_)
+            return False
         return _reads_a_result(t, frame, results)
     base = None  # the operand t is (or a whole view of)
     others = []
@@ -1641,10 +1674,23 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         return False
     if others:
         # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
+        # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
+        # other one; a part of one projection's output, q beside k, reaches the root too: a group, no bytes more
+        # where nothing else saves that memory)
         targets = [(base.grad_fn, base.output_nr)]
         root = base._base
-        if root is not None and root.grad_fn is not None and _view_of(base, root):
+        chain: set = set()  # the view nodes between t and its root: a walk does not pass them (q beside k)
+        held = []  # (their Python objects, held: a freed one's id could be another node's)
+        if root is not None and root.grad_fn is not None:
             targets.append((root.grad_fn, root.output_nr))
+            g = base.grad_fn
+            for _ in range(8):
+                if g is None or g is root.grad_fn or type(g).__name__ not in VIEW_NODES:
+                    break
+                chain.add(id(g))
+                held.append(g)
+                nxt = g.next_functions
+                g = nxt[0][0] if nxt else None
         rest = []
         for a in others:
             sibling = False
@@ -1659,7 +1705,7 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
                 rest.append(a)
         hit = lambda fn, i: any(fn is g and i == nr for g, nr in targets)  # noqa: E731
         # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
-        if rest and _reaches(rest, hit, [a.numel() * 8 <= t.numel() for a in rest]):
+        if rest and _reaches(rest, hit, [a.numel() * 8 <= t.numel() for a in rest], chain):
             return True
     return _reads_a_result(t, frame, results)
 
@@ -1672,6 +1718,28 @@ _CROSS_READS = frozenset("""mul __mul__ __rmul__ __imul__ mul_ multiply matmul _
     addcdiv addcdiv_ embedding embedding_bag mean gather take_along_dim index_select""".split())
 #: a quotient reads its numerator only for the denominator's gradient
 _DIVISIONS = frozenset("div div_ __truediv__ __itruediv__ true_divide divide __floordiv__".split())
+
+
+def _in_place(frame: Frame) -> bool:
+    name = frame.name
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _alias_of_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool:
+    """Whether ``t``, without a graph, is an alias (``p.detach()``) of a live recorded result ``p`` that the call
+    also reads through another operand: given with ``p``'s memory again (``p * p.detach()``), or with one computed
+    from ``p`` (``p.detach() * log(p)``)."""
+    if not results:
+        return False
+    r = results.get(_result_key(t))
+    src = r() if r is not None else None
+    if src is None or src.grad_fn is None:
+        return False
+    ops = [a for a in _operands(frame) if not a.is_leaf]
+    if any(_view_of(t, a) or _result_key(a) == _result_key(t) for a in ops):
+        return True
+    g, nr = src.grad_fn, src.output_nr
+    return bool(ops) and _reaches(ops, lambda fn, i: fn is g and i == nr)
 
 
 def _reads_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool:
@@ -1692,10 +1760,12 @@ _SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "Norm
                           "StdBackward1", "VarMeanBackward0", "StdMeanBackward0"})
 
 
-def _reaches(operands: list, hit: Callable[[Any, int], bool], reduced: list | None = None) -> bool:
+def _reaches(operands: list, hit: Callable[[Any, int], bool], reduced: list | None = None,
+             stop: set | None = None) -> bool:
     """Whether a node that ``hit(node, input_nr)`` accepts is among the inputs of the graphs of ``operands``,
     CORRELATION_DEPTH nodes back at most and CORRELATION_NODES nodes in all; for an operand whose ``reduced`` entry
-    is set (a reduction of the saved tensor), not through a sum of squares (_SQUARE_SUMS)."""
+    is set (a reduction of the saved tensor), not through a sum of squares (_SQUARE_SUMS); never through a node
+    whose id is in ``stop``."""
     seen: dict = {}  # id -> node (held: a node's Python object can be made anew and take a freed one's id)
     for j, a in enumerate(operands):
         barrier = reduced is not None and reduced[j]
@@ -1703,7 +1773,7 @@ def _reaches(operands: list, hit: Callable[[Any, int], bool], reduced: list | No
         for _ in range(CORRELATION_DEPTH):
             nxt = []
             for node in frontier:
-                if barrier and type(node).__name__ in _SQUARE_SUMS:
+                if (barrier and type(node).__name__ in _SQUARE_SUMS) or (stop and id(node) in stop):
                     continue
                 for fn, i in node.next_functions:
                     if fn is None:
