@@ -1959,3 +1959,26 @@ def test_a_norm_over_a_dimension_of_size_one_keeps_its_result_exact():
     other = h.flip(0)
     d = h - other
     assert saved.decide(d, saved.Frame(F.pairwise_distance, (h, other), {})) == saved._VALUES
+
+
+def test_sparse_operands_beside_saved_tensors_run():
+    """A call given a sparse operand with a graph beside a saved dense one (torch.mul(sparse, dense), torch.sparse.mm
+    of a recorded result's detached alias): the table's and the correlation rules' comparisons skip what has no data
+    pointer (they raised "Cannot access data pointer of Tensor that doesn't have storage")."""
+    h = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads(comp):
+        h.grad = None
+        with comp if comp is not None else contextlib.nullcontext():
+            s = torch.relu(h * 1.0).to_sparse()
+            d = torch.exp(h)
+            out = torch.mul(s, d).to_dense().sum() + torch.sparse.mm(s, d.detach()).sum()
+            del s, d
+        out.backward()
+        return h.grad.clone()
+
+    ref = grads(None)
+    comp = gact.Compressor(None, bits=8, min_bytes=0)
+    got = grads(comp)
+    comp.close()
+    assert torch.isfinite(got).all() and (got - ref).norm() <= 0.05 * ref.norm(), (got - ref).norm() / ref.norm()

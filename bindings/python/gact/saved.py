@@ -395,7 +395,9 @@ def _view_of(t: torch.Tensor, x: Any) -> bool:
         return True
     # (a torch.func transform's wrapped tensor has no storage of its own to compare: inside vmap a mul of a
     # batched and a plain tensor raised "Cannot access data pointer")
+    # (nor a sparse tensor's: it has no data pointer)
     return isinstance(x, torch.Tensor) and t.numel() == x.numel() and t.dtype == x.dtype and \
+        x.layout is torch.strided and t.layout is torch.strided and \
         not _compat.is_functorch_wrapped(x) and not _compat.is_functorch_wrapped(t) and t.data_ptr() == x.data_ptr()
 
 
@@ -1563,14 +1565,15 @@ RESULTS_MAX = 1 << 16
 
 
 def _operands(frame: Frame) -> list:
-    """The tensors a call was given (directly, or in a list or tuple argument: torch.cat's, einsum's)."""
+    """The dense tensors a call was given (directly, or in a list or tuple argument: torch.cat's, einsum's); not a
+    sparse one or a torch.func transform's wrapped one, which share no blob with a saved tensor."""
     out = []
     for a in (*frame.args, *frame.kwargs.values()) if frame.kwargs else frame.args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif type(a) in (list, tuple):
             out.extend(x for x in a if isinstance(x, torch.Tensor))
-    return out
+    return [a for a in out if a.layout is torch.strided and not _compat.is_functorch_wrapped(a)]
 
 
 _GROUPS = itertools.count(1)
