@@ -455,7 +455,7 @@ def _attention(t, args, kwargs, frame) -> Decision:
         return _EXACT
     mha = frame is not None and frame.name == "multi_head_attention_forward"
     q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
-    if not mha and (_query_or_key(t, q) or _query_or_key(t, k)):
+    if not mha and (_given_as(t, q) or _given_as(t, k)):
         return _ATTENTION_QK  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
     if _attention_map(t, args, kwargs, mha):
         return _QUADRATIC
@@ -467,13 +467,12 @@ def _attention(t, args, kwargs, frame) -> Decision:
         if t.dim() == 4 and t.requires_grad:
             frame.count += 1
             return _ATTENTION_QK if frame.count <= 2 else _ATTENTION_VALUES
-        return _ATTENTION_VALUES
     return _ATTENTION_VALUES
 
 
-def _query_or_key(t: torch.Tensor, a: Any) -> bool:
-    """Whether ``t`` is the query or key ``a`` the call was given, a view of it, or autocast's copy of it in the
-    call's dtype (rotary embeddings with float32 cos/sin under bfloat16 autocast hand a float32 q and k to an
+def _given_as(t: torch.Tensor, a: Any) -> bool:
+    """Whether ``t`` is the argument ``a`` the call was given (its query, key, ...), a view of it, or autocast's copy
+    of it in the call's dtype (rotary embeddings with float32 cos/sin under bfloat16 autocast hand a float32 q and k to an
     attention that computes in bfloat16: the fused kernel saves the copies, and rebuilds the weights from them)."""
     if not isinstance(a, torch.Tensor):
         return False
@@ -525,8 +524,7 @@ def _attention_map(t: torch.Tensor, args: tuple, kwargs: dict, mha: bool) -> boo
         queries, keys = q.shape[-2], k.shape[-2]
     if keys >= SOFTMAX_WIDE or t.shape[-2] != queries or t.shape[-1] != keys:
         return False
-    if any(isinstance(a, torch.Tensor) and (_view_of(t, a) or (t.dtype != a.dtype and _copy_of(t, a)))
-           for a in (*args, *kwargs.values())):
+    if any(_given_as(t, a) for a in (*args, *kwargs.values())):
         return False  # (what the call was given, or autocast's copy of it: q, k, v, a mask; a map is made inside it)
     g = through_copies(t.grad_fn)[0]
     return g is not None and type(g).__name__ in _MAP_NODES
