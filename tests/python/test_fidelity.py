@@ -1077,6 +1077,29 @@ def test_a_confident_classifiers_cross_entropy_gradient_is_unbiased():
     assert one < 0.05 and mean < 0.03, (one, mean)
 
 
+def test_a_mean_over_a_dimension_stores_nothing_of_its_input():
+    """torch 1.13's mean over a dimension saves its input for its sizes alone (2.x saves nothing): a pooled
+    encoder's last hidden state, read by nothing else, was stored at the run's bits for that. Nothing is
+    stored now, and the gradient is fp32's exactly."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 64)
+    x = torch.randn(16, 40, 32, requires_grad=True)  # (a leaf that needs a gradient: kept as it is)
+    ref = torch.autograd.grad((lin(x).mean(1) * torch.arange(64.0)).sum(), lin.weight)[0]
+    comp = gact.Compressor(None, bits=2)
+    before = gact.stats()["store"]
+    with comp:
+        h = lin(x)
+        loss = (h.mean(1) * torch.arange(64.0)).sum()
+    after = gact.stats()["store"]
+    del h
+    got = torch.autograd.grad(loss, lin.weight)[0]
+    comp.close()
+    assert after["tensors_in"] - before["tensors_in"] == 0
+    if torch.__version__.startswith("1."):
+        assert after["unstored"]["shape"]["tensors"] - before["unstored"]["shape"]["tensors"] == 1
+    assert torch.equal(got, ref)
+
+
 def test_nll_loss_view_shares_the_log_softmax_blob():
     """One blob per storage: a loss saving output.view(-1, V) of a log-softmax output it also saves
     stores nothing more (the largest tensor of a language model used to be stored twice)."""

@@ -341,6 +341,11 @@ def _pool_input_shape(t, args, kwargs, frame) -> Decision:
     return _SHAPE if _is_float(t) else _VALUES
 
 
+def _mean_input(t, args, kwargs, frame) -> Decision:
+    # torch 1.13's mean over dimensions saves its input for the input's sizes alone (torch 2.x saves nothing)
+    return _SHAPE if _is_float(t) and _view_of(t, _arg(args, kwargs, 0, "input")) else _VALUES
+
+
 def _max_pool(t, args, kwargs, frame) -> Decision:
     if _is_float(t):
         return _SHAPE  # max_pool's backward scatters through the indices; the input gives its shape
@@ -907,6 +912,7 @@ _add("adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d adaptive_max_p
      "indices; input only for its shape", "input: shape only; indices kept as they are", _pool_input_shape)
 _add("avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d",
      "input only for its shape", "shape only", _pool_input_shape)
+_add("mean", "input only for its shape (torch 1.13 saves it)", "shape only", _mean_input)
 _add("nll_loss nll_loss2d", "targets; input only for its shape", "input: shape only; targets kept", _loss_input_shape)
 _add("cross_entropy", "log-probabilities through exp",
      f"class targets: the probabilities exp(x) as values (>= {LOG_MIN_BITS} bits), decoded with log (unbiased); "
