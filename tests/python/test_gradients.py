@@ -20,6 +20,7 @@ Thresholds sit below the values measured with gact (written beside them) with ma
 """
 
 import contextlib
+import warnings
 import math
 
 import pytest
@@ -420,3 +421,32 @@ def test_bits_auto_trains_a_float64_model():
         comp.step()
     comp.close()
     assert torch.isfinite(loss)
+
+
+def test_a_create_graph_backward_that_decodes_a_compressed_save_says_so_once(monkeypatch):
+    """A loss built on a gradient taken with create_graph=True (R1 or WGAN-GP penalties, Hessian-vector products,
+    MAML) reads the forward's rounding squared or twice: biased, which no seed averages away (an R1 penalty through
+    BatchNorm measured 2.06x its value at 2 bits). gact cannot undo a rounding already made; it says so, once per
+    process, when such a backward decodes a compressed save, and nothing when an ordinary backward does."""
+    import gact.compressor as gc
+    monkeypatch.setattr(gc, "_warned_create_graph", False)
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def penalty(create_graph):
+        x = torch.randn(128, 32, requires_grad=True)
+        comp = gact.Compressor(critic, bits=2)
+        with comp:
+            out = critic(x).sum()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            g, = torch.autograd.grad(out, x, create_graph=create_graph)
+            if create_graph:
+                g.square().sum().backward()
+        comp.close()
+        return [str(w.message) for w in seen if "create_graph" in str(w.message)]
+
+    assert penalty(False) == []
+    said = penalty(True)
+    assert len(said) == 1 and "biased" in said[0] and "exclude" in said[0], said
+    assert penalty(True) == []  # once per process

@@ -155,6 +155,22 @@ _is_wrapped = _compat.is_functorch_wrapped
 #: a save was made inside a torch.compile'd region (kept as it is there); step() says so once
 _compiled_saves = False
 _warned_compiled = False
+_warned_create_graph = False
+
+
+def _warn_create_graph(key: str) -> None:
+    """Say once per process that a backward with create_graph=True decoded a compressed save (``key``): a loss built
+    on that gradient reads the save's rounding through its own backward, squared or twice, and is biased."""
+    global _warned_create_graph
+    if _warned_create_graph:
+        return
+    _warned_create_graph = True
+    warnings.warn(
+        f"gact: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML) read the "
+        f"activation '{key}', which gact stored quantized: a loss built on that gradient reads its rounding squared or "
+        f"twice, and its gradient is biased (an R1 penalty through BatchNorm measured 2x its value at 2 bits, 1.04x "
+        f"at 4). Run that forward outside the Compressor, exclude its modules (exclude=), or use bits=8 "
+        f"(README, Known limits). Said once.", RuntimeWarning, stacklevel=2)
 
 try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
     from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
@@ -310,6 +326,8 @@ class _Packed:
         self.hold = None
         if self.alias is not None:  # (kept exact by another thread meanwhile)
             return self.alias
+        if not _warned_create_graph and torch.is_grad_enabled():
+            _warn_create_graph(self.key)  # (grad mode is on in a backward only with create_graph=True)
         if self.handle == 0:
             if self.aborted:
                 raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
