@@ -1778,6 +1778,31 @@ def _entropy_t(z):
     return -(p.t() * torch.log(p).t()).sum()
 
 
+def _assert_seed_mean_unbiased(name, forward, hidden, width, bits, check=None, **kw):
+    """The mean of 64 seeds' gradients of ``forward(l1, l2)`` (a loss over float64 Linear(16, hidden) and
+    Linear(hidden, width), made alike each time) approaches fp32's as 1/8 of one seed's error if unbiased
+    (allowed: 1/5). ``check(comp)``: asserted on each Compressor after its backward; ``kw``: its settings."""
+
+    def grad(seed=None):
+        torch.manual_seed(1234)
+        l1, l2 = nn.Linear(16, hidden).double(), nn.Linear(hidden, width).double()
+        comp = gact.Compressor(None, bits=bits, seed=seed, **kw) if seed is not None else None
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = forward(l1, l2)
+        loss.backward()
+        if comp is not None:
+            if check is not None:
+                check(comp)
+            comp.close()
+        return torch.cat([l1.weight.grad.reshape(-1), l2.weight.grad.reshape(-1)])
+
+    ref = grad()
+    one = (grad(0) - ref).norm() / ref.norm()
+    mean = sum(grad(k) for k in range(64)) / 64
+    err = (mean - ref).norm() / ref.norm()
+    assert one > 0 and err < one / 5, (name, float(one), float(err))
+
+
 #: layer and group norms over views that are not contiguous (ConvNeXt's LayerNorm over a permuted conv output)
 _NORM_VIEWS = {
     "layer_norm_transposed": lambda h: F.layer_norm(torch.exp(h).t(), (h.shape[0],)).t(),
@@ -1798,23 +1823,11 @@ def test_a_norm_over_a_view_that_is_not_contiguous_is_unbiased(name):
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     target = torch.randn(64, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
 
-    def grad(seed=None):
-        torch.manual_seed(1234)
-        l1, l2 = nn.Linear(16, 64).double(), nn.Linear(64, 64).double()
-        comp = gact.Compressor(None, bits=2, seed=seed) if seed is not None else None
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = F.mse_loss(l2(_NORM_VIEWS[name](l1(x))), target)
-        loss.backward()
-        if comp is not None:
-            assert comp.stats()["store"]["skipped"]["exact"]["bytes"] < 64 * 64 * 8  # (not the norm's input)
-            comp.close()
-        return torch.cat([l1.weight.grad.reshape(-1), l2.weight.grad.reshape(-1)])
+    def stored(comp):  # (the norm's input is not kept exact)
+        assert comp.stats()["store"]["skipped"]["exact"]["bytes"] < 64 * 64 * 8
 
-    ref = grad()
-    one = (grad(0) - ref).norm() / ref.norm()
-    mean = sum(grad(k) for k in range(64)) / 64
-    err = (mean - ref).norm() / ref.norm()
-    assert one > 0 and err < one / 5, (name, float(one), float(err))
+    _assert_seed_mean_unbiased(name, lambda l1, l2: F.mse_loss(l2(_NORM_VIEWS[name](l1(x))), target), 64, 64, 2,
+                               check=stored)
 
 
 _T_CTC, _B_CTC, _C_CTC = 160, 8, 20
@@ -1850,23 +1863,7 @@ def test_a_read_through_a_curve_over_many_values_is_unbiased(name):
     (storage table): the 64-seed mean approaches fp32 as 1/8 of one seed's error if unbiased (allowed: 1/5)."""
     rows, width, bits, loss_of = _CURVED[name]
     x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-
-    def grad(seed=None):
-        torch.manual_seed(1234)
-        l1, l2 = nn.Linear(16, 64).double(), nn.Linear(64, width).double()
-        comp = gact.Compressor(None, bits=bits, seed=seed) if seed is not None else None
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = loss_of(l2(torch.relu(l1(x))))
-        loss.backward()
-        if comp is not None:
-            comp.close()
-        return torch.cat([l1.weight.grad.reshape(-1), l2.weight.grad.reshape(-1)])
-
-    ref = grad()
-    one = (grad(0) - ref).norm() / ref.norm()
-    mean = sum(grad(k) for k in range(64)) / 64
-    err = (mean - ref).norm() / ref.norm()
-    assert one > 0 and err < one / 5, (name, float(one), float(err))
+    _assert_seed_mean_unbiased(name, lambda l1, l2: loss_of(l2(torch.relu(l1(x)))), 64, width, bits)
 
 
 def _rms(z):
@@ -1885,23 +1882,8 @@ def test_a_read_multiplied_with_a_gradient_from_its_own_values_is_unbiased(name)
     seed's error if unbiased (allowed: 1/5)."""
     width = 64 if name == "mish_by_hand" else 256
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-
-    def grad(seed=None):
-        torch.manual_seed(1234)
-        l1, l2 = nn.Linear(16, 32).double(), nn.Linear(32, width).double()
-        comp = gact.Compressor(None, bits=2, seed=seed, min_bytes=0) if seed is not None else None
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = _CORRELATED[name](l2(torch.relu(l1(x))) * 3)
-        loss.backward()
-        if comp is not None:
-            comp.close()
-        return torch.cat([l1.weight.grad.reshape(-1), l2.weight.grad.reshape(-1)])
-
-    ref = grad()
-    one = (grad(0) - ref).norm() / ref.norm()
-    mean = sum(grad(k) for k in range(64)) / 64
-    err = (mean - ref).norm() / ref.norm()
-    assert one > 0 and err < one / 5, (name, float(one), float(err))
+    _assert_seed_mean_unbiased(name, lambda l1, l2: _CORRELATED[name](l2(torch.relu(l1(x))) * 3), 32, width, 2,
+                               min_bytes=0)
 
 
 def _frame_of(func, *args):
