@@ -2281,3 +2281,24 @@ def _assert_the_probe_ran(comp, caught) -> None:
     assert not any("could not be replayed" in str(w.message) or "probe failed" in str(w.message)
                    for w in caught), [str(w.message) for w in caught]
     assert not comp.policy._probe_disabled
+
+
+def test_auto_on_a_float64_model_says_its_activations_get_the_default_bits():
+    """The policy decides for float32 and 16-bit activations; a float64 model's were silently stored at the default
+    bits with no decision made (a probe found it). It says so, once, and the gradients stay unbiased."""
+    torch.manual_seed(0)
+    nn, F = torch.nn, torch.nn.functional
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).double()
+    x, y = torch.randn(32, 64, dtype=torch.float64), torch.randint(0, 10, (32,))
+    comp = gact.Compressor(m, bits="auto", budget=2, min_bytes=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with comp:
+                loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            m.zero_grad(set_to_none=True)
+            comp.step()
+    comp.close()
+    said = [str(w.message) for w in seen if "float64" in str(w.message)]
+    assert len(said) == 1 and "default 2 bits" in said[0], said

@@ -258,6 +258,7 @@ class AutoPolicy:
         self.verified = 0  # 1-bit widths checked by direct measurement (see _verify_one_bit)
         self.nonfinite_estimates = 0  # estimates and 1-bit measurements left out for not being finite
         self._warned_nonfinite = False
+        self._warned_float64 = False
         self._sample_next = False  # sample the next step whatever the interval (defer_first_sample)
         self._skip_step = False  # record nothing until the step ends (defer_first_sample)
         self._set_sampling(True)  # the Compressor is built at step 0: sample it
@@ -291,6 +292,12 @@ class AutoPolicy:
         return self._override is not None
 
     def on_stored(self, key: str, info: dict) -> None:
+        if info["dtype"] == "float64" and not self._warned_float64 and self._override is None and \
+                math.prod(info["shape"]) > 1:  # (not a Python number torch wrapped: x.mul_(2.0) saves one)
+            self._warned_float64 = True
+            warnings.warn(f"gact policy: bits='auto' decides for float32, float16 and bfloat16 activations; the float64 "
+                          f"ones ('{key}' the first) are stored at the default {self.default_bits} bits, unbiased but "
+                          f"not adapted", RuntimeWarning, stacklevel=4)
         if self._skip_step or self._override is not None or info["dtype"] not in _FLOAT_DTYPES:
             return  # masks are stored at 1 bit whatever the policy says
         blob = (tuple(info["shape"]), info["bytes_stored"], info["sum_sq_ranges"], info["groups"])
