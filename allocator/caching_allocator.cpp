@@ -13,6 +13,10 @@
 //                released (for contains(): is an address inside this allocator's memory?).
 //   pending      (event, block) pairs of blocks freed while used on other streams.
 //
+//   ranges       expandable segments: one vm_range per stream, its blocks covering the
+//                whole address range in order; `holes` maps the address of each unmapped
+//                block (a maximal run of unmapped pages, page-aligned at both ends) to it.
+//
 // Invariants:
 //   sum of block sizes in a segment == segment size; neighbours of a free block are
 //   never free (coalescing is eager); a block is in exactly one of: a free set
@@ -66,9 +70,10 @@ std::string human_bytes(std::size_t n) {
   return buf;
 }
 
-enum class block_state : std::uint8_t { free, allocated, pending };
+enum class block_state : std::uint8_t { free, allocated, pending, unmapped };
 
 struct block;
+struct vm_range;
 
 /// Lookup key of a best-fit search: the smallest free block of `stream` with size >= `size`.
 struct fit_key {
@@ -96,12 +101,23 @@ struct block {
   free_set::iterator where{};  // position in its pool's free set while state == free
   std::vector<device::stream_t> stream_uses;  // other streams (record_stream); empty on the fast path
   int event_count = 0;         // pending events while state == pending
+  vm_range* range = nullptr;   // the expandable range it lies in, or nullptr in a segment
   tag_id tag = tag_other;
   bool small = false;          // pool
   bool counted_split = false;  // counted in inactive_split while in a free set
   block_state state = block_state::free;
 
-  bool whole_segment() const noexcept { return prev == nullptr && next == nullptr; }
+  bool whole_segment() const noexcept { return range == nullptr && prev == nullptr && next == nullptr; }
+};
+
+/// One expandable segment: address space [base, base + size) of one stream. Invariant: its blocks cover it in
+/// address order; mapped == size minus the sizes of the blocks in holes (all of state unmapped).
+struct vm_range {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  device::stream_t stream = 0;
+  std::size_t mapped = 0;
+  std::map<std::uintptr_t, block*> holes;
 };
 
 inline bool block_less::operator()(block const* a, block const* b) const noexcept {
@@ -147,6 +163,8 @@ struct caching_allocator::impl {
   std::map<std::uintptr_t, std::size_t> segments;  // invariant: sum of sizes == reserved_bytes.all.current
   std::vector<pending_event> pending;
   std::vector<device::event_t> spare_events;
+  std::vector<std::unique_ptr<vm_range>> ranges;  // expandable segments, one per stream
+  std::size_t page = 0;                           // the backend's vm_page() when expandable
 
   // backend_unlocked: segments given up under the lock, released to the backend once it is dropped (release_later
   // and the public calls' unlock_and_release), and the bytes being reserved outside it (counted against the limit)
@@ -167,7 +185,9 @@ struct caching_allocator::impl {
     event_trace::record(k, trace_source, addr, size, static_cast<std::uint64_t>(s), tag, 0, 0, aux);
   }
 
-  impl(device::backend& b, allocator_options o) : be(b), opts(std::move(o)) {}
+  impl(device::backend& b, allocator_options o) : be(b), opts(std::move(o)) {
+    if (opts.expandable_segments) page = be.vm_page();
+  }
 
   free_set& pool_of(bool small) noexcept { return small ? small_free : large_free; }
 
@@ -178,6 +198,7 @@ struct caching_allocator::impl {
   }
 
   bool should_split(bool small, std::size_t remaining) const noexcept {
+    if (opts.expandable_segments) return remaining >= k_min_block;  // (a remainder is never a segment's tail)
     return small ? remaining >= k_min_block : remaining > opts.small_size;
   }
 
@@ -317,8 +338,19 @@ struct caching_allocator::impl {
     release_whole_free();
   }
 
-  /// Release every whole free segment (blocks waiting for events stay).
+  /// Release every whole free segment, and unmap every whole page inside a free block of an expandable range
+  /// (blocks waiting for events stay).
   void release_whole_free() {
+    if (!ranges.empty()) {
+      std::vector<block*> in_ranges;
+      for (block* b : large_free) {
+        if (b->range != nullptr) in_ranges.push_back(b);
+      }
+      for (block* b : in_ranges) unmap_free_pages(b);
+      for (std::size_t i = 0; i < ranges.size();) {
+        if (!release_range_if_empty(*ranges[i])) ++i;
+      }
+    }
     for (free_set* pool : {&small_free, &large_free}) {
       for (auto it = pool->begin(); it != pool->end();) {
         block* b = *it;
@@ -337,6 +369,12 @@ struct caching_allocator::impl {
   void free_block(block* b) {
     stat_sub(st.active, b->small, 1);
     stat_sub(st.active_bytes, b->small, static_cast<std::int64_t>(b->size));
+    settle_free(b);
+  }
+
+  /// Put `b` (no longer allocated, pending or unmapped) into its free set, merged with its free neighbours;
+  /// `release`: apply release_free_above (not to pages just mapped for a request).
+  void settle_free(block* b, bool release = true) {
     if (block* p = b->prev; p != nullptr && p->state == block_state::free) {
       erase_free(p);
       b->ptr = p->ptr;
@@ -357,6 +395,221 @@ struct caching_allocator::impl {
       return;
     }
     insert_free(b);
+    if (release && b->range != nullptr && opts.release_free_above != 0 &&
+        round_down(b->ptr + b->size, page) >= round_up(b->ptr, page) + opts.release_free_above) {
+      unmap_free_pages(b);  // as a whole free segment of that size would be released
+    }
+  }
+
+  // ---- expandable segments ---------------------------------------------------------
+  std::size_t round_down(std::size_t n, std::size_t to) const noexcept { return n / to * to; }
+
+  /// Address space of a new range: the option, or the backend's total memory plus an eighth.
+  std::size_t range_bytes() {
+    std::size_t n = opts.expandable_range;
+    if (n == 0) {
+      std::size_t const total = be.memory_info().total_bytes;
+      n = total == 0 ? std::size_t{64} << 30 : total + total / 8;
+      n = std::max(n, opts.memory_limit);
+    }
+    return round_up(std::max(n, page), page);
+  }
+
+  /// Insert `b` after `a` in address order.
+  static void link_after(block* a, block* b) noexcept {
+    b->prev = a;
+    b->next = a->next;
+    if (b->next != nullptr) b->next->prev = b;
+    a->next = b;
+  }
+
+  static void unlink(block* b) noexcept {
+    if (b->prev != nullptr) b->prev->next = b->next;
+    if (b->next != nullptr) b->next->prev = b->prev;
+  }
+
+  /// The range of `stream`, reserved now when it has none; nullptr when the backend refuses the address space.
+  vm_range* range_of(device::stream_t stream) {
+    for (auto const& r : ranges) {
+      if (r->stream == stream) return r.get();
+    }
+    std::size_t const bytes = range_bytes();
+    auto r = std::make_unique<vm_range>();
+    block* hole = records.make();
+    void* p = nullptr;
+    try {
+      p = be.vm_reserve(bytes);
+    } catch (out_of_memory const& e) {
+      records.destroy(hole);
+      last_backend_error = e.what();
+      return nullptr;
+    } catch (...) {
+      records.destroy(hole);
+      throw;
+    }
+    r->base = reinterpret_cast<std::uintptr_t>(p);
+    r->size = bytes;
+    r->stream = stream;
+    hole->ptr = r->base;
+    hole->size = bytes;
+    hole->stream = stream;
+    hole->range = r.get();
+    hole->state = block_state::unmapped;
+    try {
+      r->holes.emplace(r->base, hole);
+      segments.emplace(r->base, bytes);
+      ranges.push_back(std::move(r));
+    } catch (...) {
+      segments.erase(reinterpret_cast<std::uintptr_t>(p));
+      records.destroy(hole);
+      be.vm_free(p, bytes);
+      throw;
+    }
+    stat_add(st.segment, false, 1);
+    GACT_LOG_DEBUG("[range+][{}][stream {:#x}][{}B][{}]", stats_name, stream, bytes, p);
+    return ranges.back().get();
+  }
+
+  /// Give back a range whose pages are all unmapped (one hole covering it): true when it was released.
+  bool release_range_if_empty(vm_range& r) noexcept {
+    if (r.mapped != 0 || r.holes.size() != 1 || r.holes.begin()->second->size != r.size) return false;
+    records.destroy(r.holes.begin()->second);
+    segments.erase(r.base);
+    be.vm_free(reinterpret_cast<void*>(r.base), r.size);
+    stat_sub(st.segment, false, 1);
+    GACT_LOG_DEBUG("[range-][{}][stream {:#x}][{}B][{:#x}]", stats_name, r.stream, r.size, r.base);
+    auto it = std::find_if(ranges.begin(), ranges.end(), [&r](auto const& q) { return q.get() == &r; });
+    ranges.erase(it);
+    return true;
+  }
+
+  /// Map pages of `stream`'s range so that a free block of at least `size` bytes exists there (in its free
+  /// set): the hole whose mapping needs the fewest new pages (a hole after a free block extends that block);
+  /// false when no hole is large enough or the limit or the backend refuses the memory.
+  bool grow(std::size_t size, device::stream_t stream) {
+    vm_range* r = range_of(stream);
+    if (r == nullptr) return false;
+    block* best = nullptr;
+    std::size_t best_bytes = 0;
+    for (auto const& [a, u] : r->holes) {
+      std::size_t const before = u->prev != nullptr && u->prev->state == block_state::free ? u->prev->size : 0;
+      std::size_t const after = u->next != nullptr && u->next->state == block_state::free ? u->next->size : 0;
+      std::size_t bytes = 0;
+      if (before >= size) {
+        continue;  // (that free block would have served the request)
+      } else if (before + u->size >= size) {
+        bytes = std::min(u->size, round_up(size - before, page));  // (before < size: it would have served it)
+      } else if (before + u->size + after >= size) {
+        bytes = u->size;
+      } else {
+        continue;
+      }
+      if (best == nullptr || bytes < best_bytes) {
+        best = u;
+        best_bytes = bytes;
+      }
+    }
+    if (best == nullptr) {
+      last_backend_error = "no room left in the stream's address range of " + human_bytes(r->size);
+      return false;
+    }
+    std::size_t const reserved = static_cast<std::size_t>(st.reserved_bytes[pool_all].current);
+    if (opts.memory_limit != 0 && (best_bytes > opts.memory_limit || reserved > opts.memory_limit - best_bytes)) {
+      last_backend_error = "memory limit";
+      return false;
+    }
+    block* m = best_bytes == best->size ? nullptr : records.make();
+    try {
+      be.vm_map(reinterpret_cast<void*>(best->ptr), best_bytes);
+    } catch (out_of_memory const& e) {
+      if (m != nullptr) records.destroy(m);
+      last_backend_error = e.what();
+      return false;
+    } catch (...) {
+      if (m != nullptr) records.destroy(m);
+      throw;
+    }
+    r->mapped += best_bytes;
+    stat_add(st.reserved_bytes, false, static_cast<std::int64_t>(best_bytes));
+    ++st.num_device_alloc;
+    if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_alloc, best->ptr, best_bytes, stream, tag_other);
+    GACT_LOG_DEBUG("[map+][{}][stream {:#x}][{}B][{:#x}]", stats_name, stream, best_bytes, best->ptr);
+    r->holes.erase(best->ptr);
+    if (m == nullptr) {
+      m = best;  // the whole hole is mapped now
+    } else {
+      // the mapped front becomes its own block; the rest stays a hole
+      m->ptr = best->ptr;
+      m->size = best_bytes;
+      m->stream = stream;
+      m->range = r;
+      m->prev = best->prev;
+      m->next = best;
+      if (m->prev != nullptr) m->prev->next = m;
+      best->prev = m;
+      best->ptr += best_bytes;
+      best->size -= best_bytes;
+      r->holes.emplace(best->ptr, best);  // (a node freed just above: no allocation failure in practice)
+    }
+    m->small = false;
+    settle_free(m, false);
+    return true;
+  }
+
+  /// Unmap the whole pages inside the free block `f` of a range (in its free set), leaving the partial pages at
+  /// its ends (shared with its neighbours) mapped as free blocks.
+  void unmap_free_pages(block* f) {
+    vm_range* r = f->range;
+    std::uintptr_t const a = round_up(f->ptr, page);
+    std::uintptr_t const e = round_down(f->ptr + f->size, page);
+    if (e <= a) return;
+    std::uintptr_t const end = f->ptr + f->size;
+    erase_free(f);
+    be.vm_unmap(reinterpret_cast<void*>(a), e - a);
+    r->mapped -= e - a;
+    stat_sub(st.reserved_bytes, false, static_cast<std::int64_t>(e - a));
+    ++st.num_device_free;
+    if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_free, a, e - a, r->stream, tag_other);
+    GACT_LOG_DEBUG("[map-][{}][stream {:#x}][{}B][{:#x}]", stats_name, r->stream, e - a, a);
+    block* head = nullptr;
+    block* hole = f;
+    if (a > f->ptr) {  // the front's partial page stays mapped: f keeps it
+      head = f;
+      hole = records.make();
+      hole->stream = f->stream;
+      hole->range = r;
+      link_after(f, hole);
+      f->size = a - f->ptr;
+    }
+    hole->ptr = a;
+    hole->size = e - a;
+    hole->state = block_state::unmapped;
+    hole->small = false;
+    block* tail = nullptr;
+    if (end > e) {
+      tail = records.make();
+      tail->ptr = e;
+      tail->size = end - e;
+      tail->stream = hole->stream;
+      tail->range = r;
+      link_after(hole, tail);
+    }
+    if (block* p = hole->prev; p != nullptr && p->state == block_state::unmapped) {
+      p->size += hole->size;  // (p keeps its key in holes)
+      unlink(hole);
+      records.destroy(hole);
+      hole = p;
+    } else {
+      r->holes.emplace(hole->ptr, hole);
+    }
+    if (block* n = hole->next; n != nullptr && n->state == block_state::unmapped) {
+      r->holes.erase(n->ptr);
+      hole->size += n->size;
+      unlink(n);
+      records.destroy(n);
+    }
+    if (head != nullptr) insert_free(head);
+    if (tail != nullptr) insert_free(tail);
   }
 
   device::event_t acquire_event() {
@@ -426,7 +679,10 @@ struct caching_allocator::impl {
             static_cast<std::uint64_t>(st.reserved_bytes[pool_all].current));
     }
     std::string msg = "gact: out of memory in allocator '" + stats_name + "': requested " + human_bytes(bytes) +
-                      " (needs a new segment of " + human_bytes(seg_size) + "); reserved " +
+                      (opts.expandable_segments ? " (no free block or mappable room of " + human_bytes(seg_size) +
+                                                      " in the stream's expandable segment after releasing its free pages)"
+                                                : " (needs a new segment of " + human_bytes(seg_size) + ")") +
+                      "; reserved " +
                       human_bytes(static_cast<std::size_t>(st.reserved_bytes[pool_all].current)) + ", allocated " +
                       human_bytes(static_cast<std::size_t>(st.allocated_bytes[pool_all].current)) + ", limit " +
                       (opts.memory_limit == 0 ? std::string("none") : human_bytes(opts.memory_limit)) + "; " +
@@ -500,7 +756,9 @@ struct caching_allocator::impl {
                     {"max_request", opts.max_request},
                     {"release_free_above", opts.release_free_above},
                     {"retry_when_empty", opts.retry_when_empty},
-                    {"backend_unlocked", opts.backend_unlocked}};
+                    {"backend_unlocked", opts.backend_unlocked},
+                    {"expandable_segments", opts.expandable_segments},
+                    {"expandable_range", opts.expandable_range}};
     j["name"] = stats_name;
     if (event_trace::enabled()) j["segments"] = segments_json();
     return j;
@@ -523,10 +781,23 @@ struct caching_allocator::impl {
     heads.erase(std::unique(heads.begin(), heads.end()), heads.end());
     auto const names = tag_names();
     nlohmann::json segs = nlohmann::json::array();
+    // (an expandable range is listed as its mapped runs, each a segment, as torch lists its expandable segments)
+    std::vector<block const*> runs;
     for (block const* h : heads) {
+      if (h->range == nullptr) {
+        runs.push_back(h);
+        continue;
+      }
+      for (block const* b = h; b != nullptr; b = b->next) {
+        if (b->state != block_state::unmapped && (b->prev == nullptr || b->prev->state == block_state::unmapped)) {
+          runs.push_back(b);
+        }
+      }
+    }
+    for (block const* h : runs) {
       nlohmann::json blocks = nlohmann::json::array();
       std::size_t total = 0;
-      for (block const* b = h; b != nullptr; b = b->next) {
+      for (block const* b = h; b != nullptr && b->state != block_state::unmapped; b = b->next) {
         total += b->size;
         char const* state = b->state == block_state::allocated ? "active_allocated"
                             : b->state == block_state::pending  ? "active_pending_free"
@@ -563,6 +834,14 @@ caching_allocator::caching_allocator(device::backend& be, allocator_options opts
                "caching_allocator: need small_size < min_large_alloc <= large_segment_size");
   GACT_EXPECTS(opts.max_request >= k_min_block && opts.max_request <= (std::size_t{1} << 56),
                "caching_allocator: max_request must be in [512, 2^56]");
+  if (opts.expandable_segments) {
+    std::size_t const page = be.vm_page();
+    GACT_EXPECTS(page != 0, "caching_allocator: expandable_segments needs a backend with virtual memory calls; '" +
+                                std::string(be.name()) + "' has none");
+    GACT_EXPECTS((page & (page - 1)) == 0 && page % k_min_block == 0,
+                 "caching_allocator: the backend's page (" + std::to_string(page) + ") must be a power of two of at least 512");
+    GACT_EXPECTS(!opts.backend_unlocked, "caching_allocator: expandable_segments and backend_unlocked exclude each other");
+  }
   event_trace::init_from_env();  // GACT_TRACE: a bad value is rejected here, before anything is registered
   impl_ = std::make_unique<impl>(be, std::move(opts));
   auto [token, name] = stats::register_unique_provider("allocators/" + impl_->opts.name,
@@ -621,7 +900,8 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   }
   if (tag >= k_max_tags) tag = tag_other;
   std::size_t const size = round_size(bytes);
-  bool const small = size <= m.opts.small_size;
+  bool const expandable = m.opts.expandable_segments;
+  bool const small = !expandable && size <= m.opts.small_size;
 
   std::unique_lock<std::mutex> lock(m.mu);
   impl::drain_at_exit const drain{m, lock};  // (also when it throws: segments released on the way stay queued)
@@ -636,6 +916,17 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   if (!m.pending.empty()) m.process_events();
   block* b = m.find_free(small, size, stream);
   if (b != nullptr) [[likely]] {
+    m.erase_free(b);
+  } else if (expandable) {
+    if (m.release_on_miss) m.release_whole_free();
+    if (!m.grow(size, stream)) {
+      // free pages anywhere in the ranges go back to the device, which may then map them where this fits
+      m.release_cached();
+      ++m.st.num_alloc_retries;
+      if (m.find_free(false, size, stream) == nullptr && !m.grow(size, stream)) m.throw_oom(bytes, size, stream, tag);
+    }
+    b = m.find_free(false, size, stream);
+    GACT_ASSERT_INTERNAL(b != nullptr);
     m.erase_free(b);
   } else {
     std::size_t const seg = m.segment_size(size);
@@ -665,6 +956,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     r->size = remaining;
     r->stream = b->stream;
     r->small = small;
+    r->range = b->range;
     r->prev = b;
     r->next = b->next;
     if (r->next != nullptr) r->next->prev = r;

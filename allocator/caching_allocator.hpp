@@ -13,6 +13,18 @@
 // event recorded on T has completed; events are polled on later allocations,
 // never waited for on the fast path.
 //
+// Expandable segments (option expandable_segments, on a backend with virtual
+// memory calls): each stream's blocks live in one range of address space whose
+// pages are mapped as it grows, instead of in fixed segments. A request no free
+// block serves maps the pages it needs at the range's free end (or in an
+// unmapped hole), next to a free neighbour it then merges with, so no segment
+// is ever too small and no segment size is wasted; blocks split wherever they
+// are cut. Releasing the cache (empty_cache, the out-of-memory retry) unmaps
+// every whole page inside a free block, so that after the retry a request fits
+// whenever the free whole pages plus the device's free memory hold it. The
+// design of PyTorch's expandable_segments:True, with one range per stream for
+// every size.
+//
 // Out of memory: on a backend failure (or the hard memory limit), cached free
 // segments are released (after waiting for pending events) and the request
 // retried once; then gact::out_of_memory is thrown.
@@ -58,6 +70,12 @@ struct allocator_options {
   /// its own and may run Python (torch's CUDA allocator: memory-history stacks, out-of-memory observers), so that
   /// no thread waits for gact's lock while the one holding it waits for theirs. Costs a relock per new segment.
   bool backend_unlocked = false;
+  /// Expandable segments (see the top of this file): needs a backend with virtual memory calls (vm_page() > 0)
+  /// and backend_unlocked off; small_size and the segment sizes then do not apply.
+  bool expandable_segments = false;
+  /// Address space of each expandable range (rounded up to the backend's page); 0 = the backend's total memory
+  /// plus an eighth, at least the memory limit.
+  std::size_t expandable_range = 0;
   std::string name = "host";                                ///< name in the stats ("cuda:0", "pinned", ...)
 };
 

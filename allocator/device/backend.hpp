@@ -78,6 +78,25 @@ class backend {
   /// Short name for logs and stats ("host", "cuda", "pinned_host", ...).
   std::string_view name() const noexcept { return do_name(); }
 
+  // ---- virtual memory (expandable segments) -------------------------------------------------
+  // A backend that can reserve address space apart from the memory behind it (CUDA's cuMemAddressReserve and
+  // cuMemMap, the host's mmap and mprotect) lets the caching allocator grow one range per stream page by page
+  // instead of reserving fixed segments. Backends without it answer vm_page() == 0 and never see the others.
+
+  /// The mapping granularity in bytes (a power of two), or 0 when this backend has no virtual memory calls.
+  std::size_t vm_page() const noexcept { return do_vm_page(); }
+  /// Reserve `bytes` (a multiple of vm_page()) of address space with no memory behind it.
+  /// @throws gact::out_of_memory when no such range is left; gact::cuda_error on other failures.
+  void* vm_reserve(std::size_t bytes) { return do_vm_reserve(bytes); }
+  /// Give back a range from vm_reserve, whose pages must all be unmapped. Never throws; failures are logged.
+  void vm_free(void* p, std::size_t bytes) noexcept { do_vm_free(p, bytes); }
+  /// Put memory behind [p, p + bytes), page-aligned pages of a reserved range that are not mapped: readable
+  /// and writable from the device (and from the host where the memory is the host's) once it returns.
+  /// @throws gact::out_of_memory when the device has no room (nothing stays mapped); gact::cuda_error otherwise.
+  void vm_map(void* p, std::size_t bytes) { do_vm_map(p, bytes); }
+  /// Take the memory away from mapped pages [p, p + bytes) and give it back to the device. Never throws.
+  void vm_unmap(void* p, std::size_t bytes) noexcept { do_vm_unmap(p, bytes); }
+
  private:
   virtual void* do_reserve(std::size_t bytes) = 0;
   virtual void do_release(void* p, std::size_t bytes) noexcept = 0;
@@ -94,6 +113,11 @@ class backend {
   virtual mem_info do_memory_info() = 0;
   virtual memory_kind do_kind() const noexcept = 0;
   virtual std::string_view do_name() const noexcept = 0;
+  virtual std::size_t do_vm_page() const noexcept { return 0; }
+  virtual void* do_vm_reserve(std::size_t bytes);
+  virtual void do_vm_free(void* p, std::size_t bytes) noexcept;
+  virtual void do_vm_map(void* p, std::size_t bytes);
+  virtual void do_vm_unmap(void* p, std::size_t bytes) noexcept;
 };
 
 }  // namespace gact::device

@@ -28,8 +28,7 @@ std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 
 
 }  // namespace
 
-void* host_backend::do_reserve(std::size_t bytes) {
-  GACT_EXPECTS(bytes > 0, "host_backend::reserve: size must be positive");
+std::size_t host_backend::claim(std::size_t bytes, char const* what) {
   if (fault_count_.load(std::memory_order_relaxed) > 0 && fault_after_.fetch_sub(1, std::memory_order_relaxed) <= 0 &&
       fault_count_.fetch_sub(1, std::memory_order_relaxed) > 0) {
     throw_oom(bytes, reserved_.load(std::memory_order_relaxed), capacity_, "injected failure (fail_reserves)");
@@ -38,8 +37,14 @@ void* host_backend::do_reserve(std::size_t bytes) {
   std::size_t const before = reserved_.fetch_add(bytes, std::memory_order_relaxed);
   if (capacity_ != 0 && (before + bytes > capacity_ || before + bytes < before)) {
     reserved_.fetch_sub(bytes, std::memory_order_relaxed);
-    throw_oom(bytes, before, capacity_, "capacity reached");
+    throw_oom(bytes, before, capacity_, what);
   }
+  return before;
+}
+
+void* host_backend::do_reserve(std::size_t bytes) {
+  GACT_EXPECTS(bytes > 0, "host_backend::reserve: size must be positive");
+  std::size_t const before = claim(bytes, "capacity reached");
   void* p = nullptr;
   if (bytes >= k_mmap_threshold) {
     // No MAP_NORESERVE: the kernel's overcommit check then refuses what the machine cannot back (a
@@ -66,6 +71,54 @@ void host_backend::do_release(void* p, std::size_t bytes) noexcept {
     }
   } else {
     std::free(p);
+  }
+  reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+void* host_backend::do_vm_reserve(std::size_t bytes) {
+  GACT_EXPECTS(bytes > 0 && bytes % k_vm_page == 0, "host_backend::vm_reserve: size must be a positive multiple of "
+                                                    "the page (" + std::to_string(k_vm_page) + ")");
+  // Address space only (no access, no commit charge), one page more than asked so that the range can start on
+  // a page; the slack on either side goes back at once.
+  std::size_t const span = bytes + k_vm_page;
+  void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) {
+    throw out_of_memory("host backend: cannot reserve " + std::to_string(bytes) + " bytes of address space: " +
+                        std::strerror(errno));
+  }
+  auto const a = reinterpret_cast<std::uintptr_t>(raw);
+  std::uintptr_t const base = round_up(a, k_vm_page);
+  if (base > a) ::munmap(raw, base - a);
+  if (std::uintptr_t const end = base + bytes; end < a + span) ::munmap(reinterpret_cast<void*>(end), a + span - end);
+  return reinterpret_cast<void*>(base);
+}
+
+void host_backend::do_vm_free(void* p, std::size_t bytes) noexcept {
+  if (p != nullptr && ::munmap(p, bytes) != 0) {
+    GACT_WARN_CAPPED(8, "host_backend: munmap({}, {}) of a range failed: {}", p, bytes, std::strerror(errno));
+  }
+}
+
+void host_backend::do_vm_map(void* p, std::size_t bytes) {
+  GACT_EXPECTS(p != nullptr && bytes > 0 && bytes % k_vm_page == 0 && reinterpret_cast<std::uintptr_t>(p) % k_vm_page == 0,
+               "host_backend::vm_map: a page-aligned range of whole pages is required");
+  std::size_t const before = claim(bytes, "capacity reached");
+  // Fresh zero pages in place of the reservation; without MAP_NORESERVE, so that the kernel's overcommit check
+  // refuses what the machine cannot back, as a reserve's mmap does.
+  if (::mmap(p, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+    int const err = errno;
+    reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+    // (MAP_FIXED failing leaves the old mapping: the pages stay reserved and unmapped)
+    throw_oom(bytes, before, capacity_, std::strerror(err));
+  }
+}
+
+void host_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
+  if (p == nullptr || bytes == 0) return;
+  // Address space again, which drops the pages (and their commit charge) at once.
+  if (::mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+    GACT_WARN_CAPPED(8, "host_backend: unmapping {} bytes at {} failed: {}", bytes, p, std::strerror(errno));
+    return;
   }
   reserved_.fetch_sub(bytes, std::memory_order_relaxed);
 }

@@ -10,6 +10,13 @@
 // copy_async is a memmove done before it returns, so every event is complete
 // as soon as it is recorded and synchronization never waits.
 //
+// Virtual memory (expandable segments): vm_reserve takes address space only
+// (PROT_NONE), vm_map puts fresh zero pages behind part of it (an overcommit-
+// checked mapping, counted against the capacity as a reserve is), vm_unmap
+// replaces them with address space again, which gives the memory back to the
+// system at once. Pages are k_vm_page bytes, CUDA's granularity, so that the
+// allocator's tests here see the layout a GPU gets.
+//
 // An optional capacity turns the backend into a bounded pool: a reserve that
 // would take the bytes reserved past the capacity throws gact::out_of_memory,
 // which is how tests drive the caching allocator's release-and-retry path.
@@ -33,6 +40,9 @@ class host_backend final : public backend {
   /// Requests of at least this size are served by mmap (page-aligned, lazily backed).
   static constexpr std::size_t k_mmap_threshold = std::size_t{256} << 10;
 
+  /// The page of the virtual-memory calls (vm_page()).
+  static constexpr std::size_t k_vm_page = std::size_t{2} << 20;
+
   /// @param capacity bytes that may be reserved at once; 0 = no cap beyond what the OS gives.
   explicit host_backend(std::size_t capacity = 0) noexcept : capacity_(capacity) {}
   ~host_backend() override = default;
@@ -42,7 +52,7 @@ class host_backend final : public backend {
   /// Bytes currently reserved and not yet released.
   std::size_t reserved_bytes() const noexcept { return reserved_.load(std::memory_order_relaxed); }
 
-  /// Fault injection for tests: after `after` more successful reserves, the next `count` throw
+  /// Fault injection for tests: after `after` more successful reserves (or vm_maps), the next `count` throw
   /// gact::out_of_memory ("injected"); count 0 turns it off.
   void fail_reserves(int after, int count) noexcept {
     fault_after_.store(after, std::memory_order_relaxed);
@@ -65,6 +75,13 @@ class host_backend final : public backend {
   mem_info do_memory_info() override;
   memory_kind do_kind() const noexcept override { return memory_kind::host; }
   std::string_view do_name() const noexcept override { return "host"; }
+  std::size_t do_vm_page() const noexcept override { return k_vm_page; }
+  void* do_vm_reserve(std::size_t bytes) override;
+  void do_vm_free(void* p, std::size_t bytes) noexcept override;
+  void do_vm_map(void* p, std::size_t bytes) override;
+  void do_vm_unmap(void* p, std::size_t bytes) noexcept override;
+  /// Count `bytes` against the capacity (and the injected faults); throws out_of_memory naming `what`.
+  std::size_t claim(std::size_t bytes, char const* what);
 
   std::size_t const capacity_;
   std::atomic<std::size_t> reserved_{0};      // sum of the sizes of live reservations

@@ -295,6 +295,7 @@ struct options {
   std::size_t large_segment = 0;
   std::size_t min_large = 0;
   std::size_t round_large = 0;
+  bool expandable = false;
 };
 
 constexpr char const* k_usage =
@@ -318,6 +319,7 @@ constexpr char const* k_usage =
     "  --stats-out PATH   write gact's stats document (gact-stats show PATH) at the end\n"
     "gact's caching_allocator settings (default: the allocator's own defaults):\n"
     "  --small-size B  --small-segment B  --large-segment B  --min-large B  --round-large B\n"
+    "  --expandable       expandable segments: one range per stream, 2 MiB pages mapped as it grows\n"
     "Sizes take K, M, G suffixes (powers of 1024).\n";
 
 [[noreturn]] void usage_error(std::string const& msg) {
@@ -418,6 +420,8 @@ options parse_args(int argc, char** argv) {
       o.min_large = count(value());
     } else if (a == "--round-large") {
       o.round_large = count(value());
+    } else if (a == "--expandable") {
+      o.expandable = true;
     } else if (a == "--json") {
       o.json = true;
     } else if (a == "--stats-out") {
@@ -504,7 +508,9 @@ int run(options const& o) {
   if (o.large_segment != 0) aopts.large_segment_size = o.large_segment;
   if (o.min_large != 0) aopts.min_large_alloc = o.min_large;
   if (o.round_large != 0) aopts.round_large = o.round_large;
-  js["gact_options"] = {{"small_size", aopts.small_size},
+  aopts.expandable_segments = o.expandable;
+  js["gact_options"] = {{"expandable_segments", aopts.expandable_segments},
+                        {"small_size", aopts.small_size},
                         {"small_segment_size", aopts.small_segment_size},
                         {"large_segment_size", aopts.large_segment_size},
                         {"min_large_alloc", aopts.min_large_alloc},
