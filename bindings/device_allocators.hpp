@@ -64,6 +64,14 @@ class device_allocators {
     alloc::allocator_options opts;
     opts.name = prefix_ + ":" + std::to_string(device);
     opts.memory_limit = limit_for(*be, fractions_[d]);
+    if (options::from_env().expandable_segments) {
+      if (be->vm_page() != 0) {
+        opts.expandable_segments = true;
+      } else {
+        GACT_LOG_WARN("GACT_EXPANDABLE_SEGMENTS: the CUDA runtime has no driver virtual memory calls "
+                      "(cudaGetDriverEntryPointByVersion, CUDA 12.5+); device {} keeps fixed segments", device);
+      }
+    }
     auto* a = new alloc::caching_allocator(*be, opts);
     be_guard.release();
     slots_[d].store(a, std::memory_order_release);

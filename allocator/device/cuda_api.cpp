@@ -65,6 +65,7 @@ char const* resolve_table(void* handle, cuda_api& t) {
   GACT_RESOLVE(get_error_name, "cudaGetErrorName")
   GACT_RESOLVE(get_error_string, "cudaGetErrorString")
 #undef GACT_RESOLVE
+  (void)resolve(handle, t.get_driver_entry_point, "cudaGetDriverEntryPointByVersion");  // optional
   return nullptr;
 }
 

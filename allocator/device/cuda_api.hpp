@@ -27,8 +27,9 @@
 
 namespace gact::device {
 
-/// The runtime entry points gact uses. Invariant: every member is non-null in a
-/// table returned by direct_cuda_api() or next_cuda_api().
+/// The runtime entry points gact uses. Invariant: every member but
+/// get_driver_entry_point is non-null in a table returned by direct_cuda_api() or
+/// next_cuda_api().
 struct cuda_api {
   cudaError_t (*malloc)(void**, std::size_t);
   cudaError_t (*free)(void*);
@@ -55,6 +56,10 @@ struct cuda_api {
   cudaError_t (*get_last_error)();
   char const* (*get_error_name)(cudaError_t);
   char const* (*get_error_string)(cudaError_t);
+  /// cudaGetDriverEntryPointByVersion (CUDA 12.5 and later): the driver's virtual memory calls for expandable
+  /// segments. The one optional entry: null where the runtime has none (no expandable segments then).
+  cudaError_t (*get_driver_entry_point)(char const*, void**, unsigned int, unsigned long long,
+                                        cudaDriverEntryPointQueryResult*);
 };
 
 /// The table of the runtime this binary links (`&cudaMalloc`, ...). Defined in

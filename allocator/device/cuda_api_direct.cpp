@@ -35,6 +35,7 @@ cuda_api const& direct_cuda_api() noexcept {
       .get_last_error = &::cudaGetLastError,
       .get_error_name = &::cudaGetErrorName,
       .get_error_string = &::cudaGetErrorString,
+      .get_driver_entry_point = &::cudaGetDriverEntryPointByVersion,
   };
   return table;
 }

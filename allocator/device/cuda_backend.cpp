@@ -13,8 +13,10 @@
 // explicit stream or event need no guard: the handle names its device.
 #include "allocator/device/cuda_backend.hpp"
 
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "allocator/device/device_guard.hpp"
 #include "allocator/error.hpp"
@@ -40,6 +42,156 @@ cuda_backend::cuda_backend(int device, cuda_api const& api) : api_(api), device_
   GACT_EXPECTS(device >= 0 && device < count,
                "cuda_backend: device " + std::to_string(device) + " does not exist (" +
                    std::to_string(count) + " CUDA devices)");
+  resolve_vm();
+}
+
+// ---- virtual memory (expandable segments) ----------------------------------------
+
+namespace {
+
+CUmemAllocationProp page_prop(int device) noexcept {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+/// The typed error of a failed driver call: out_of_memory for CUDA_ERROR_OUT_OF_MEMORY.
+[[noreturn]] void throw_driver(CUresult r, char const* call, int device) {
+  std::string msg = std::string("gact: ") + call + " on device " + std::to_string(device) + " failed: CUresult " +
+                    std::to_string(static_cast<int>(r));
+  if (r == CUDA_ERROR_OUT_OF_MEMORY) throw out_of_memory(msg + " (CUDA_ERROR_OUT_OF_MEMORY)");
+  throw cuda_error(msg);
+}
+
+}  // namespace
+
+void cuda_backend::resolve_vm() noexcept {
+  if (api_.get_driver_entry_point == nullptr) return;
+  vm_calls v;
+  bool ok = true;
+  auto const get = [&](char const* name, auto& slot) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    if (api_.get_driver_entry_point(name, &fn, 12000, cudaEnableDefault, &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess || fn == nullptr) {
+      (void)api_.get_last_error();
+      ok = false;
+      return;
+    }
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(fn);
+  };
+  get("cuMemAddressReserve", v.address_reserve);
+  get("cuMemAddressFree", v.address_free);
+  get("cuMemCreate", v.create);
+  get("cuMemRelease", v.release);
+  get("cuMemMap", v.map);
+  get("cuMemUnmap", v.unmap);
+  get("cuMemSetAccess", v.set_access);
+  get("cuMemGetAllocationGranularity", v.granularity);
+  if (!ok) return;
+  CUmemAllocationProp const prop = page_prop(device_);
+  std::size_t g = 0;
+  if (v.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || g == 0 || (g & (g - 1)) != 0) return;
+  vm_ = v;
+  vm_page_ = std::max<std::size_t>(g, std::size_t{2} << 20);  // (torch's page too: fewer handles, same layout)
+}
+
+void* cuda_backend::do_vm_reserve(std::size_t bytes) {
+  GACT_EXPECTS(vm_page_ != 0 && bytes > 0 && bytes % vm_page_ == 0,
+               "cuda_backend::vm_reserve: a positive multiple of the page is required");
+  device_guard const guard(api_, device_);
+  CUdeviceptr p = 0;
+  if (CUresult const r = vm_.address_reserve(&p, bytes, vm_page_, 0, 0); r != CUDA_SUCCESS) {
+    throw_driver(r, "cuMemAddressReserve", device_);
+  }
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+}
+
+void cuda_backend::do_vm_free(void* p, std::size_t bytes) noexcept {
+  if (p == nullptr) return;
+  if (CUresult const r = vm_.address_free(static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(p)), bytes);
+      r != CUDA_SUCCESS) {
+    GACT_WARN_CAPPED(8, "gact: cuMemAddressFree({}, {}) on device {} failed: CUresult {}", p, bytes, device_,
+                     static_cast<int>(r));
+  }
+}
+
+void cuda_backend::do_vm_map(void* p, std::size_t bytes) {
+  auto const base = reinterpret_cast<std::uintptr_t>(p);
+  GACT_EXPECTS(vm_page_ != 0 && p != nullptr && bytes > 0 && bytes % vm_page_ == 0 && base % vm_page_ == 0,
+               "cuda_backend::vm_map: a page-aligned range of whole pages is required");
+  device_guard const guard(api_, device_);
+  CUmemAllocationProp const prop = page_prop(device_);
+  std::lock_guard<std::mutex> lock(vm_mu_);
+  std::size_t done = 0;
+  auto const undo = [&] {  // (what this call mapped before a failure goes back)
+    for (std::size_t off = 0; off < done; off += vm_page_) {
+      auto const it = vm_pages_.find(base + off);
+      (void)vm_.unmap(static_cast<CUdeviceptr>(base + off), vm_page_);
+      (void)vm_.release(it->second);
+      vm_pages_.erase(it);
+    }
+  };
+  for (; done < bytes; done += vm_page_) {
+    CUmemGenericAllocationHandle h{};
+    if (CUresult const r = vm_.create(&h, vm_page_, &prop, 0); r != CUDA_SUCCESS) {
+      undo();
+      throw_driver(r, "cuMemCreate", device_);
+    }
+    if (CUresult const r = vm_.map(static_cast<CUdeviceptr>(base + done), vm_page_, 0, h, 0); r != CUDA_SUCCESS) {
+      (void)vm_.release(h);
+      undo();
+      throw_driver(r, "cuMemMap", device_);
+    }
+    try {
+      vm_pages_.emplace(base + done, h);
+    } catch (...) {
+      (void)vm_.unmap(static_cast<CUdeviceptr>(base + done), vm_page_);
+      (void)vm_.release(h);
+      undo();
+      throw;
+    }
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (CUresult const r = vm_.set_access(static_cast<CUdeviceptr>(base), bytes, &access, 1); r != CUDA_SUCCESS) {
+    undo();
+    throw_driver(r, "cuMemSetAccess", device_);
+  }
+}
+
+void cuda_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
+  auto const base = reinterpret_cast<std::uintptr_t>(p);
+  {
+    // Unlike cudaFree, cuMemUnmap and cuMemRelease do not wait for the kernels that may still read the pages (a
+    // block freed on its own stream is reused in that stream's order, with no event): wait for the device first.
+    device_guard const guard(api_, device_);
+    if (cudaError_t const err = api_.device_synchronize(); err != cudaSuccess) {
+      (void)api_.get_last_error();
+      GACT_LOG_ERROR("gact: cudaDeviceSynchronize before unmapping {} bytes at {} on device {} failed: {} (a "
+                     "device in this state has lost its work: unmapped anyway)", bytes, p, device_,
+                     api_.get_error_name(err));
+    }
+  }
+  std::lock_guard<std::mutex> lock(vm_mu_);
+  for (std::size_t off = 0; off < bytes; off += vm_page_) {
+    auto const it = vm_pages_.find(base + off);
+    if (it == vm_pages_.end()) {
+      GACT_WARN_CAPPED(8, "gact: vm_unmap of {:#x} on device {}: not a mapped page (ignored)", base + off, device_);
+      continue;
+    }
+    CUresult const u = vm_.unmap(static_cast<CUdeviceptr>(base + off), vm_page_);
+    CUresult const r = vm_.release(it->second);
+    if (u != CUDA_SUCCESS || r != CUDA_SUCCESS) {
+      GACT_WARN_CAPPED(8, "gact: unmapping page {:#x} on device {} failed: CUresult {} / {}", base + off, device_,
+                       static_cast<int>(u), static_cast<int>(r));
+    }
+    vm_pages_.erase(it);
+  }
 }
 
 void* cuda_backend::do_reserve(std::size_t bytes) {

@@ -16,6 +16,12 @@
 // release() and the destroy functions never throw: failures are logged (capped).
 #pragma once
 
+#include <cuda.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+
 #include "allocator/device/backend.hpp"
 #include "allocator/device/cuda_api.hpp"
 
@@ -50,9 +56,33 @@ class cuda_backend final : public backend {
   mem_info do_memory_info() override;
   memory_kind do_kind() const noexcept override { return memory_kind::device; }
   std::string_view do_name() const noexcept override { return "cuda"; }
+  std::size_t do_vm_page() const noexcept override { return vm_page_; }
+  void* do_vm_reserve(std::size_t bytes) override;
+  void do_vm_free(void* p, std::size_t bytes) noexcept override;
+  void do_vm_map(void* p, std::size_t bytes) override;
+  void do_vm_unmap(void* p, std::size_t bytes) noexcept override;
+  /// Resolve the driver's virtual memory calls; vm_page_ stays 0 (no expandable segments) where any is missing.
+  void resolve_vm() noexcept;
+
+  /// The driver's virtual memory calls (cudaGetDriverEntryPointByVersion), one physical allocation per page
+  /// (so that any page can be unmapped and given back alone, as torch's expandable segments do).
+  struct vm_calls {
+    CUresult (*address_reserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr, unsigned long long) = nullptr;
+    CUresult (*address_free)(CUdeviceptr, std::size_t) = nullptr;
+    CUresult (*create)(CUmemGenericAllocationHandle*, std::size_t, CUmemAllocationProp const*, unsigned long long) = nullptr;
+    CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+    CUresult (*map)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+    CUresult (*unmap)(CUdeviceptr, std::size_t) = nullptr;
+    CUresult (*set_access)(CUdeviceptr, std::size_t, CUmemAccessDesc const*, std::size_t) = nullptr;
+    CUresult (*granularity)(std::size_t*, CUmemAllocationProp const*, CUmemAllocationGranularity_flags) = nullptr;
+  };
 
   cuda_api const& api_;
   int device_;
+  vm_calls vm_{};
+  std::size_t vm_page_ = 0;
+  std::mutex vm_mu_;
+  std::map<std::uintptr_t, CUmemGenericAllocationHandle> vm_pages_;  ///< mapped page -> its memory (under vm_mu_)
 };
 
 /// The stream handle of a cudaStream_t (0 for the legacy default stream).

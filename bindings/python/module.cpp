@@ -171,6 +171,7 @@ struct runtime {
     // A freed tensor of 256 MiB or more goes back to the system at once (torch's CPU allocator, through
     // glibc, unmaps it too): a 1-2 GiB tensor must not stay in the process's RSS after `del`.
     o.release_free_above = std::size_t{256} << 20;
+    o.expandable_segments = opts.expandable_segments;
     return o;
   }
 

@@ -227,6 +227,73 @@ TEST_CASE("caching allocator over cuda_backend: record_stream holds a block unti
   be.destroy_stream(s2);
 }
 
+TEST_CASE("expandable segments over cuda_backend: pages mapped through the driver, copies across pages, all given back") {
+  gact::test::capacity_scope const cap(64 * k_mib);
+  cuda_backend be(0);
+  REQUIRE(be.vm_page() == 2 * k_mib);
+  gact::alloc::allocator_options o;
+  o.name = "test-expandable";
+  o.expandable_segments = true;
+  std::size_t const maps = fake_cudart_count("cuMemMap");
+  auto* a = new gact::alloc::caching_allocator(be, o);
+  auto const s = be.create_stream();
+  void* p = a->allocate(3 * k_mib, s);
+  void* q = a->allocate(5 * k_mib, s);  // beside p: spans pages mapped by two growths
+  CHECK(reinterpret_cast<std::uintptr_t>(q) == reinterpret_cast<std::uintptr_t>(p) + 3 * k_mib);
+  CHECK(a->reserved_bytes() == 8 * k_mib);
+  CHECK(fake_cudart_mapped_bytes() == 8 * k_mib);
+  CHECK(fake_cudart_used_bytes(0) == 8 * k_mib);
+  CHECK(fake_cudart_count("cuMemMap") == maps + 4);  // one physical allocation per page
+  std::vector<unsigned char> src(5 * k_mib), dst(5 * k_mib, 0);
+  std::iota(src.begin(), src.end(), static_cast<unsigned char>(3));
+  be.copy_async(q, src.data(), src.size(), s);
+  be.copy_async(dst.data(), q, dst.size(), s);
+  be.synchronize_stream(s);
+  CHECK(src == dst);
+  CHECK(fake_cudart_take_async_error() == cudaSuccess);  // every byte copied lies in mapped pages
+
+  // out of memory with free holes: 8 blocks of 7 MiB fill the device to 56 MiB; freeing every other one
+  // leaves 28 MiB free in holes none of which holds 16 MiB; the retry unmaps their whole pages
+  a->deallocate(p);
+  a->deallocate(q);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(a->allocate(7 * k_mib, s));
+  for (int i = 0; i < 8; i += 2) a->deallocate(blocks[static_cast<std::size_t>(i)]);
+  std::size_t const syncs = fake_cudart_count("cudaDeviceSynchronize");
+  void* big = a->allocate(16 * k_mib, s);
+  CHECK(big != nullptr);
+  CHECK(a->stats().num_alloc_retries == 1);
+  CHECK(fake_cudart_count("cudaDeviceSynchronize") > syncs);  // the pages' kernels are done before unmapping
+  CHECK(fake_cudart_used_bytes(0) <= 64 * k_mib);
+  be.copy_async(big, src.data(), src.size(), s);
+  be.synchronize_stream(s);
+  CHECK(fake_cudart_take_async_error() == cudaSuccess);
+  a->deallocate(big);
+  for (int i = 1; i < 8; i += 2) a->deallocate(blocks[static_cast<std::size_t>(i)]);
+  a->empty_cache();
+  CHECK(a->reserved_bytes() == 0);
+  CHECK(fake_cudart_mapped_bytes() == 0);
+  CHECK(fake_cudart_used_bytes(0) == 0);
+  delete a;
+  be.destroy_stream(s);
+}
+
+TEST_CASE("expandable segments: a runtime without the driver's virtual memory calls is refused with a clear error") {
+  fake_cudart_set_vmm(0);
+  cuda_backend be(0);
+  fake_cudart_set_vmm(1);
+  CHECK(be.vm_page() == 0);
+  gact::alloc::allocator_options o;
+  o.expandable_segments = true;
+  std::string msg;
+  try {
+    gact::alloc::caching_allocator a(be, o);
+  } catch (gact::invalid_argument const& e) {
+    msg = e.what();
+  }
+  CHECK(contains(msg, "expandable_segments needs a backend with virtual memory calls; 'cuda' has none"));
+}
+
 TEST_CASE("pinned_host_backend: cudaHostAlloc / cudaFreeHost, pinned_host kind") {
   gact::device::pinned_host_backend be(0);
   std::size_t const allocs = fake_cudart_count("cudaHostAlloc");

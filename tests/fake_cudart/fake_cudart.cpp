@@ -29,6 +29,13 @@
 //     synchronizing calls return until a test takes it;
 //   * every failing call sets the calling thread's last error (cudaGetLastError
 //     returns and clears it); every call is counted by name;
+//   * the driver's virtual memory calls (cuMemAddressReserve, cuMemCreate,
+//     cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease, cuMemAddressFree,
+//     cuMemGetAllocationGranularity: 2 MiB), reached as on a real runtime through
+//     cudaGetDriverEntryPointByVersion: address space is host address space
+//     with no access, a mapped page is host memory (poisoned like cudaMalloc's)
+//     counted against the device's capacity when created, and stream operations
+//     may touch any run of mapped pages;
 //   * kernels compiled by nvcc register and launch through it, but no device code
 //     runs: a launch is an empty operation on its stream (counted as
 //     "__cudaLaunchKernel"), a __device__ variable's address (cudaGetSymbolAddress)
@@ -39,6 +46,9 @@
 // The global state is created on first use and never destroyed, so calls made
 // from other libraries' exit handlers still work.
 #include "fake_cudart.h"
+
+#include <cuda.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -105,6 +115,20 @@ struct state {
   std::unordered_map<fake_stream*, std::shared_ptr<fake_stream>> streams;  ///< shared: drain_all may hold one
   std::vector<fake_stream*> default_streams;  ///< per device, created lazily
   std::unordered_map<fake_event*, std::shared_ptr<fake_event>> events;
+  std::map<std::uintptr_t, std::size_t> vranges;  ///< cuMemAddressReserve: base -> size
+  struct vmap {
+    std::size_t size;
+    unsigned long long handle;
+  };
+  std::map<std::uintptr_t, vmap> vmapped;  ///< cuMemMap: address -> mapping
+  struct vhandle {
+    std::size_t size;
+    int device;
+    int maps;  ///< live mappings of it
+  };
+  std::map<unsigned long long, vhandle> vhandles;  ///< cuMemCreate's physical allocations
+  unsigned long long next_vhandle = 1;
+  bool vmm = true;  ///< fake_cudart_set_vmm
   std::atomic<int> capturing{0};  ///< number of streams in capture
   std::atomic<int> async_error{cudaSuccess};
 
@@ -260,28 +284,176 @@ std::shared_ptr<fake_event> resolve_event(cudaEvent_t h) {
 
 // ---- memory ------------------------------------------------------------------
 
-/// True when [p, p + n) lies inside one live device allocation. Caller holds st().mu.
+/// True when [a, a + n) is covered by mapped pages without a gap. Caller holds st().mu.
+bool mapped_range_ok_locked(std::uintptr_t a, std::size_t n) {
+  auto& m = st().vmapped;
+  auto it = m.upper_bound(a);
+  if (it == m.begin()) {
+    return false;
+  }
+  --it;
+  std::uintptr_t const end = a + n;
+  std::uintptr_t covered = a;
+  while (it != m.end() && it->first <= covered) {
+    covered = std::max(covered, it->first + it->second.size);
+    if (covered >= end) {
+      return true;
+    }
+    ++it;
+  }
+  return false;
+}
+
+/// True when [p, p + n) lies inside one live device allocation or mapped pages. Caller holds st().mu.
 bool device_range_ok_locked(void const* p, std::size_t n) {
   auto const a = reinterpret_cast<std::uintptr_t>(p);
   auto& allocs = st().allocs;
   auto it = allocs.upper_bound(a);
-  if (it == allocs.begin()) {
-    return false;
+  if (it != allocs.begin()) {
+    --it;
+    if (!it->second.host && a + n <= it->first + it->second.size) {
+      return true;
+    }
   }
-  --it;
-  return !it->second.host && a + n <= it->first + it->second.size;
+  return mapped_range_ok_locked(a, std::max<std::size_t>(n, 1));
 }
 
-/// True when p points into any live device allocation. Caller holds st().mu.
+/// True when p points into any live device allocation or mapped page. Caller holds st().mu.
 bool inside_device_locked(void const* p) {
   auto const a = reinterpret_cast<std::uintptr_t>(p);
   auto& allocs = st().allocs;
   auto it = allocs.upper_bound(a);
-  if (it == allocs.begin()) {
-    return false;
+  if (it != allocs.begin()) {
+    --it;
+    if (!it->second.host && a < it->first + std::max<std::size_t>(it->second.size, 1)) {
+      return true;
+    }
   }
-  --it;
-  return !it->second.host && a < it->first + std::max<std::size_t>(it->second.size, 1);
+  return mapped_range_ok_locked(a, 1);
+}
+
+// ---- the driver's virtual memory calls (through cudaGetDriverEntryPointByVersion) ----------
+
+constexpr std::size_t k_vm_page = std::size_t{2} << 20;
+
+
+CUresult fake_cuMemGetAllocationGranularity(std::size_t* g, CUmemAllocationProp const* prop,
+                                            CUmemAllocationGranularity_flags) {
+  count("cuMemGetAllocationGranularity");
+  if (g == nullptr || prop == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *g = k_vm_page;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressReserve(CUdeviceptr* ptr, std::size_t size, std::size_t alignment, CUdeviceptr,
+                                  unsigned long long) {
+  count("cuMemAddressReserve");
+  if (ptr == nullptr || size == 0 || size % k_vm_page != 0) return CUDA_ERROR_INVALID_VALUE;
+  std::size_t const align = std::max(alignment, k_vm_page);
+  void* raw = ::mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  auto const a = reinterpret_cast<std::uintptr_t>(raw);
+  std::uintptr_t const base = (a + align - 1) / align * align;
+  if (base > a) ::munmap(raw, base - a);
+  if (base + size < a + size + align) ::munmap(reinterpret_cast<void*>(base + size), a + size + align - base - size);
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  s.vranges[base] = size;
+  *ptr = static_cast<CUdeviceptr>(base);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemAddressFree(CUdeviceptr ptr, std::size_t size) {
+  count("cuMemAddressFree");
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  auto it = s.vranges.find(static_cast<std::uintptr_t>(ptr));
+  if (it == s.vranges.end() || it->second != size) return CUDA_ERROR_INVALID_VALUE;
+  auto m = s.vmapped.lower_bound(it->first);
+  if (m != s.vmapped.end() && m->first < it->first + size) return CUDA_ERROR_INVALID_VALUE;  // still mapped
+  ::munmap(reinterpret_cast<void*>(it->first), size);
+  s.vranges.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemCreate(CUmemGenericAllocationHandle* handle, std::size_t size, CUmemAllocationProp const* prop,
+                          unsigned long long) {
+  count("cuMemCreate");
+  if (handle == nullptr || prop == nullptr || size == 0 || size % k_vm_page != 0) return CUDA_ERROR_INVALID_VALUE;
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  int const dev = prop->location.id;
+  if (dev < 0 || dev >= s.devices) return CUDA_ERROR_INVALID_DEVICE;
+  std::size_t& used = s.used[static_cast<std::size_t>(dev)];
+  if (size > s.capacity || used > s.capacity - size) return CUDA_ERROR_OUT_OF_MEMORY;
+  used += size;
+  unsigned long long const h = s.next_vhandle++;
+  s.vhandles[h] = {size, dev, 0};
+  *handle = static_cast<CUmemGenericAllocationHandle>(h);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemRelease(CUmemGenericAllocationHandle handle) {
+  count("cuMemRelease");
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  auto it = s.vhandles.find(static_cast<unsigned long long>(handle));
+  if (it == s.vhandles.end() || it->second.maps != 0) return CUDA_ERROR_INVALID_VALUE;  // (still mapped: refused)
+  s.used[static_cast<std::size_t>(it->second.device)] -= it->second.size;
+  s.vhandles.erase(it);
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemMap(CUdeviceptr ptr, std::size_t size, std::size_t offset, CUmemGenericAllocationHandle handle,
+                       unsigned long long) {
+  count("cuMemMap");
+  auto const a = static_cast<std::uintptr_t>(ptr);
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  auto h = s.vhandles.find(static_cast<unsigned long long>(handle));
+  if (h == s.vhandles.end() || offset != 0 || size != h->second.size || a % k_vm_page != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  auto r = s.vranges.upper_bound(a);
+  if (r == s.vranges.begin() || a + size > std::prev(r)->first + std::prev(r)->second) {
+    return CUDA_ERROR_INVALID_VALUE;  // not inside a reserved range
+  }
+  auto m = s.vmapped.lower_bound(a);
+  if ((m != s.vmapped.end() && m->first < a + size) ||
+      (m != s.vmapped.begin() && std::prev(m)->first + std::prev(m)->second.size > a)) {
+    return CUDA_ERROR_INVALID_VALUE;  // already mapped
+  }
+  if (::mmap(reinterpret_cast<void*>(a), size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
+             0) == MAP_FAILED) {
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  std::memset(reinterpret_cast<void*>(a), 0xA5, std::min(size, k_poison_bytes));
+  s.vmapped[a] = {size, static_cast<unsigned long long>(handle)};
+  ++h->second.maps;
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemSetAccess(CUdeviceptr ptr, std::size_t size, CUmemAccessDesc const* desc, std::size_t n) {
+  count("cuMemSetAccess");
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  if (desc == nullptr || n == 0 || !mapped_range_ok_locked(static_cast<std::uintptr_t>(ptr), size)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult fake_cuMemUnmap(CUdeviceptr ptr, std::size_t size) {
+  count("cuMemUnmap");
+  auto const a = static_cast<std::uintptr_t>(ptr);
+  state& s = st();
+  std::lock_guard lk(s.mu);
+  auto m = s.vmapped.find(a);
+  if (m == s.vmapped.end() || m->second.size != size) return CUDA_ERROR_INVALID_VALUE;
+  ::mmap(reinterpret_cast<void*>(a), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  --s.vhandles[m->second.handle].maps;
+  s.vmapped.erase(m);
+  return CUDA_SUCCESS;
 }
 
 /// Whether a copy of `kind` between the ranges is legal now.
@@ -1037,6 +1209,50 @@ cudaError_t CUDARTAPI cudaGetSymbolAddress(void** devPtr, const void* symbol) {
   *devPtr = d;
   return cudaSuccess;
 }
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** funcPtr, unsigned int,
+                                                       unsigned long long, cudaDriverEntryPointQueryResult* status) {
+  count(__func__);
+  if (symbol == nullptr || funcPtr == nullptr) {
+    return fail(cudaErrorInvalidValue);
+  }
+  static std::pair<char const*, void*> const k_entries[] = {
+      {"cuMemAddressReserve", reinterpret_cast<void*>(&fake_cuMemAddressReserve)},
+      {"cuMemAddressFree", reinterpret_cast<void*>(&fake_cuMemAddressFree)},
+      {"cuMemCreate", reinterpret_cast<void*>(&fake_cuMemCreate)},
+      {"cuMemRelease", reinterpret_cast<void*>(&fake_cuMemRelease)},
+      {"cuMemMap", reinterpret_cast<void*>(&fake_cuMemMap)},
+      {"cuMemUnmap", reinterpret_cast<void*>(&fake_cuMemUnmap)},
+      {"cuMemSetAccess", reinterpret_cast<void*>(&fake_cuMemSetAccess)},
+      {"cuMemGetAllocationGranularity", reinterpret_cast<void*>(&fake_cuMemGetAllocationGranularity)},
+  };
+  *funcPtr = nullptr;
+  bool const vmm = [] {
+    std::lock_guard lk(st().mu);
+    return st().vmm;
+  }();
+  for (auto const& [name, fn] : k_entries) {
+    if (vmm && std::strcmp(name, symbol) == 0) {
+      *funcPtr = fn;
+      if (status != nullptr) *status = cudaDriverEntryPointSuccess;
+      return cudaSuccess;
+    }
+  }
+  if (status != nullptr) *status = cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
+
+void fake_cudart_set_vmm(int on) {
+  std::lock_guard lk(st().mu);
+  st().vmm = on != 0;
+}
+
+size_t fake_cudart_mapped_bytes(void) {
+  std::lock_guard lk(st().mu);
+  std::size_t n = 0;
+  for (auto const& [a, m] : st().vmapped) n += m.size;
+  return n;
+}
+
 cudaError_t CUDARTAPI cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
   count(__func__);
   if (value == nullptr || device < 0 || device >= st().devices) {

@@ -56,6 +56,12 @@ cudaError_t fake_cudart_malloc_direct(void** p, size_t bytes);
  *  freed device range: cudaErrorIllegalAddress), and reset it to cudaSuccess. */
 cudaError_t fake_cudart_take_async_error(void);
 
+/** 0: cudaGetDriverEntryPointByVersion finds no driver call (a runtime or driver without the virtual memory
+ *  calls); 1 (the default): it finds the fake's cuMem* calls. */
+void fake_cudart_set_vmm(int on);
+/** Bytes of device memory mapped through cuMemMap and not yet unmapped, on all devices. */
+size_t fake_cudart_mapped_bytes(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -9,6 +9,7 @@ allocating at once get disjoint memory, and the default follows the ``cpu_alloca
 The peak this buys is in test_peak.py.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -223,3 +224,43 @@ def test_use_cpu_allocator_takes_a_bool_only():
     for bad in ("False", "yes", 2, None):
         with pytest.raises(TypeError, match="enable must be True or False"):
             gact.use_cpu_allocator(bad)
+
+
+def test_expandable_segments_change_where_memory_lies_not_what_training_computes():
+    """GACT_EXPANDABLE_SEGMENTS=1: the host arena (torch's CPU tensors and the blobs) grows one address range by
+    pages. Placement does not enter the codec's noise, so a compressed training run gives bit-identical gradients
+    with the option on and off; the stats say which layout ran, and the range's pages go back on empty_cache."""
+    code = """
+import json, torch, gact
+torch.manual_seed(0)
+m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                              torch.nn.ReLU()) for _ in range(4)])
+x = torch.randn(8, 8, 48, 48)
+comp = gact.Compressor(m, bits=2)
+for _ in range(2):
+    m.zero_grad(set_to_none=True)
+    with comp:
+        loss = m(x).square().mean()
+    loss.backward()
+    comp.step()
+g = torch.cat([p.grad.flatten() for p in m.parameters()])
+host = gact.stats()["allocators"]["host"]
+del loss
+comp.close()
+gact.use_cpu_allocator(False)  # (what torch's tensors cached goes back: the arena empties its cache)
+after = gact.stats()["allocators"]["host"]
+print(json.dumps({"grad": g.tolist(), "exp": host["options"]["expandable_segments"],
+                  "peak": host["reserved_bytes.all.peak"], "allocated_peak": host["allocated_bytes.all.peak"],
+                  "live": after["allocated_bytes.all.current"], "reserved_after": after["reserved_bytes.all.current"]}))
+"""
+    plain = json.loads(_fresh(code, GACT_EXPANDABLE_SEGMENTS="0"))
+    exp = json.loads(_fresh(code, GACT_EXPANDABLE_SEGMENTS="1"))
+    assert (plain["exp"], exp["exp"]) == (False, True)
+    assert exp["grad"] == plain["grad"]
+    assert exp["allocated_peak"] > 0
+    # pages of 2 MiB: what is reserved is what was mapped, at most one page per live run above what is allocated
+    assert exp["peak"] >= exp["allocated_peak"]
+    # the release unmapped every whole free page: what stays mapped is the pages the live blocks (the gradients,
+    # the result) touch
+    assert exp["reserved_after"] < exp["peak"], {k: v for k, v in exp.items() if k != "grad"}
+    assert exp["reserved_after"] <= exp["live"] + 4 * (2 << 20), {k: v for k, v in exp.items() if k != "grad"}
