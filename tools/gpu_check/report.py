@@ -351,6 +351,10 @@ def truths(report: Mapping[str, object]) -> List[str]:
             out.append(f"largest batch under {_fmt(figs.get('memory_cap_mib'))} MiB {where}"
                        + (f", blobs in {pool}'s pool" if pool and where.startswith("on torch") else "") + ": "
                        + "; ".join(lines))
+    mbx = t.get("max_batch_expandable") or {}
+    if mbx:
+        out.append("largest batch at 2 bits under use_allocator() with expandable segments: " + "; ".join(
+            f"{m} {(r.get('bits2') or {}).get('max_batch')}" for m, r in mbx.items() if isinstance(r, Mapping)))
     ooms = dict(t.get("max_batch_oom_errors") or {})
     for k, v in (nat.get("max_batch_oom_errors") or {}).items():
         ooms[k] = ooms.get(k, 0) + v

@@ -493,6 +493,20 @@ def stage_train(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
     if not ctx.module_ok:
         out.note = f"Python module not available ({ctx.module_reason}): only the fp32 arms ran"
     out.add(step, ctx)
+    # the 2-bit arm again with gact's device pool in expandable segments (GACT_EXPANDABLE_SEGMENTS=1, off by
+    # default until a GPU has measured it): its peaks and its largest batch under the same cap, beside the above
+    t = budget.remaining()
+    if t > 60.0 and allocator == "gact" and ctx.module_ok:
+        args = _train_args(ctx, t, allocator) + ["--arms", "bits2", "--no-swap-check", "--max-batch-arms",
+                                                 "bits2", "--search-s", "10", "--search-reserve-s", "25"]
+        step = _python_step(ctx, "training through gact, expandable segments", "train_models.py", args, t,
+                            "train-expandable", ctx.result("train_expandable"), devenv=True,
+                            extra_env=dict(WORKLOAD_ENV, GACT_EXPANDABLE_SEGMENTS="1"))
+        figs = dict(step.figures)
+        step.figures = {k: figs.get(k) for k in ("gact_num_ooms", "max_batch_oom_errors") if k in figs}
+        out.figures["models_expandable"] = figs.get("models", {})
+        out.figures["max_batch_expandable"] = figs.get("max_batch", {})
+        out.add(step, ctx)
     return out
 
 
