@@ -59,12 +59,12 @@ class object_pool {
   static constexpr std::size_t k_slab = 256;
 
   void grow() {
-    auto slab = std::make_unique<slot[]>(k_slab);
+    slabs_.push_back(std::make_unique<slot[]>(k_slab));  // (first: a failure leaves the free list as it was)
+    slot* slab = slabs_.back().get();
     for (std::size_t i = 0; i < k_slab; ++i) {
       slab[i].next = free_;
       free_ = &slab[i];
     }
-    slabs_.push_back(std::move(slab));
   }
 
   std::vector<std::unique_ptr<slot[]>> slabs_;
@@ -87,6 +87,7 @@ class node_pool {
     if (free_ == nullptr) grow();
     slot* s = free_;
     free_ = s->next;
+    --free_count_;
     return s;
   }
   void deallocate(void* p, std::size_t bytes, std::size_t align) noexcept {
@@ -97,6 +98,11 @@ class node_pool {
     auto* s = static_cast<slot*>(p);
     s->next = free_;
     free_ = s;
+    ++free_count_;
+  }
+  /// Make sure the next `n` single-slot allocations take no memory from the heap (so cannot throw).
+  void reserve(std::size_t n) {
+    while (free_count_ < n) grow();
   }
 
  private:
@@ -107,16 +113,18 @@ class node_pool {
   static constexpr std::size_t k_slab = 256;
 
   void grow() {
-    auto slab = std::make_unique<slot[]>(k_slab);
+    slabs_.push_back(std::make_unique<slot[]>(k_slab));  // (first: a failure leaves the free list as it was)
+    slot* slab = slabs_.back().get();
     for (std::size_t i = 0; i < k_slab; ++i) {
       slab[i].next = free_;
       free_ = &slab[i];
     }
-    slabs_.push_back(std::move(slab));
+    free_count_ += k_slab;
   }
 
   std::vector<std::unique_ptr<slot[]>> slabs_;
   slot* free_ = nullptr;
+  std::size_t free_count_ = 0;
 };
 
 /// A std allocator over a node_pool (which must outlive every container using it).

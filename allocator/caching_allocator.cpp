@@ -116,6 +116,7 @@ struct vm_range {
   std::uintptr_t base = 0;
   std::size_t size = 0;
   device::stream_t stream = 0;
+  bool small = false;  // the pool it serves
   std::size_t mapped = 0;
   std::map<std::uintptr_t, block*> holes;
 };
@@ -160,10 +161,11 @@ struct caching_allocator::impl {
   free_set small_free{block_less{}, detail::pool_allocator<block*>(nodes)};
   free_set large_free{block_less{}, detail::pool_allocator<block*>(nodes)};
   detail::ptr_map<block*> live;
-  std::map<std::uintptr_t, std::size_t> segments;  // invariant: sum of sizes == reserved_bytes.all.current
+  // fixed segments and expandable ranges (their address space): base -> size
+  std::map<std::uintptr_t, std::size_t> segments;
   std::vector<pending_event> pending;
   std::vector<device::event_t> spare_events;
-  std::vector<std::unique_ptr<vm_range>> ranges;  // expandable segments, one per stream
+  std::vector<std::unique_ptr<vm_range>> ranges;  // expandable segments, one per stream and pool
   std::size_t page = 0;                           // the backend's vm_page() when expandable
 
   // backend_unlocked: segments given up under the lock, released to the backend once it is dropped (release_later
@@ -343,10 +345,12 @@ struct caching_allocator::impl {
   void release_whole_free() {
     if (!ranges.empty()) {
       std::vector<block*> in_ranges;
-      for (block* b : large_free) {
-        if (b->range != nullptr) in_ranges.push_back(b);
+      for (free_set const* pool : {&small_free, &large_free}) {
+        for (block* b : *pool) {
+          if (b->range != nullptr) in_ranges.push_back(b);
+        }
       }
-      for (block* b : in_ranges) unmap_free_pages(b);
+      for (block* b : in_ranges) try_unmap_free_pages(b);
       for (std::size_t i = 0; i < ranges.size();) {
         if (!release_range_if_empty(*ranges[i])) ++i;
       }
@@ -397,7 +401,7 @@ struct caching_allocator::impl {
     insert_free(b);
     if (release && b->range != nullptr && opts.release_free_above != 0 &&
         round_down(b->ptr + b->size, page) >= round_up(b->ptr, page) + opts.release_free_above) {
-      unmap_free_pages(b);  // as a whole free segment of that size would be released
+      try_unmap_free_pages(b);  // as a whole free segment of that size would be released
     }
   }
 
@@ -428,10 +432,11 @@ struct caching_allocator::impl {
     if (b->next != nullptr) b->next->prev = b->prev;
   }
 
-  /// The range of `stream`, reserved now when it has none; nullptr when the backend refuses the address space.
-  vm_range* range_of(device::stream_t stream) {
+  /// The range of `stream` and pool `small`, reserved now when it has none; nullptr when the backend refuses the
+  /// address space.
+  vm_range* range_of(device::stream_t stream, bool small) {
     for (auto const& r : ranges) {
-      if (r->stream == stream) return r.get();
+      if (r->stream == stream && r->small == small) return r.get();
     }
     std::size_t const bytes = range_bytes();
     auto r = std::make_unique<vm_range>();
@@ -450,9 +455,11 @@ struct caching_allocator::impl {
     r->base = reinterpret_cast<std::uintptr_t>(p);
     r->size = bytes;
     r->stream = stream;
+    r->small = small;
     hole->ptr = r->base;
     hole->size = bytes;
     hole->stream = stream;
+    hole->small = small;
     hole->range = r.get();
     hole->state = block_state::unmapped;
     try {
@@ -465,7 +472,7 @@ struct caching_allocator::impl {
       be.vm_free(p, bytes);
       throw;
     }
-    stat_add(st.segment, false, 1);
+    stat_add(st.segment, small, 1);
     GACT_LOG_DEBUG("[range+][{}][stream {:#x}][{}B][{}]", stats_name, stream, bytes, p);
     return ranges.back().get();
   }
@@ -476,7 +483,7 @@ struct caching_allocator::impl {
     records.destroy(r.holes.begin()->second);
     segments.erase(r.base);
     be.vm_free(reinterpret_cast<void*>(r.base), r.size);
-    stat_sub(st.segment, false, 1);
+    stat_sub(st.segment, r.small, 1);
     GACT_LOG_DEBUG("[range-][{}][stream {:#x}][{}B][{:#x}]", stats_name, r.stream, r.size, r.base);
     auto it = std::find_if(ranges.begin(), ranges.end(), [&r](auto const& q) { return q.get() == &r; });
     ranges.erase(it);
@@ -485,9 +492,10 @@ struct caching_allocator::impl {
 
   /// Map pages of `stream`'s range so that a free block of at least `size` bytes exists there (in its free
   /// set): the hole whose mapping needs the fewest new pages (a hole after a free block extends that block);
-  /// false when no hole is large enough or the limit or the backend refuses the memory.
-  bool grow(std::size_t size, device::stream_t stream) {
-    vm_range* r = range_of(stream);
+  /// false when no hole is large enough or the limit or the backend refuses the memory. Strong guarantee: what
+  /// can throw (records, set nodes, the backend) runs before anything changes.
+  bool grow(std::size_t size, device::stream_t stream, bool small) {
+    vm_range* r = range_of(stream, small);
     if (r == nullptr) return false;
     block* best = nullptr;
     std::size_t best_bytes = 0;
@@ -498,7 +506,7 @@ struct caching_allocator::impl {
       if (before >= size) {
         continue;  // (that free block would have served the request)
       } else if (before + u->size >= size) {
-        bytes = std::min(u->size, round_up(size - before, page));  // (before < size: it would have served it)
+        bytes = std::min(u->size, round_up(size - before, page));
       } else if (before + u->size + after >= size) {
         bytes = u->size;
       } else {
@@ -518,6 +526,7 @@ struct caching_allocator::impl {
       last_backend_error = "memory limit";
       return false;
     }
+    nodes.reserve(1);  // (settle_free's insert)
     block* m = best_bytes == best->size ? nullptr : records.make();
     try {
       be.vm_map(reinterpret_cast<void*>(best->ptr), best_bytes);
@@ -530,15 +539,16 @@ struct caching_allocator::impl {
       throw;
     }
     r->mapped += best_bytes;
-    stat_add(st.reserved_bytes, false, static_cast<std::int64_t>(best_bytes));
+    stat_add(st.reserved_bytes, small, static_cast<std::int64_t>(best_bytes));
     ++st.num_device_alloc;
     if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_alloc, best->ptr, best_bytes, stream, tag_other);
     GACT_LOG_DEBUG("[map+][{}][stream {:#x}][{}B][{:#x}]", stats_name, stream, best_bytes, best->ptr);
-    r->holes.erase(best->ptr);
     if (m == nullptr) {
+      r->holes.erase(best->ptr);
       m = best;  // the whole hole is mapped now
     } else {
-      // the mapped front becomes its own block; the rest stays a hole
+      // the mapped front becomes its own block; the rest stays a hole (its map node moved to its new address)
+      auto node = r->holes.extract(best->ptr);
       m->ptr = best->ptr;
       m->size = best_bytes;
       m->stream = stream;
@@ -549,33 +559,62 @@ struct caching_allocator::impl {
       best->prev = m;
       best->ptr += best_bytes;
       best->size -= best_bytes;
-      r->holes.emplace(best->ptr, best);  // (a node freed just above: no allocation failure in practice)
+      node.key() = best->ptr;
+      r->holes.insert(std::move(node));
     }
-    m->small = false;
+    m->small = small;
     settle_free(m, false);
     return true;
   }
 
+  /// unmap_free_pages, best effort: with no memory for its records the block stays mapped (and free), said once.
+  void try_unmap_free_pages(block* f) noexcept {
+    try {
+      unmap_free_pages(f);
+    } catch (std::exception const& e) {
+      GACT_WARN_CAPPED(4, "allocator '{}': free pages at {:#x} kept mapped: {}", stats_name, f->ptr, e.what());
+    }
+  }
+
   /// Unmap the whole pages inside the free block `f` of a range (in its free set), leaving the partial pages at
-  /// its ends (shared with its neighbours) mapped as free blocks.
+  /// its ends (shared with its neighbours) mapped as free blocks. Strong guarantee: the records and nodes it may
+  /// need are taken first; where the backend keeps the pages mapped (it could not wait for the device), nothing
+  /// changes.
   void unmap_free_pages(block* f) {
     vm_range* r = f->range;
     std::uintptr_t const a = round_up(f->ptr, page);
     std::uintptr_t const e = round_down(f->ptr + f->size, page);
     if (e <= a) return;
     std::uintptr_t const end = f->ptr + f->size;
+    bool const has_head = a > f->ptr;
+    bool const has_tail = end > e;
+    block* hole = has_head ? records.make() : f;
+    block* tail = nullptr;
+    bool placed = false;  // a holes entry made for the new hole
+    try {
+      if (has_tail) tail = records.make();
+      nodes.reserve(2);  // (the head's and the tail's inserts)
+      placed = r->holes.try_emplace(a, nullptr).second;
+    } catch (...) {
+      if (has_head) records.destroy(hole);
+      if (tail != nullptr) records.destroy(tail);
+      throw;
+    }
+    if (!be.vm_unmap(reinterpret_cast<void*>(a), e - a)) {  // (logged by the backend)
+      if (placed) r->holes.erase(a);
+      if (has_head) records.destroy(hole);
+      if (tail != nullptr) records.destroy(tail);
+      return;
+    }
     erase_free(f);
-    be.vm_unmap(reinterpret_cast<void*>(a), e - a);
     r->mapped -= e - a;
-    stat_sub(st.reserved_bytes, false, static_cast<std::int64_t>(e - a));
+    stat_sub(st.reserved_bytes, r->small, static_cast<std::int64_t>(e - a));
     ++st.num_device_free;
     if (event_trace::enabled()) [[unlikely]] trace(event_trace::event_kind::segment_free, a, e - a, r->stream, tag_other);
     GACT_LOG_DEBUG("[map-][{}][stream {:#x}][{}B][{:#x}]", stats_name, r->stream, e - a, a);
     block* head = nullptr;
-    block* hole = f;
-    if (a > f->ptr) {  // the front's partial page stays mapped: f keeps it
+    if (has_head) {  // the front's partial page stays mapped: f keeps it
       head = f;
-      hole = records.make();
       hole->stream = f->stream;
       hole->range = r;
       link_after(f, hole);
@@ -584,23 +623,23 @@ struct caching_allocator::impl {
     hole->ptr = a;
     hole->size = e - a;
     hole->state = block_state::unmapped;
-    hole->small = false;
-    block* tail = nullptr;
-    if (end > e) {
-      tail = records.make();
+    hole->small = r->small;
+    if (tail != nullptr) {
       tail->ptr = e;
       tail->size = end - e;
       tail->stream = hole->stream;
+      tail->small = r->small;
       tail->range = r;
       link_after(hole, tail);
     }
     if (block* p = hole->prev; p != nullptr && p->state == block_state::unmapped) {
+      r->holes.erase(a);
       p->size += hole->size;  // (p keeps its key in holes)
       unlink(hole);
       records.destroy(hole);
       hole = p;
     } else {
-      r->holes.emplace(hole->ptr, hole);
+      r->holes[a] = hole;  // (the entry made above: no allocation)
     }
     if (block* n = hole->next; n != nullptr && n->state == block_state::unmapped) {
       r->holes.erase(n->ptr);
@@ -901,7 +940,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   if (tag >= k_max_tags) tag = tag_other;
   std::size_t const size = round_size(bytes);
   bool const expandable = m.opts.expandable_segments;
-  bool const small = !expandable && size <= m.opts.small_size;
+  bool const small = size <= m.opts.small_size;
 
   std::unique_lock<std::mutex> lock(m.mu);
   impl::drain_at_exit const drain{m, lock};  // (also when it throws: segments released on the way stay queued)
@@ -919,13 +958,15 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     m.erase_free(b);
   } else if (expandable) {
     if (m.release_on_miss) m.release_whole_free();
-    if (!m.grow(size, stream)) {
+    if (!m.grow(size, stream, small)) {
       // free pages anywhere in the ranges go back to the device, which may then map them where this fits
       m.release_cached();
       ++m.st.num_alloc_retries;
-      if (m.find_free(false, size, stream) == nullptr && !m.grow(size, stream)) m.throw_oom(bytes, size, stream, tag);
+      if (m.find_free(small, size, stream) == nullptr && !m.grow(size, stream, small)) {
+        m.throw_oom(bytes, size, stream, tag);
+      }
     }
-    b = m.find_free(false, size, stream);
+    b = m.find_free(small, size, stream);
     GACT_ASSERT_INTERNAL(b != nullptr);
     m.erase_free(b);
   } else {

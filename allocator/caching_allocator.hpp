@@ -22,8 +22,8 @@
 // are cut. Releasing the cache (empty_cache, the out-of-memory retry) unmaps
 // every whole page inside a free block, so that after the retry a request fits
 // whenever the free whole pages plus the device's free memory hold it. The
-// design of PyTorch's expandable_segments:True, with one range per stream for
-// every size.
+// design of PyTorch's expandable_segments:True: a range per stream and pool
+// (small requests apart, so that they do not pin the large blocks' pages).
 //
 // Out of memory: on a backend failure (or the hard memory limit), cached free
 // segments are released (after waiting for pending events) and the request
@@ -71,7 +71,8 @@ struct allocator_options {
   /// no thread waits for gact's lock while the one holding it waits for theirs. Costs a relock per new segment.
   bool backend_unlocked = false;
   /// Expandable segments (see the top of this file): needs a backend with virtual memory calls (vm_page() > 0)
-  /// and backend_unlocked off; small_size and the segment sizes then do not apply.
+  /// and backend_unlocked off; requests up to small_size get a range of their own per stream (the small pool),
+  /// and the segment sizes do not apply.
   bool expandable_segments = false;
   /// Address space of each expandable range (rounded up to the backend's page); 0 = the backend's total memory
   /// plus an eighth, at least the memory limit.

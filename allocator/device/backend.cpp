@@ -23,8 +23,9 @@ void backend::do_vm_free(void* p, std::size_t) noexcept {
   GACT_LOG_ERROR("backend '{}': vm_free({}) on a backend without virtual memory calls", name(), p);
 }
 void backend::do_vm_map(void*, std::size_t) { no_vm(*this, "vm_map"); }
-void backend::do_vm_unmap(void* p, std::size_t) noexcept {
+bool backend::do_vm_unmap(void* p, std::size_t) noexcept {
   GACT_LOG_ERROR("backend '{}': vm_unmap({}) on a backend without virtual memory calls", name(), p);
+  return false;
 }
 
 }  // namespace gact::device

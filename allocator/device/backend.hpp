@@ -94,8 +94,10 @@ class backend {
   /// and writable from the device (and from the host where the memory is the host's) once it returns.
   /// @throws gact::out_of_memory when the device has no room (nothing stays mapped); gact::cuda_error otherwise.
   void vm_map(void* p, std::size_t bytes) { do_vm_map(p, bytes); }
-  /// Take the memory away from mapped pages [p, p + bytes) and give it back to the device. Never throws.
-  void vm_unmap(void* p, std::size_t bytes) noexcept { do_vm_unmap(p, bytes); }
+  /// Take the memory away from mapped pages [p, p + bytes) and give it back to the device, once the work that
+  /// may still use them is done. Never throws; false (logged) when the pages stay mapped as they were (the
+  /// device could not be waited for), and the caller keeps them as mapped.
+  [[nodiscard]] bool vm_unmap(void* p, std::size_t bytes) noexcept { return do_vm_unmap(p, bytes); }
 
  private:
   virtual void* do_reserve(std::size_t bytes) = 0;
@@ -117,7 +119,7 @@ class backend {
   virtual void* do_vm_reserve(std::size_t bytes);
   virtual void do_vm_free(void* p, std::size_t bytes) noexcept;
   virtual void do_vm_map(void* p, std::size_t bytes);
-  virtual void do_vm_unmap(void* p, std::size_t bytes) noexcept;
+  virtual bool do_vm_unmap(void* p, std::size_t bytes) noexcept;
 };
 
 }  // namespace gact::device

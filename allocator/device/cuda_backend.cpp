@@ -164,17 +164,18 @@ void cuda_backend::do_vm_map(void* p, std::size_t bytes) {
   }
 }
 
-void cuda_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
+bool cuda_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
   auto const base = reinterpret_cast<std::uintptr_t>(p);
   {
     // Unlike cudaFree, cuMemUnmap and cuMemRelease do not wait for the kernels that may still read the pages (a
-    // block freed on its own stream is reused in that stream's order, with no event): wait for the device first.
+    // block freed on its own stream is reused in that stream's order, with no event): wait for the device first;
+    // where it cannot be waited for (a graph capture in progress, a device error), the pages stay mapped.
     device_guard const guard(api_, device_);
     if (cudaError_t const err = api_.device_synchronize(); err != cudaSuccess) {
       (void)api_.get_last_error();
-      GACT_LOG_ERROR("gact: cudaDeviceSynchronize before unmapping {} bytes at {} on device {} failed: {} (a "
-                     "device in this state has lost its work: unmapped anyway)", bytes, p, device_,
-                     api_.get_error_name(err));
+      GACT_WARN_CAPPED(8, "gact: cudaDeviceSynchronize before unmapping {} bytes at {} on device {} failed: {}; "
+                       "the pages stay mapped", bytes, p, device_, api_.get_error_name(err));
+      return false;
     }
   }
   std::lock_guard<std::mutex> lock(vm_mu_);
@@ -184,6 +185,7 @@ void cuda_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
       GACT_WARN_CAPPED(8, "gact: vm_unmap of {:#x} on device {}: not a mapped page (ignored)", base + off, device_);
       continue;
     }
+    // (a page the driver refuses to unmap is dropped all the same: the allocator counts it unmapped from here)
     CUresult const u = vm_.unmap(static_cast<CUdeviceptr>(base + off), vm_page_);
     CUresult const r = vm_.release(it->second);
     if (u != CUDA_SUCCESS || r != CUDA_SUCCESS) {
@@ -192,6 +194,7 @@ void cuda_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
     }
     vm_pages_.erase(it);
   }
+  return true;
 }
 
 void* cuda_backend::do_reserve(std::size_t bytes) {

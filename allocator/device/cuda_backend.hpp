@@ -60,7 +60,7 @@ class cuda_backend final : public backend {
   void* do_vm_reserve(std::size_t bytes) override;
   void do_vm_free(void* p, std::size_t bytes) noexcept override;
   void do_vm_map(void* p, std::size_t bytes) override;
-  void do_vm_unmap(void* p, std::size_t bytes) noexcept override;
+  bool do_vm_unmap(void* p, std::size_t bytes) noexcept override;
   /// Resolve the driver's virtual memory calls; vm_page_ stays 0 (no expandable segments) where any is missing.
   void resolve_vm() noexcept;
 

@@ -28,6 +28,11 @@ std::size_t round_up(std::size_t n, std::size_t to) noexcept { return (n + to - 
 
 }  // namespace
 
+host_backend::host_backend(std::size_t capacity, std::size_t vm_page) : capacity_(capacity), vm_page_(vm_page) {
+  GACT_EXPECTS(vm_page >= 4096 && (vm_page & (vm_page - 1)) == 0,
+               "host_backend: vm_page must be a power of two of at least 4096, not " + std::to_string(vm_page));
+}
+
 std::size_t host_backend::claim(std::size_t bytes, char const* what) {
   if (fault_count_.load(std::memory_order_relaxed) > 0 && fault_after_.fetch_sub(1, std::memory_order_relaxed) <= 0 &&
       fault_count_.fetch_sub(1, std::memory_order_relaxed) > 0) {
@@ -76,18 +81,18 @@ void host_backend::do_release(void* p, std::size_t bytes) noexcept {
 }
 
 void* host_backend::do_vm_reserve(std::size_t bytes) {
-  GACT_EXPECTS(bytes > 0 && bytes % k_vm_page == 0, "host_backend::vm_reserve: size must be a positive multiple of "
-                                                    "the page (" + std::to_string(k_vm_page) + ")");
+  GACT_EXPECTS(bytes > 0 && bytes % vm_page_ == 0, "host_backend::vm_reserve: size must be a positive multiple of "
+                                                    "the page (" + std::to_string(vm_page_) + ")");
   // Address space only (no access, no commit charge), one page more than asked so that the range can start on
   // a page; the slack on either side goes back at once.
-  std::size_t const span = bytes + k_vm_page;
+  std::size_t const span = bytes + vm_page_;
   void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) {
     throw out_of_memory("host backend: cannot reserve " + std::to_string(bytes) + " bytes of address space: " +
                         std::strerror(errno));
   }
   auto const a = reinterpret_cast<std::uintptr_t>(raw);
-  std::uintptr_t const base = round_up(a, k_vm_page);
+  std::uintptr_t const base = round_up(a, vm_page_);
   if (base > a) ::munmap(raw, base - a);
   if (std::uintptr_t const end = base + bytes; end < a + span) ::munmap(reinterpret_cast<void*>(end), a + span - end);
   return reinterpret_cast<void*>(base);
@@ -100,7 +105,7 @@ void host_backend::do_vm_free(void* p, std::size_t bytes) noexcept {
 }
 
 void host_backend::do_vm_map(void* p, std::size_t bytes) {
-  GACT_EXPECTS(p != nullptr && bytes > 0 && bytes % k_vm_page == 0 && reinterpret_cast<std::uintptr_t>(p) % k_vm_page == 0,
+  GACT_EXPECTS(p != nullptr && bytes > 0 && bytes % vm_page_ == 0 && reinterpret_cast<std::uintptr_t>(p) % vm_page_ == 0,
                "host_backend::vm_map: a page-aligned range of whole pages is required");
   std::size_t const before = claim(bytes, "capacity reached");
   // Fresh zero pages in place of the reservation; without MAP_NORESERVE, so that the kernel's overcommit check
@@ -108,19 +113,26 @@ void host_backend::do_vm_map(void* p, std::size_t bytes) {
   if (::mmap(p, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
     int const err = errno;
     reserved_.fetch_sub(bytes, std::memory_order_relaxed);
-    // (MAP_FIXED failing leaves the old mapping: the pages stay reserved and unmapped)
+    // Kernels before 6.12 may have removed the old mapping before refusing the new one (the overcommit check
+    // comes after the unmap there): reserve the range again, so that no other mapping can be placed in it.
+    if (::mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+      GACT_LOG_ERROR("host_backend: {} bytes at {} could not be reserved again after a failed mapping: {}", bytes,
+                     p, std::strerror(errno));
+    }
     throw_oom(bytes, before, capacity_, std::strerror(err));
   }
 }
 
-void host_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
-  if (p == nullptr || bytes == 0) return;
+bool host_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
+  if (p == nullptr || bytes == 0) return false;
   // Address space again, which drops the pages (and their commit charge) at once.
   if (::mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
-    GACT_WARN_CAPPED(8, "host_backend: unmapping {} bytes at {} failed: {}", bytes, p, std::strerror(errno));
-    return;
+    GACT_WARN_CAPPED(8, "host_backend: unmapping {} bytes at {} failed: {} (kept mapped)", bytes, p,
+                     std::strerror(errno));
+    return false;
   }
   reserved_.fetch_sub(bytes, std::memory_order_relaxed);
+  return true;
 }
 
 stream_t host_backend::do_create_stream() { return next_handle_.fetch_add(1, std::memory_order_relaxed); }

@@ -40,11 +40,14 @@ class host_backend final : public backend {
   /// Requests of at least this size are served by mmap (page-aligned, lazily backed).
   static constexpr std::size_t k_mmap_threshold = std::size_t{256} << 10;
 
-  /// The page of the virtual-memory calls (vm_page()).
+  /// The default page of the virtual-memory calls (vm_page()): CUDA's granularity.
   static constexpr std::size_t k_vm_page = std::size_t{2} << 20;
 
   /// @param capacity bytes that may be reserved at once; 0 = no cap beyond what the OS gives.
-  explicit host_backend(std::size_t capacity = 0) noexcept : capacity_(capacity) {}
+  /// @param vm_page the page of the virtual-memory calls: a power of two of at least 4 KiB (the host arena
+  ///        uses a smaller one than a GPU's, so that a memory limit and a release work at a finer grain).
+  /// @throws gact::invalid_argument for a bad vm_page.
+  explicit host_backend(std::size_t capacity = 0, std::size_t vm_page = k_vm_page);
   ~host_backend() override = default;
 
   /// The cap given at construction (0 = none).
@@ -75,15 +78,16 @@ class host_backend final : public backend {
   mem_info do_memory_info() override;
   memory_kind do_kind() const noexcept override { return memory_kind::host; }
   std::string_view do_name() const noexcept override { return "host"; }
-  std::size_t do_vm_page() const noexcept override { return k_vm_page; }
+  std::size_t do_vm_page() const noexcept override { return vm_page_; }
   void* do_vm_reserve(std::size_t bytes) override;
   void do_vm_free(void* p, std::size_t bytes) noexcept override;
   void do_vm_map(void* p, std::size_t bytes) override;
-  void do_vm_unmap(void* p, std::size_t bytes) noexcept override;
+  bool do_vm_unmap(void* p, std::size_t bytes) noexcept override;
   /// Count `bytes` against the capacity (and the injected faults); throws out_of_memory naming `what`.
   std::size_t claim(std::size_t bytes, char const* what);
 
   std::size_t const capacity_;
+  std::size_t const vm_page_;
   std::atomic<std::size_t> reserved_{0};      // sum of the sizes of live reservations
   std::atomic<std::uintptr_t> next_handle_{1};  // streams and events; 0 is the default stream
   std::atomic<int> fault_after_{0};             // fail_reserves

@@ -61,7 +61,8 @@ using gact::store::activation_store;
 
 struct runtime {
   gact::options opts = gact::options::from_env();
-  gact::device::host_backend host_be;
+  // (pages of 64 KiB for expandable segments: a memory limit and a release act at that grain on the host)
+  gact::device::host_backend host_be{0, std::size_t{64} << 10};
   gact::alloc::caching_allocator host_arena{host_be, host_options()};
   activation_store store{host_arena, gact::store::store_options{static_cast<int>(opts.threads), "store"}};
 #if defined(GACT_HAVE_KERNELS)
@@ -171,7 +172,7 @@ struct runtime {
     // A freed tensor of 256 MiB or more goes back to the system at once (torch's CPU allocator, through
     // glibc, unmaps it too): a 1-2 GiB tensor must not stay in the process's RSS after `del`.
     o.release_free_above = std::size_t{256} << 20;
-    o.expandable_segments = opts.expandable_segments;
+    o.expandable_segments = opts.host_expandable;
     return o;
   }
 

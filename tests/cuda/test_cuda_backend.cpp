@@ -264,7 +264,8 @@ TEST_CASE("expandable segments over cuda_backend: pages mapped through the drive
   CHECK(big != nullptr);
   CHECK(a->stats().num_alloc_retries == 1);
   CHECK(fake_cudart_count("cudaDeviceSynchronize") > syncs);  // the pages' kernels are done before unmapping
-  CHECK(fake_cudart_used_bytes(0) <= 64 * k_mib);
+  CHECK(fake_cudart_mapped_bytes() == a->reserved_bytes());  // the holes' whole pages went back to the device
+  CHECK(a->reserved_bytes() == 4 * 8 * k_mib + 16 * k_mib);  // the four live blocks touch 4 pages each
   be.copy_async(big, src.data(), src.size(), s);
   be.synchronize_stream(s);
   CHECK(fake_cudart_take_async_error() == cudaSuccess);
@@ -276,6 +277,35 @@ TEST_CASE("expandable segments over cuda_backend: pages mapped through the drive
   CHECK(fake_cudart_used_bytes(0) == 0);
   delete a;
   be.destroy_stream(s);
+}
+
+TEST_CASE("expandable segments over cuda_backend: pages a kernel may still use stay mapped while the device cannot be waited for") {
+  cuda_backend be(0);
+  gact::alloc::allocator_options o;
+  o.name = "test-expandable-capture";
+  o.expandable_segments = true;
+  gact::alloc::caching_allocator a(be, o);
+  auto const s = be.create_stream();
+  auto const s2 = be.create_stream();
+  void* p = a.allocate(4 * k_mib, s);
+  std::vector<unsigned char> src(4 * k_mib, 9);
+  REQUIRE(fake_cudart_hold(to_cuda_stream(s)) == cudaSuccess);  // "a kernel on s still writes p"
+  be.copy_async(p, src.data(), src.size(), s);
+  a.deallocate(p);  // reusable in s's order: no event
+  // another stream captures a graph: cudaDeviceSynchronize fails (cudaErrorStreamCaptureUnsupported), so
+  // nothing may be unmapped under the queued copy
+  REQUIRE(fake_cudart_begin_capture(to_cuda_stream(s2)) == cudaSuccess);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 4 * k_mib);
+  CHECK(fake_cudart_mapped_bytes() == 4 * k_mib);
+  REQUIRE(fake_cudart_end_capture(to_cuda_stream(s2)) == cudaSuccess);
+  REQUIRE(fake_cudart_release(to_cuda_stream(s)) == cudaSuccess);
+  a.empty_cache();  // the copy has run (the release waits for the device): now the pages go
+  CHECK(a.reserved_bytes() == 0);
+  CHECK(fake_cudart_mapped_bytes() == 0);
+  CHECK(fake_cudart_take_async_error() == cudaSuccess);
+  be.destroy_stream(s);
+  be.destroy_stream(s2);
 }
 
 TEST_CASE("expandable segments: a runtime without the driver's virtual memory calls is refused with a clear error") {

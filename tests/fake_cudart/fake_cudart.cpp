@@ -35,7 +35,8 @@
 //     cudaGetDriverEntryPointByVersion: address space is host address space
 //     with no access, a mapped page is host memory (poisoned like cudaMalloc's)
 //     counted against the device's capacity when created, and stream operations
-//     may touch any run of mapped pages;
+//     may touch any run of mapped pages that cuMemSetAccess made readable and
+//     writable (others are an illegal address, as on a device);
 //   * kernels compiled by nvcc register and launch through it, but no device code
 //     runs: a launch is an empty operation on its stream (counted as
 //     "__cudaLaunchKernel"), a __device__ variable's address (cudaGetSymbolAddress)
@@ -119,6 +120,7 @@ struct state {
   struct vmap {
     std::size_t size;
     unsigned long long handle;
+    bool access;  ///< cuMemSetAccess granted the device read/write access (before, a stream operation faults)
   };
   std::map<std::uintptr_t, vmap> vmapped;  ///< cuMemMap: address -> mapping
   struct vhandle {
@@ -294,7 +296,7 @@ bool mapped_range_ok_locked(std::uintptr_t a, std::size_t n) {
   --it;
   std::uintptr_t const end = a + n;
   std::uintptr_t covered = a;
-  while (it != m.end() && it->first <= covered) {
+  while (it != m.end() && it->first <= covered && it->second.access) {
     covered = std::max(covered, it->first + it->second.size);
     if (covered >= end) {
       return true;
@@ -428,7 +430,7 @@ CUresult fake_cuMemMap(CUdeviceptr ptr, std::size_t size, std::size_t offset, CU
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   std::memset(reinterpret_cast<void*>(a), 0xA5, std::min(size, k_poison_bytes));
-  s.vmapped[a] = {size, static_cast<unsigned long long>(handle)};
+  s.vmapped[a] = {size, static_cast<unsigned long long>(handle), false};
   ++h->second.maps;
   return CUDA_SUCCESS;
 }
@@ -437,8 +439,22 @@ CUresult fake_cuMemSetAccess(CUdeviceptr ptr, std::size_t size, CUmemAccessDesc 
   count("cuMemSetAccess");
   state& s = st();
   std::lock_guard lk(s.mu);
-  if (desc == nullptr || n == 0 || !mapped_range_ok_locked(static_cast<std::uintptr_t>(ptr), size)) {
+  auto const a = static_cast<std::uintptr_t>(ptr);
+  if (desc == nullptr || n == 0 || size == 0) {
     return CUDA_ERROR_INVALID_VALUE;
+  }
+  // every mapping in [a, a + size), which must be covered without a gap, gets the access asked for
+  std::uintptr_t covered = a;
+  for (auto it = s.vmapped.lower_bound(a); it != s.vmapped.end() && it->first < a + size; ++it) {
+    if (it->first != covered) return CUDA_ERROR_INVALID_VALUE;
+    covered = it->first + it->second.size;
+  }
+  if (covered < a + size) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  bool const rw = desc->flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE && desc->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+  for (auto it = s.vmapped.lower_bound(a); it != s.vmapped.end() && it->first < a + size; ++it) {
+    it->second.access = rw;
   }
   return CUDA_SUCCESS;
 }
