@@ -213,6 +213,11 @@ class ptr_map {
 
   std::size_t size() const noexcept { return size_; }
 
+  /// Make sure the next insert cannot throw (no rehash in it): a rehash now where it would need one.
+  void reserve_one() {
+    if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.size() * 2);
+  }
+
   template <class F>
   void for_each(F&& f) const {
     for (auto const& s : slots_) {
@@ -232,8 +237,8 @@ class ptr_map {
   }
 
   void rehash(std::size_t capacity) {
-    std::vector<slot> old = std::move(slots_);
-    slots_.assign(capacity, slot{});
+    std::vector<slot> fresh(capacity);  // (first: a failure leaves the map as it was)
+    std::vector<slot> old = std::exchange(slots_, std::move(fresh));
     mask_ = capacity - 1;
     shift_ = 64;
     for (std::size_t c = capacity; c > 1; c >>= 1) --shift_;

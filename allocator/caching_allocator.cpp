@@ -432,25 +432,31 @@ struct caching_allocator::impl {
     if (b->next != nullptr) b->next->prev = b->prev;
   }
 
-  /// The range of `stream` and pool `small`, reserved now when it has none; nullptr when the backend refuses the
-  /// address space.
-  vm_range* range_of(device::stream_t stream, bool small) {
-    for (auto const& r : ranges) {
-      if (r->stream == stream && r->small == small) return r.get();
-    }
-    std::size_t const bytes = range_bytes();
+  /// A new range of `stream` and pool `small` that can hold `need` bytes: range_bytes() of address space, or less
+  /// where the backend refuses that much (a limit on the process's address space: halved down to `need`); nullptr
+  /// when not even that is given.
+  vm_range* new_range(device::stream_t stream, bool small, std::size_t need) {
+    need = round_up(std::max(need, page), page);
+    std::size_t bytes = std::max(range_bytes(), need);
     auto r = std::make_unique<vm_range>();
     block* hole = records.make();
     void* p = nullptr;
-    try {
-      p = be.vm_reserve(bytes);
-    } catch (out_of_memory const& e) {
-      records.destroy(hole);
-      last_backend_error = e.what();
-      return nullptr;
-    } catch (...) {
-      records.destroy(hole);
-      throw;
+    for (;;) {
+      try {
+        p = be.vm_reserve(bytes);
+        break;
+      } catch (out_of_memory const& e) {
+        if (bytes > need) {
+          bytes = std::max(need, round_up(bytes / 2, page));
+          continue;
+        }
+        records.destroy(hole);
+        last_backend_error = e.what();
+        return nullptr;
+      } catch (...) {
+        records.destroy(hole);
+        throw;
+      }
     }
     r->base = reinterpret_cast<std::uintptr_t>(p);
     r->size = bytes;
@@ -495,11 +501,27 @@ struct caching_allocator::impl {
   /// false when no hole is large enough or the limit or the backend refuses the memory. Strong guarantee: what
   /// can throw (records, set nodes, the backend) runs before anything changes.
   bool grow(std::size_t size, device::stream_t stream, bool small) {
-    vm_range* r = range_of(stream, small);
-    if (r == nullptr) return false;
+    vm_range* r = nullptr;
     block* best = nullptr;
     std::size_t best_bytes = 0;
-    for (auto const& [a, u] : r->holes) {
+    for (auto const& rp : ranges) {
+      if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
+    }
+    if (best == nullptr) {
+      // no range of this stream and pool has a hole the request fits in (none yet, or their address space is cut
+      // up by live blocks): another range, as torch adds another expandable segment
+      r = new_range(stream, small, size);
+      if (r == nullptr) return false;
+      find_hole(*r, size, best, best_bytes, r);
+    }
+    GACT_ASSERT_INTERNAL(best != nullptr);
+    return map_hole(r, best, best_bytes, stream, small);
+  }
+
+  /// The hole of `r` whose mapping serves `size` with the fewest new bytes, if it needs fewer than `best_bytes`
+  /// (or `best` is null): into best, best_bytes and best_range.
+  void find_hole(vm_range& r, std::size_t size, block*& best, std::size_t& best_bytes, vm_range*& best_range) {
+    for (auto const& [a, u] : r.holes) {
       std::size_t const before = u->prev != nullptr && u->prev->state == block_state::free ? u->prev->size : 0;
       std::size_t const after = u->next != nullptr && u->next->state == block_state::free ? u->next->size : 0;
       std::size_t bytes = 0;
@@ -515,12 +537,13 @@ struct caching_allocator::impl {
       if (best == nullptr || bytes < best_bytes) {
         best = u;
         best_bytes = bytes;
+        best_range = &r;
       }
     }
-    if (best == nullptr) {
-      last_backend_error = "no room left in the stream's address range of " + human_bytes(r->size);
-      return false;
-    }
+  }
+
+  /// Map the first `best_bytes` of hole `best` in `r` (see grow).
+  bool map_hole(vm_range* r, block* best, std::size_t best_bytes, device::stream_t stream, bool small) {
     std::size_t const reserved = static_cast<std::size_t>(st.reserved_bytes[pool_all].current);
     if (opts.memory_limit != 0 && (best_bytes > opts.memory_limit || reserved > opts.memory_limit - best_bytes)) {
       last_backend_error = "memory limit";
@@ -944,6 +967,18 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
 
   std::unique_lock<std::mutex> lock(m.mu);
   impl::drain_at_exit const drain{m, lock};  // (also when it throws: segments released on the way stay queued)
+  // What the end of this call needs and can fail for lack of heap, taken before any block leaves its free set:
+  // the live map's room for one more, free-set nodes for a split remainder and a new range's pages, and a record
+  // for the remainder (given back unless used).
+  m.live.reserve_one();
+  m.nodes.reserve(2);
+  struct spare_record {
+    impl& m;
+    block* b;
+    ~spare_record() {
+      if (b != nullptr) m.records.destroy(b);
+    }
+  } spare{m, m.records.make()};
   if (m.fault_count > 0) [[unlikely]] {
     if (m.fault_after > 0) {
       --m.fault_after;
@@ -992,7 +1027,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   }
 
   if (std::size_t const remaining = b->size - size; m.should_split(small, remaining)) {
-    block* r = m.records.make();
+    block* r = std::exchange(spare.b, nullptr);
     r->ptr = b->ptr + size;
     r->size = remaining;
     r->stream = b->stream;

@@ -83,10 +83,11 @@ void host_backend::do_release(void* p, std::size_t bytes) noexcept {
 void* host_backend::do_vm_reserve(std::size_t bytes) {
   GACT_EXPECTS(bytes > 0 && bytes % vm_page_ == 0, "host_backend::vm_reserve: size must be a positive multiple of "
                                                     "the page (" + std::to_string(vm_page_) + ")");
-  // Address space only (no access, no commit charge), one page more than asked so that the range can start on
+  // Address space only: no access, so no commit charge until vm_map makes pages writable (without MAP_NORESERVE,
+  // so that the kernel's overcommit check applies then). One page more than asked, so that the range can start on
   // a page; the slack on either side goes back at once.
   std::size_t const span = bytes + vm_page_;
-  void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
     throw out_of_memory("host backend: cannot reserve " + std::to_string(bytes) + " bytes of address space: " +
                         std::strerror(errno));
@@ -108,26 +109,22 @@ void host_backend::do_vm_map(void* p, std::size_t bytes) {
   GACT_EXPECTS(p != nullptr && bytes > 0 && bytes % vm_page_ == 0 && reinterpret_cast<std::uintptr_t>(p) % vm_page_ == 0,
                "host_backend::vm_map: a page-aligned range of whole pages is required");
   std::size_t const before = claim(bytes, "capacity reached");
-  // Fresh zero pages in place of the reservation; without MAP_NORESERVE, so that the kernel's overcommit check
-  // refuses what the machine cannot back, as a reserve's mmap does.
-  if (::mmap(p, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED) {
+  // Writable: the kernel charges the pages against its overcommit limit now (a refusal changes nothing); pages
+  // unmapped before are writable already and read as zeros (vm_unmap dropped them).
+  if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
     int const err = errno;
     reserved_.fetch_sub(bytes, std::memory_order_relaxed);
-    // Kernels before 6.12 may have removed the old mapping before refusing the new one (the overcommit check
-    // comes after the unmap there): reserve the range again, so that no other mapping can be placed in it.
-    if (::mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
-      GACT_LOG_ERROR("host_backend: {} bytes at {} could not be reserved again after a failed mapping: {}", bytes,
-                     p, std::strerror(errno));
-    }
     throw_oom(bytes, before, capacity_, std::strerror(err));
   }
 }
 
 bool host_backend::do_vm_unmap(void* p, std::size_t bytes) noexcept {
   if (p == nullptr || bytes == 0) return false;
-  // Address space again, which drops the pages (and their commit charge) at once.
-  if (::mmap(p, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
-    GACT_WARN_CAPPED(8, "host_backend: unmapping {} bytes at {} failed: {} (kept mapped)", bytes, p,
+  // The memory goes back to the system at once (the pages read as zeros when touched again); the protection is
+  // left as it is, so that unmapped holes between mapped pages never split the kernel's mapping into more pieces
+  // (a process has at most vm.max_map_count of them).
+  if (::madvise(p, bytes, MADV_DONTNEED) != 0) {
+    GACT_WARN_CAPPED(8, "host_backend: releasing {} bytes at {} failed: {} (kept mapped)", bytes, p,
                      std::strerror(errno));
     return false;
   }

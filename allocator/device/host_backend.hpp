@@ -11,11 +11,13 @@
 // as soon as it is recorded and synchronization never waits.
 //
 // Virtual memory (expandable segments): vm_reserve takes address space only
-// (PROT_NONE), vm_map puts fresh zero pages behind part of it (an overcommit-
-// checked mapping, counted against the capacity as a reserve is), vm_unmap
-// replaces them with address space again, which gives the memory back to the
-// system at once. Pages are k_vm_page bytes, CUDA's granularity, so that the
-// allocator's tests here see the layout a GPU gets.
+// (PROT_NONE), vm_map makes part of it writable (charged against the kernel's
+// overcommit limit then, and counted against the capacity as a reserve is),
+// vm_unmap gives the pages' memory back to the system at once (MADV_DONTNEED:
+// they read as zeros when touched again) and leaves them writable, so that
+// holes never split the kernel's mapping (at most vm.max_map_count pieces per
+// process). Pages are k_vm_page bytes by default, CUDA's granularity, so that
+// the allocator's tests here see the layout a GPU gets.
 //
 // An optional capacity turns the backend into a bounded pool: a reserve that
 // would take the bytes reserved past the capacity throws gact::out_of_memory,

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <fstream>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,8 @@ class vm_manual_backend final : public gact::device::backend {
     for (auto& [e, done] : events_) done = true;
   }
   int syncs() const { return syncs_; }
+  /// Refuse address-space reservations above this many bytes (a limit on the process's address space).
+  std::size_t max_vm_reserve = 0;
 
  private:
   void* do_reserve(std::size_t bytes) override { return host_.reserve(bytes); }
@@ -85,7 +88,10 @@ class vm_manual_backend final : public gact::device::backend {
   gact::device::memory_kind do_kind() const noexcept override { return gact::device::memory_kind::host; }
   std::string_view do_name() const noexcept override { return "vm-manual"; }
   std::size_t do_vm_page() const noexcept override { return host_.vm_page(); }
-  void* do_vm_reserve(std::size_t bytes) override { return host_.vm_reserve(bytes); }
+  void* do_vm_reserve(std::size_t bytes) override {
+    if (max_vm_reserve != 0 && bytes > max_vm_reserve) throw gact::out_of_memory("vm-manual: address space limit");
+    return host_.vm_reserve(bytes);
+  }
   void do_vm_free(void* p, std::size_t bytes) noexcept override { host_.vm_free(p, bytes); }
   void do_vm_map(void* p, std::size_t bytes) override { host_.vm_map(p, bytes); }
   bool do_vm_unmap(void* p, std::size_t bytes) noexcept override { return host_.vm_unmap(p, bytes); }
@@ -437,6 +443,70 @@ TEST_CASE("expandable: random allocations and frees keep every invariant and eve
   CHECK(a.reserved_bytes() == 0);
   CHECK(be.reserved_bytes() == 0);
   CHECK(a.stats().segment[pool_all].current == 0);
+}
+
+TEST_CASE("expandable: a range whose address space is cut up by live blocks is joined by another") {
+  host_backend be;
+  caching_allocator a(be, expandable(32 * k_mib));
+  void* p = a.allocate(10 * k_mib);
+  void* q = a.allocate(10 * k_mib);
+  void* r = a.allocate(10 * k_mib);
+  a.deallocate(q);  // 10 MiB free in the middle, 2 MiB of address space left at the end
+  void* big = a.allocate(12 * k_mib);
+  REQUIRE(big != nullptr);
+  CHECK((addr(big) < addr(p) || addr(big) >= addr(p) + 32 * k_mib));  // in a second range
+  CHECK(a.stats().segment[pool_all].current == 2);
+  fill(big, 12 * k_mib, 6);
+  for (void* x : {p, r, big}) a.deallocate(x);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 0);
+  CHECK(a.stats().segment[pool_all].current == 0);
+}
+
+TEST_CASE("expandable: a limit on the address space gives smaller ranges, and a clear error past it") {
+  vm_manual_backend be;
+  be.max_vm_reserve = 40 * k_mib;  // 256 MiB asked: 128, 64, then 32 MiB given
+  caching_allocator a(be, expandable(256 * k_mib));
+  void* p = a.allocate(8 * k_mib);
+  REQUIRE(p != nullptr);
+  void* q = a.allocate(30 * k_mib);  // not in the first 32 MiB range beside p: a second one
+  REQUIRE(q != nullptr);
+  CHECK(a.stats().segment[pool_all].current == 2);
+  try {
+    (void)a.allocate(48 * k_mib);  // more than any range the backend gives
+    FAIL("expected out_of_memory");
+  } catch (gact::out_of_memory const& e) {
+    CHECK(std::string(e.what()).find("address space limit") != std::string::npos);
+  }
+  a.deallocate(p);
+  a.deallocate(q);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 0);
+}
+
+TEST_CASE("expandable: holes do not split the process's memory map (vm.max_map_count)") {
+  auto const maps = [] {
+    std::ifstream f("/proc/self/maps");
+    std::string line;
+    std::size_t n = 0;
+    while (std::getline(f, line)) ++n;
+    return n;
+  };
+  host_backend be(0, 64 << 10);  // the host arena's pages
+  caching_allocator a(be, expandable());
+  std::vector<void*> blocks;
+  for (int i = 0; i < 400; ++i) blocks.push_back(a.allocate(64 << 10));
+  std::size_t const before = maps();
+  for (std::size_t i = 0; i < blocks.size(); i += 2) a.deallocate(blocks[i]);
+  a.empty_cache();  // 200 one-page holes between live blocks
+  CHECK(a.reserved_bytes() == 200 * (std::size_t{64} << 10));
+  CHECK(maps() <= before + 4);
+  void* big = a.allocate(64 << 10);  // a hole mapped again
+  CHECK(a.reserved_bytes() == 201 * (std::size_t{64} << 10));
+  a.deallocate(big);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) a.deallocate(blocks[i]);
+  a.empty_cache();
+  CHECK(a.reserved_bytes() == 0);
 }
 
 }  // TEST_SUITE

@@ -306,6 +306,31 @@ def test_hand_made_timeline_levels_are_anchored_on_the_final_counters(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_segments_from_the_timeline_fixed_ones_stay_apart_expandable_pages_join_into_runs():
+    """Two fixed segments that happen to lie side by side stay two; an expandable allocator's pages, mapped in
+    pieces and unmapped in the middle, form runs that its blocks tile."""
+    loader = importlib.machinery.SourceFileLoader("gact_stats_cli", CLI)
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("gact_stats_cli", loader))
+    loader.exec_module(mod)
+    M = 1 << 20
+
+    def ev(action, src, addr, size, stream=0):
+        return {"action": action, "source": src, "addr": addr, "size": size, "stream": stream, "tag": "other",
+                "requested": size}
+
+    events = [ev("segment_alloc", "fixed", 0, 2 * M), ev("segment_alloc", "fixed", 2 * M, 2 * M),
+              ev("alloc", "fixed", 0, M), ev("alloc", "fixed", 2 * M, 2 * M),
+              ev("segment_alloc", "exp", 100 * M, 4 * M), ev("segment_alloc", "exp", 104 * M, 4 * M),
+              ev("alloc", "exp", 100 * M, 6 * M), ev("segment_alloc", "exp", 108 * M, 4 * M),
+              ev("segment_free", "exp", 108 * M, 2 * M)]
+    out = mod._segments_from_timeline(events, {"exp"})
+    assert [(s["address"], s["total_size"]) for s in out["fixed"]] == [(0, 2 * M), (2 * M, 2 * M)]
+    assert [(s["address"], s["total_size"]) for s in out["exp"]] == [(100 * M, 8 * M), (110 * M, 2 * M)]
+    run = out["exp"][0]["blocks"]
+    assert [(b["address"], b["size"], b["state"]) for b in run] == [(100 * M, 6 * M, "active_allocated"),
+                                                                      (106 * M, 2 * M, "inactive")]
+
+
 # ---- tools/gact_progress.py ---------------------------------------------------------------
 
 
