@@ -41,6 +41,13 @@ allocator_options expandable(std::size_t range = 256 * k_mib) {
   return o;
 }
 
+/// expandable() with one more setting.
+allocator_options expandable_with(std::size_t allocator_options::*field, std::size_t value) {
+  allocator_options o = expandable();
+  o.*field = value;
+  return o;
+}
+
 std::uintptr_t addr(void const* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
 void fill(void* p, std::size_t n, unsigned char v) { std::memset(p, v, n); }
@@ -292,9 +299,7 @@ TEST_CASE("expandable: holes inside what fixed segments would share: the retry s
 
 TEST_CASE("expandable: the memory limit is exact, and the error says what was tried") {
   host_backend be;
-  allocator_options o = expandable();
-  o.memory_limit = 8 * k_mib;
-  caching_allocator a(be, o);
+  caching_allocator a(be, expandable_with(&allocator_options::memory_limit, 8 * k_mib));
   void* p = a.allocate(6 * k_mib);
   void* q = a.allocate(2 * k_mib);  // exactly at the limit
   CHECK(a.reserved_bytes() == 8 * k_mib);
@@ -366,9 +371,7 @@ TEST_CASE("expandable: a block used on another stream is reused only after its e
 
 TEST_CASE("expandable: release_free_above unmaps a large free run at once") {
   host_backend be;
-  allocator_options o = expandable();
-  o.release_free_above = 8 * k_mib;
-  caching_allocator a(be, o);
+  caching_allocator a(be, expandable_with(&allocator_options::release_free_above, 8 * k_mib));
   std::size_t const n = 3 * k_mib / 2;
   void* x = a.allocate(n);             // [0, 1.5) MiB
   void* big = a.allocate(12 * k_mib);  // [1.5, 13.5)
