@@ -35,7 +35,15 @@ void* operator new(std::size_t n, std::align_val_t al) {
   if (void* p = std::aligned_alloc(a, (n + a - 1) / a * a)) return p;
   throw std::bad_alloc();
 }
-// (operator delete stays the library's, which frees with free(): what malloc and aligned_alloc gave)
+// The matching deletes (free()), so that a sanitizer that tracks new against delete sees a pair. (GCC cannot
+// tell that these operator news return malloc's memory.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
 
 namespace {
 constexpr std::size_t k_mib = std::size_t{1} << 20;
