@@ -13,9 +13,10 @@
 //                released (for contains(): is an address inside this allocator's memory?).
 //   pending      (event, block) pairs of blocks freed while used on other streams.
 //
-//   ranges       expandable segments: one vm_range per stream, its blocks covering the
-//                whole address range in order; `holes` maps the address of each unmapped
-//                block (a maximal run of unmapped pages, page-aligned at both ends) to it.
+//   ranges       expandable segments: vm_ranges per stream and pool (one, and more where
+//                live blocks cut its address space up), each with blocks covering the whole
+//                address range in order; `holes` maps the address of each unmapped block (a
+//                maximal run of unmapped pages, page-aligned at both ends) to it.
 //
 // Invariants:
 //   sum of block sizes in a segment == segment size; neighbours of a free block are
@@ -110,7 +111,7 @@ struct block {
   bool whole_segment() const noexcept { return range == nullptr && prev == nullptr && next == nullptr; }
 };
 
-/// One expandable segment: address space [base, base + size) of one stream. Invariant: its blocks cover it in
+/// One expandable segment: address space [base, base + size) of one stream and pool. Invariant: its blocks cover it in
 /// address order; mapped == size minus the sizes of the blocks in holes (all of state unmapped).
 struct vm_range {
   std::uintptr_t base = 0;
