@@ -514,6 +514,12 @@ def test_report_ranks_kernels_training_swap_and_batch_first(tmp_path):
     assert t[3] == "swap's gradients against swap=False: resnet50 equal"
     assert t[4] == "largest batch under 8192 MiB under use_allocator(): resnet50 fp32 96 -> bits2 384 (4.00x)"
     assert t[5] == "out-of-memory errors of the batch search: torch.OutOfMemoryError x7"
+    # the same arm's search with gact's pool in expandable segments, beside the fixed segments' figure
+    rep["stages"]["train"]["figures"]["max_batch_expandable"] = {"resnet50": {"bits2": {"max_batch": 448}},
+                                                                 "note": "a string, skipped"}
+    assert report.truths(rep)[5] == ("largest batch at 2 bits under use_allocator() with expandable segments "
+                                     "(GACT_EXPANDABLE_SEGMENTS=1; fixed segments in brackets): resnet50 448 (384)")
+    del rep["stages"]["train"]["figures"]["max_batch_expandable"]
     rep["stages"]["train"]["figures"]["max_batch_oom_errors"] = {"builtins.RuntimeError": 2}
     assert "NOT all torch's OutOfMemoryError" in report.truths(rep)[5]
     # the default path's search (native stage: torch's allocator, the blobs in torch's pool), said beside it

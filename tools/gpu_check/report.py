@@ -353,8 +353,12 @@ def truths(report: Mapping[str, object]) -> List[str]:
                        + "; ".join(lines))
     mbx = t.get("max_batch_expandable") or {}
     if mbx:
-        out.append("largest batch at 2 bits under use_allocator() with expandable segments: " + "; ".join(
-            f"{m} {(r.get('bits2') or {}).get('max_batch')}" for m, r in mbx.items() if isinstance(r, Mapping)))
+        fixed = t.get("max_batch") or {}
+        out.append("largest batch at 2 bits under use_allocator() with expandable segments "
+                   "(GACT_EXPANDABLE_SEGMENTS=1; fixed segments in brackets): " + "; ".join(
+                       f"{m} {(r.get('bits2') or {}).get('max_batch')} "
+                       f"({((fixed.get(m) or {}).get('bits2') or {}).get('max_batch')})"
+                       for m, r in mbx.items() if isinstance(r, Mapping)))
     ooms = dict(t.get("max_batch_oom_errors") or {})
     for k, v in (nat.get("max_batch_oom_errors") or {}).items():
         ooms[k] = ooms.get(k, 0) + v
