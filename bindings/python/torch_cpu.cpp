@@ -318,8 +318,17 @@ struct version_ref {
 
 }  // namespace
 
+#ifdef GACT_TORCH_GRAPH
+namespace gact::bindings {
+void register_graph(py::module_& m);  // torch_graph.cpp: graph_reaches
+}
+#endif
+
 PYBIND11_MODULE(_gact_torch, m) {
   m.doc() = "gact's host arena as torch's CPU allocator (use gact.use_cpu_allocator)";
+#ifdef GACT_TORCH_GRAPH
+  gact::bindings::register_graph(m);
+#endif
   m.def("install", &install, py::arg("fns"), "Serve torch's CPU tensors from gact's host arena.");
   m.def("uninstall", &uninstall, "Give torch its previous CPU allocator back (served tensors stay valid).");
   m.def("installed", &installed, "Whether torch's CPU allocator is gact's now.");

@@ -978,7 +978,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -989,6 +989,7 @@ class Frame:
         self.seen: tuple | None = None  # cross_entropy: the log-probabilities stored as exp (nll_loss saves them again)
         self.count = 0  # multi_head_attention_forward: its 4-dimensional saves so far
         self.group = 0  # the store's group of its correlated saves (correlation_group), once it has one
+        self.operands: list | None = None  # _operands(self), once a save asked (an LSTM cell's call saves 26 tensors)
 
     @property
     def name(self) -> str:
@@ -1592,13 +1593,17 @@ RESULTS_MAX = 1 << 16
 def _operands(frame: Frame) -> list:
     """The dense tensors a call was given (directly, or in a list or tuple argument: torch.cat's, einsum's); not a
     sparse one or a torch.func transform's wrapped one, which share no blob with a saved tensor."""
+    ops = frame.operands
+    if ops is not None:  # (the call's arguments, their layouts and wrappers do not change while it runs)
+        return ops
     out = []
     for a in (*frame.args, *frame.kwargs.values()) if frame.kwargs else frame.args:
         if isinstance(a, torch.Tensor):
             out.append(a)
         elif type(a) in (list, tuple):
             out.extend(x for x in a if isinstance(x, torch.Tensor))
-    return [a for a in out if a.layout is torch.strided and not _compat.is_functorch_wrapped(a)]
+    ops = frame.operands = [a for a in out if a.layout is torch.strided and not _compat.is_functorch_wrapped(a)]
+    return ops
 
 
 _GROUPS = itertools.count(1)
@@ -1669,8 +1674,7 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         if sum(1 for a in ops if a is t) >= 2:
             return True
         others = [a for a in ops if a is not t and not a.is_leaf]
-        return bool(others) and _reaches(others, lambda fn, i: getattr(fn, "variable", None) is t,
-                                         [a.numel() * 8 <= t.numel() for a in others])
+        return bool(others) and _reaches_to(others, leaf=t, reduced=[a.numel() * 8 <= t.numel() for a in others])
     # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
     # each; this runs for every stored save)
     every = _operands(frame)
@@ -1688,12 +1692,12 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
     base = None  # the operand t is (or a whole view of)
     others = []
     for a in ops:
-        if base is None and _view_of(t, a):
-            base = a
-        elif _view_of(t, a):
-            return True  # the same memory twice (p * p)
-        else:
+        if not _view_of(t, a):
             others.append(a)
+        elif base is None:
+            base = a
+        else:
+            return True  # the same memory twice (p * p)
     if base is None:
         # (no operand is t: the call's result or a tensor it made inside; its inputs existed before it and cannot
         # be computed from it. Recorded: a later call reading it for its own gradient gets a blob of its own)
@@ -1705,35 +1709,25 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
         # other one; a part of one projection's output, q beside k, reaches the root too: a group, no bytes more
         # where nothing else saves that memory)
-        targets = [(base.grad_fn, base.output_nr)]
         root = base._base
-        chain: set = set()  # the view nodes between t and its root: a walk does not pass them (q beside k)
-        held = []  # (their Python objects, held: a freed one's id could be another node's)
-        if root is not None and root.grad_fn is not None:
-            targets.append((root.grad_fn, root.output_nr))
-            g = base.grad_fn
-            for _ in range(8):
-                if g is None or g is root.grad_fn or type(g).__name__ not in VIEW_NODES:
-                    break
-                chain.add(id(g))
-                held.append(g)
-                nxt = g.next_functions
-                g = nxt[0][0] if nxt else None
+        if root is not None and root.grad_fn is None:
+            root = None
+        # another output of the node that made t (unbind's, chunk's) is a sibling, not computed from t; the same
+        # output is another view of t's memory
+        targets = [(base.grad_fn, base.output_nr)] + ([(root.grad_fn, root.output_nr)] if root is not None else [])
         rest = []
         for a in others:
             sibling = False
             for g, nr in targets:
                 if a.grad_fn is g:
-                    # another output of the node that made t (unbind's, chunk's): a sibling, not computed from t; the
-                    # same output is another view of t's memory
                     if a.output_nr == nr:
                         return True
                     sibling = True
             if not sibling:
                 rest.append(a)
-        hit = lambda fn, i: any(fn is g and i == nr for g, nr in targets)  # noqa: E731
         # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
-        if rest and _reaches(rest, hit, [a.numel() * 8 <= t.numel() for a in rest], chain):
+        if rest and _reaches_to(rest, targets=[base] if root is None else [base, root],
+                                reduced=[a.numel() * 8 <= t.numel() for a in rest], chain_of=(base, root)):
             return True
     return _reads_a_result(t, frame, results)
 
@@ -1766,8 +1760,7 @@ def _alias_of_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> b
     ops = [a for a in _operands(frame) if not a.is_leaf]
     if any(_view_of(t, a) or _result_key(a) == _result_key(t) for a in ops):
         return True
-    g, nr = src.grad_fn, src.output_nr
-    return bool(ops) and _reaches(ops, lambda fn, i: fn is g and i == nr)
+    return bool(ops) and _reaches_to(ops, targets=[src])
 
 
 def _reads_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool:
@@ -1786,6 +1779,48 @@ def _reads_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool
 _SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "NormBackward1", "NormBackward2",
                           "NormBackward3", "LinalgVectorNormBackward0", "VarBackward0", "VarBackward1", "StdBackward0",
                           "StdBackward1", "VarMeanBackward0", "StdMeanBackward0"})
+
+
+try:  # (the walk in C++: bindings/python/torch_graph.cpp; absent where _gact_torch was built without autograd's headers)
+    from _gact_torch import graph_configure as _graph_configure, graph_reaches as _graph_reaches
+except ImportError:
+    _graph_reaches = None
+else:
+    _graph_configure(set(VIEW_NODES), set(_SQUARE_SUMS))
+
+
+def _reaches_to(operands: list, targets: list = (), leaf: torch.Tensor | None = None, reduced: list | None = None,
+                chain_of: tuple | None = None, native: bool | None = None) -> bool:
+    """_reaches with what it looks for: an edge to a target tensor's (grad_fn, output_nr), or to the AccumulateGrad of
+    ``leaf``; ``chain_of`` (base, root): the view nodes from base's grad_fn back to root's, which no walk passes (root
+    None: none). Walked by _gact_torch.graph_reaches where it is built (``native`` False: in Python, as tests compare)."""
+    if native is None:
+        native = _graph_reaches is not None
+    if native:
+        base, root = chain_of if chain_of is not None else (None, None)
+        return _graph_reaches([a._cdata for a in operands], [x._cdata for x in targets],
+                              leaf._cdata if leaf is not None else 0, reduced or [],
+                              base._cdata if root is not None else 0, root._cdata if root is not None else 0,
+                              CORRELATION_DEPTH, CORRELATION_NODES)
+    hits = [(x.grad_fn, x.output_nr) for x in targets]
+    hits = [(g, nr) for g, nr in hits if g is not None]
+    if leaf is not None:
+        hit = lambda fn, i: any(fn is g and i == nr for g, nr in hits) or getattr(fn, "variable", None) is leaf  # noqa: E731
+    else:
+        hit = lambda fn, i: any(fn is g and i == nr for g, nr in hits)  # noqa: E731
+    chain: set = set()  # the view nodes between base and its root: a walk does not pass them (q beside k)
+    held = []  # (their Python objects, held: a freed one's id could be another node's)
+    if chain_of is not None and chain_of[1] is not None:
+        base, root = chain_of
+        g = base.grad_fn
+        for _ in range(8):
+            if g is None or g is root.grad_fn or type(g).__name__ not in VIEW_NODES:
+                break
+            chain.add(id(g))
+            held.append(g)
+            nxt = g.next_functions
+            g = nxt[0][0] if nxt else None
+    return _reaches(operands, hit, reduced, chain)
 
 
 def _reaches(operands: list, hit: Callable[[Any, int], bool], reduced: list | None = None,

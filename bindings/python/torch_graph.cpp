@@ -1,0 +1,146 @@
+// gact/bindings/python/torch_graph.cpp
+//
+// `_gact_torch.graph_reaches`: the walk over autograd's graph that tells whether a saved tensor's
+// call was given an operand computed from it (gact/saved.py: correlated, _reaches), in C++.
+//
+// The walk runs for every stored save whose call has another operand with a graph. Written in
+// Python it reads `next_functions` node by node (a tuple of tuples made per node) and takes about
+// 100 µs when it finds nothing within its bounds, as on an LSTM cell's hidden state, whose
+// cell-state operand never leads back to it: that was a third of what gact added to the
+// time step of a float64 LSTMCell model. Here it reads each node's edges in place.
+//
+// The semantics are saved.py's `_reaches`, node for node (tests/python/test_graph_walk.py
+// compares both on random graphs): a breadth-first walk from each operand's grad_fn, `depth`
+// levels at most and `max_nodes` distinct (barrier, node) pairs in all, over the nodes' next
+// edges; an edge hits when it leads to a target tensor's (grad_fn, output_nr), or to the
+// AccumulateGrad node of the leaf `leaf`. An operand whose `reduced` entry is set does not pass
+// a node named in the square sums; no walk passes the view nodes from `chain_base`'s grad_fn back
+// towards `chain_root`'s (the chain saved.py builds: 8 nodes at most). Both lists of names are
+// saved.py's, given once (graph_configure).
+//
+// Tensors come as TensorImpl addresses (`Tensor._cdata`), which the caller holds alive for the
+// call; grad_fn and output_nr are read through ATen's own accessors (the same that Python's
+// `Tensor.grad_fn` uses, which rebuild a view's node after an in-place change).
+#include <ATen/core/TensorBase.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace gact::bindings {
+namespace {
+
+using torch::autograd::Node;
+
+/// The tensor at TensorImpl address `impl` (a new reference to it; the caller's Python tensor keeps it alive).
+at::TensorBase tensor_at(std::uintptr_t impl) {
+  if (impl == 0) throw py::value_error("graph_reaches: a null TensorImpl address");
+  return at::TensorBase(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(reinterpret_cast<c10::TensorImpl*>(impl)));
+}
+
+/// Whether `node` is the AccumulateGrad node of the tensor at `leaf`.
+bool accumulates(Node* node, c10::TensorImpl const* leaf) {
+  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node);
+  return acc != nullptr && acc->variable.defined() && acc->variable.unsafeGetTensorImpl() == leaf;
+}
+
+/// graph_configure's names (set once, when gact/saved.py is imported, before any walk).
+std::set<std::string> g_view_names;
+std::set<std::string> g_square_sums;
+
+void graph_configure(std::set<std::string> view_names, std::set<std::string> square_sums) {
+  g_view_names = std::move(view_names);
+  g_square_sums = std::move(square_sums);
+}
+
+bool graph_reaches(std::vector<std::uintptr_t> const& operands, std::vector<std::uintptr_t> const& targets,
+                   std::uintptr_t leaf, std::vector<bool> const& reduced, std::uintptr_t chain_base,
+                   std::uintptr_t chain_root, int depth, int max_nodes) {
+  std::set<std::string> const& view_names = g_view_names;
+  std::set<std::string> const& square_sums = g_square_sums;
+  if (!reduced.empty() && reduced.size() != operands.size())
+    throw py::value_error("graph_reaches: reduced must have one entry per operand");
+  std::vector<std::pair<Node*, std::uint32_t>> hits;
+  std::vector<std::shared_ptr<Node>> held;  // (the nodes compared by address stay alive through the walk)
+  for (std::uintptr_t t : targets) {
+    at::TensorBase const x = tensor_at(t);
+    std::shared_ptr<Node> const& g = x.grad_fn();
+    if (g) {
+      hits.emplace_back(g.get(), static_cast<std::uint32_t>(x.output_nr()));
+      held.push_back(g);
+    }
+  }
+  c10::TensorImpl const* const leaf_impl = leaf != 0 ? reinterpret_cast<c10::TensorImpl const*>(leaf) : nullptr;
+  // the view nodes between chain_base and chain_root, which no walk passes (saved.py: the `chain` of correlated)
+  std::set<Node*> stop;
+  if (chain_base != 0 && chain_root != 0) {
+    at::TensorBase const root = tensor_at(chain_root);
+    std::shared_ptr<Node> const root_fn = root.grad_fn();
+    std::shared_ptr<Node> g = tensor_at(chain_base).grad_fn();
+    for (int k = 0; k < 8; ++k) {
+      if (!g || g == root_fn || view_names.count(g->name()) == 0) break;
+      stop.insert(g.get());
+      held.push_back(g);
+      auto const& next = g->next_edges();
+      g = next.empty() ? nullptr : next.front().function;
+    }
+  }
+  auto const hit = [&](Node* fn, std::uint32_t nr) {
+    for (auto const& [g, n] : hits) {
+      if (g == fn && n == nr) return true;
+    }
+    return leaf_impl != nullptr && accumulates(fn, leaf_impl);
+  };
+  std::set<std::pair<bool, Node*>> seen;
+  std::vector<std::shared_ptr<Node>> frontier;
+  std::vector<std::shared_ptr<Node>> next;
+  for (std::size_t j = 0; j < operands.size(); ++j) {
+    bool const barrier = !reduced.empty() && reduced[j];
+    frontier.clear();
+    frontier.push_back(tensor_at(operands[j]).grad_fn());
+    for (int level = 0; level < depth; ++level) {
+      next.clear();
+      for (std::shared_ptr<Node> const& node : frontier) {
+        if (!node) continue;  // (an operand without a graph: nothing to walk)
+        if ((barrier && square_sums.count(node->name()) != 0) || stop.count(node.get()) != 0) continue;
+        for (torch::autograd::Edge const& e : node->next_edges()) {
+          Node* const fn = e.function.get();
+          if (fn == nullptr) continue;
+          if (hit(fn, e.input_nr)) return true;
+          if (seen.emplace(barrier, fn).second) next.push_back(e.function);
+        }
+        if (seen.size() > static_cast<std::size_t>(max_nodes)) return false;
+      }
+      if (next.empty()) break;
+      frontier.swap(next);
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void register_graph(py::module_& m) {
+  m.def("graph_configure", &graph_configure, py::arg("view_names"), py::arg("square_sums"),
+        "The names of the view nodes a chain follows and of the sums of squares a reduced operand's walk does not "
+        "pass (gact/saved.py's VIEW_NODES and _SQUARE_SUMS), once before any graph_reaches.");
+  m.def("graph_reaches", &graph_reaches, py::arg("operands"), py::arg("targets"), py::arg("leaf"),
+        py::arg("reduced"), py::arg("chain_base"), py::arg("chain_root"), py::arg("depth"), py::arg("max_nodes"),
+        "Whether an edge of the graphs of `operands` (TensorImpl addresses) leads to a target's (grad_fn, "
+        "output_nr) or to the leaf's AccumulateGrad, within `depth` levels and `max_nodes` nodes (gact/saved.py "
+        "_reaches).");
+}
+
+}  // namespace gact::bindings

@@ -1,0 +1,126 @@
+"""The walk over autograd's graph that decides a correlated save's group (gact/saved.py: correlated, _reaches_to):
+_gact_torch.graph_reaches (C++, bindings/python/torch_graph.cpp) answers as the Python walk does, on random graphs
+and on the cases its bounds and barriers exist for."""
+import random
+
+import pytest
+import torch
+
+from gact import saved as S
+
+native = pytest.mark.skipif(S._graph_reaches is None, reason="_gact_torch built without autograd's headers")
+
+
+def both(*args, **kwargs):
+    a = S._reaches_to(*args, native=True, **kwargs)
+    b = S._reaches_to(*args, native=False, **kwargs)
+    assert a == b, (args, kwargs)
+    return a
+
+
+def _random_graph(rng: random.Random, n: int) -> list:
+    leaves = [torch.randn(4, 6, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    pool = list(leaves)
+    for _ in range(n):
+        x = rng.choice(pool)
+        y = rng.choice(pool)
+        op = rng.randrange(9)
+        if x.dim() != 2 or y.shape != x.shape:
+            x, y = rng.choice(leaves), rng.choice(leaves)
+        if op == 0:
+            z = x + y
+        elif op == 1:
+            z = x * y
+        elif op == 2:
+            z = x.sin()
+        elif op == 3:
+            z = x.pow(2).sum(-1, keepdim=True).expand(4, 6)  # a sum of squares, for the reduced operands' barrier
+        elif op == 4:
+            a, b = x.chunk(2, dim=1)  # two outputs of one node
+            z = torch.cat([b, a], dim=1)
+        elif op == 5:
+            z = x.t().t()  # a chain of view nodes
+        elif op == 6:
+            z = x[:, :3].repeat(1, 2)
+        elif op == 7:
+            z = x.exp() * x
+        else:
+            z = (x * 2).tanh()
+        pool.append(z)
+    return leaves, pool
+
+
+@native
+def test_native_walk_answers_as_the_python_walk_on_random_graphs():
+    rng = random.Random(7)
+    outcomes = {True: 0, False: 0}
+    for g in range(60):
+        leaves, pool = _random_graph(rng, rng.randrange(3, 40))
+        inner = [t for t in pool if t.grad_fn is not None]
+        for _ in range(20):
+            ops = rng.sample(inner, min(len(inner), rng.randrange(1, 4)))
+            reduced = [rng.random() < 0.4 for _ in ops]
+            kind = rng.randrange(3)
+            if kind == 0:
+                r = both(ops, leaf=rng.choice(leaves), reduced=reduced)
+            elif kind == 1:
+                base = rng.choice(inner)
+                r = both(ops, targets=[base], reduced=reduced)
+            else:
+                root = rng.choice(inner)
+                base = root.t()[1:].t() if rng.random() < 0.5 else root[:, 1:]
+                r = both(ops, targets=[base, root], reduced=reduced, chain_of=(base, root))
+            outcomes[r] += 1
+    # (both answers occur, so the comparison above compares something)
+    assert outcomes[True] > 50 and outcomes[False] > 50, outcomes
+
+
+@native
+def test_native_walk_bounds_and_barriers():
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    h = x * 1.5
+    # a hit further back than CORRELATION_DEPTH nodes is not seen; one within it is
+    deep = h
+    for _ in range(S.CORRELATION_DEPTH + 2):
+        deep = deep.sin()
+    assert not both([deep], targets=[h])
+    near = h.sin().cos()
+    assert both([near], targets=[h])
+    # the leaf's AccumulateGrad
+    assert both([near], leaf=x)
+    assert not both([near], leaf=torch.randn(2, requires_grad=True))
+    # a sum of squares stops a reduced operand's walk, not another's
+    sq = h.pow(2).sum()
+    assert not both([sq], targets=[h], reduced=[True])
+    assert both([sq], targets=[h], reduced=[False])
+    signed = h.sum()
+    assert both([signed], targets=[h], reduced=[True])
+    # the other output of a two-output node's input: output_nr counts
+    a, b = h.chunk(2, dim=0)
+    assert both([a.sin()], targets=[a])
+    assert not both([b.sin()], targets=[a])
+    # the walk does not pass the view nodes between a part and its root: an operand computed from an intermediate
+    # view on that chain reaches the root only through it
+    root = x * 2.0
+    mid = root.t()[1:]
+    q = mid.t()
+    other = mid.sin()
+    assert not both([other], targets=[q, root], chain_of=(q, root))
+    assert both([other], targets=[q, root])  # (without the chain, through it)
+    # a part beside another of the same root (q beside k) reaches the root through its own slice: a hit
+    k = root[:, 4:].exp()
+    assert both([k], targets=[root[:, :4], root], chain_of=(root[:, :4], root))
+    # a walk that meets more than CORRELATION_NODES nodes gives up (a wide graph: every leaf its own node)
+    wide = sum(torch.randn(3, requires_grad=True) * 1.0 for _ in range(S.CORRELATION_NODES + 8))
+    target = torch.randn(3, requires_grad=True)
+    far = (wide + target * 1.0).sin()
+    assert both([far], leaf=target) == S._reaches_to([far], leaf=target, native=False)
+
+
+@native
+def test_native_walk_refuses_a_null_tensor_and_a_short_reduced_list():
+    h = torch.randn(3, requires_grad=True) * 2
+    with pytest.raises(ValueError, match="null TensorImpl"):
+        S._graph_reaches([0], [], 0, [], 0, 0, 6, 64)
+    with pytest.raises(ValueError, match="one entry per operand"):
+        S._graph_reaches([h._cdata, h._cdata], [], 0, [True], 0, 0, 6, 64)
