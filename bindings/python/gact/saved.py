@@ -475,6 +475,26 @@ def _attention(t, args, kwargs, frame) -> Decision:
     return _ATTENTION_VALUES
 
 
+def _flex_attention(t, args, kwargs, frame) -> Decision:
+    # flex_attention (torch >= 2.5; the tracker sees its higher-order op: query, key, value, score_mod, block_mask,
+    # scale, kernel_options, then the tensors score_mod and mask_mod close over). Its backward recomputes the scores
+    # from q and k through the user's score_mod and exp(score - lse), as a fused attention kernel does: q and k at
+    # their floor, v and the output (read linearly) at the run's bits, and every other float it saves exact: the
+    # log-sum-exp (autograd gives it a graph here, so the attention row's test for it does not apply) and the tensors
+    # score_mod reads (a bias table, read through the softmax). Integer block-mask tensors are kept for their dtype.
+    if not _is_float(t):
+        return _VALUES
+    q, k, v = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key"), _arg(args, kwargs, 2, "value")
+    if _given_as(t, q) or _given_as(t, k):
+        return _ATTENTION_QK
+    if _given_as(t, v):
+        return _ATTENTION_VALUES
+    if frame is not None and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and t.dim() == q.dim() \
+            and tuple(t.shape) == (*q.shape[:-1], v.shape[-1]) and not any(_view_of(t, a) for a in _operands(frame)):
+        return _ATTENTION_VALUES  # (the output)
+    return _EXACT
+
+
 def _given_as(t: torch.Tensor, a: Any) -> bool:
     """Whether ``t`` is the argument ``a`` the call was given (its query, key, ...), a view of it, or autocast's copy
     of it in the call's dtype (rotary embeddings with float32 cos/sin under bfloat16 autocast hand a float32 q and k to an
@@ -937,6 +957,10 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      f"output too), v and output at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
      f"{QUADRATIC_MIN_BITS} bits (a softmax's); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
+_add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod and mask_mod read",
+     "q and k at >= 8 bits (the backward recomputes the scores through score_mod and exp(score − lse)), v and output "
+     "at >= 2 bits; the log-sum-exp and every other float it saves (score_mod's tensors) exact; block-mask indices kept "
+     "(integers)", _flex_attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
 _add("rms_norm _fused_rms_norm", "input; 1/rms through a division", "input as values; 1/rms exact", _rms_norm)
