@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -440,3 +441,52 @@ def test_pow_rows_decide_by_exponent():
     assert rule(x, (x, torch.randn(8)), {}, F("pow")).kind == saved.EXACT
     assert rule(x, (x, 2.0), {}, F("__rpow__")).kind == saved.VALUES
     assert saved.rule_for("__pow__") is saved.rule_for("pow")
+
+
+_allow_mutation = getattr(torch.autograd.graph, "allow_mutation_on_saved_tensors", None)
+
+
+@pytest.mark.skipif(_allow_mutation is None, reason="torch without allow_mutation_on_saved_tensors")
+@pytest.mark.parametrize("change", ["stored", "kept_weight", "relu_output"])
+def test_allow_mutation_on_saved_tensors_reads_what_was_saved(change):
+    """Under torch.autograd.graph.allow_mutation_on_saved_tensors() a program may change a saved tensor in place
+    before backward, which then reads it as saved (torch clones it on its first change). gact's hooks are the
+    innermost, so torch's never see the saves: gact raised torch's in-place error where plain torch ran. Now a blob
+    is decoded without the check (it holds the saved values), a tensor kept as it is (a weight) is kept as a copy,
+    and a ReLU's mask is encoded at once: the gradient is plain torch's (8 bits: cosine, and the kept weight's and
+    mask's reads exact)."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(64, 64).double(), torch.nn.Linear(64, 64).double()
+    x = torch.randn(32, 64, dtype=torch.float64)
+    w0 = lin2.weight.detach().clone()
+
+    def run(comp):
+        lin1.zero_grad()
+        lin2.zero_grad()
+        with torch.no_grad():
+            lin2.weight.copy_(w0)
+        with _allow_mutation():
+            with comp if comp is not None else contextlib.nullcontext():
+                a = lin1(x)
+                if change == "relu_output":
+                    a = torch.relu(a)
+                    b = a * 1.0
+                else:
+                    a = torch.exp(a)
+                    b = a
+                loss = (lin2(b) ** 2).sum()
+            if change == "kept_weight":
+                with torch.no_grad():
+                    lin2.weight.mul_(3.0)
+            else:
+                a.sub_(0.5)  # (a ReLU's output: the mask of the changed tensor would differ)
+            loss.backward()
+        return torch.cat([lin1.weight.grad.reshape(-1), lin2.weight.grad.reshape(-1)])
+
+    ref = run(None)
+    comp = gact.Compressor(None, bits=8, min_bytes=0)
+    got = run(comp)
+    assert comp.stats()["store"]["tensors_in"] > 0
+    cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=0))
+    assert cos > 0.9999, (change, cos)
+    comp.close()

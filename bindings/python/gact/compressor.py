@@ -178,12 +178,27 @@ except ImportError:
     _VersionRef = _version_ref = None
 
 
+_graph = getattr(torch.autograd, "graph", None)
+
+
+def _mutation_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active: the program may then change a
+    saved tensor in place before backward, and backward must read it as it was when saved (torch clones it on its
+    first change; gact's hooks, the innermost, keep torch's from seeing the saves). A blob holds the values of its
+    save already: it is decoded without the version check, never served by the program's (changed) tensor; a tensor
+    gact would keep as it is is kept as a copy; nothing waits to be encoded later."""
+    return _graph is not None and getattr(_graph, "_allow_mutation_on_saved_tensors_enabled", False) is True
+
+
 def _watch(t: torch.Tensor) -> Any:
     """What tells ``t``'s version at unpack without keeping ``t`` alive (see _check_version): its version counter,
     which its views and aliases share and torch's own check reads, so that an in-place change made through an alias
     (a view, its base, ``detach()``; not ``.data``, which has a counter of its own in torch too) after the program
     dropped ``t`` is still seen; without
-    ``_gact_torch``, a weak reference to ``t`` or its base (then a change is seen only while that lives)."""
+    ``_gact_torch``, a weak reference to ``t`` or its base (then a change is seen only while that lives). None (no
+    check) under allow_mutation_on_saved_tensors (_mutation_allowed)."""
+    if _mutation_allowed():
+        return None
     if _version_ref is not None:
         try:
             return _version_ref(t._cdata)
@@ -1008,7 +1023,12 @@ class Compressor:
         k = t if t.grad_fn is None else t.detach()
         # (a policy's probe replays a step and restores what it changed, batch norm's running statistics
         # included, before its backward: its passes are gact's own, not the program's)
-        return k if self._probe is not None else _Kept(k, t._version)
+        if self._probe is not None:
+            return k
+        if _mutation_allowed():  # (the program may change t before backward reads it as saved)
+            k = k.detach().clone()
+            return _Kept(k, k._version)
+        return _Kept(k, t._version)
 
     def _next_key(self, s: list | None = None) -> str:
         if s is None:
@@ -1161,7 +1181,7 @@ class Compressor:
                 return self._keep(t if keep is None else keep, "exact")
             # (inside a `with` block, whose end stores what still waits, or installed for the whole process
             # by gact-run, where backward's first unpack and step() do)
-            if defer and d.clamped and keep is None and self._probe is None and \
+            if defer and d.clamped and keep is None and self._probe is None and not _mutation_allowed() and \
                     (self._global_depth > 0 or getattr(self._local, "depth", 0) > 0) and t.is_floating_point():
                 return self._defer(t, key, d)
             role, pred, decode = "predicate", d.pred, d.decode
@@ -1229,7 +1249,7 @@ class Compressor:
         if keep is not None:
             p.version = keep._version
         p.vref = _watch(v)
-        if dense:
+        if dense and not _mutation_allowed():
             p.ptr = ptr
             try:
                 p.ref = r = _TensorRef(t, _forget_ref)
@@ -1273,7 +1293,7 @@ class Compressor:
         # it, and a save larger than the window never waits for its own encode)
         if self._verdicts:
             self._settle()
-        p.hold = src.detach()
+        p.hold = src.detach() if not _mutation_allowed() else src.detach().clone()  # (the values as saved)
         p.pred = pred
         n = src.numel() * src.element_size()
         with self._verdict_lock:
