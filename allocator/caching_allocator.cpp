@@ -409,13 +409,15 @@ struct caching_allocator::impl {
   // ---- expandable segments ---------------------------------------------------------
   std::size_t round_down(std::size_t n, std::size_t to) const noexcept { return n / to * to; }
 
-  /// Address space of a new range: the option, or the backend's total memory plus an eighth.
+  /// Address space of a new range: the option, or the backend's total memory plus an eighth, bounded by the
+  /// backend's hint (a limit on the process's address space).
   std::size_t range_bytes() {
     std::size_t n = opts.expandable_range;
     if (n == 0) {
       std::size_t const total = be.memory_info().total_bytes;
       n = total == 0 ? std::size_t{64} << 30 : total + total / 8;
       n = std::max(n, opts.memory_limit);
+      if (std::size_t const hint = be.vm_reserve_hint(); hint != 0) n = std::min(n, hint);
     }
     return round_up(std::max(n, page), page);
   }
@@ -508,15 +510,19 @@ struct caching_allocator::impl {
     for (auto const& rp : ranges) {
       if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
     }
+    bool fresh = false;
     if (best == nullptr) {
       // no range of this stream and pool has a hole the request fits in (none yet, or their address space is cut
       // up by live blocks): another range, as torch adds another expandable segment
       r = new_range(stream, small, size);
       if (r == nullptr) return false;
+      fresh = true;
       find_hole(*r, size, best, best_bytes, r);
     }
     GACT_ASSERT_INTERNAL(best != nullptr);
-    return map_hole(r, best, best_bytes, stream, small);
+    if (map_hole(r, best, best_bytes, stream, small)) return true;
+    if (fresh) release_range_if_empty(*r);  // (no memory for it: its address space goes back at once)
+    return false;
   }
 
   /// The hole of `r` whose mapping serves `size` with the fewest new bytes, if it needs fewer than `best_bytes`

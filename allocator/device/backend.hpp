@@ -88,6 +88,10 @@ class backend {
   /// Reserve `bytes` (a multiple of vm_page()) of address space with no memory behind it.
   /// @throws gact::out_of_memory when no such range is left; gact::cuda_error on other failures.
   void* vm_reserve(std::size_t bytes) { return do_vm_reserve(bytes); }
+  /// The most address space one new range should take now, or 0 for no bound: the host's share of what a limit
+  /// on the process's address space (`ulimit -v`) leaves, so that a range does not starve the rest of the
+  /// process (more ranges are added as they fill). Never throws.
+  std::size_t vm_reserve_hint() noexcept { return do_vm_reserve_hint(); }
   /// Give back a range from vm_reserve, whose pages must all be unmapped. Never throws; failures are logged.
   void vm_free(void* p, std::size_t bytes) noexcept { do_vm_free(p, bytes); }
   /// Put memory behind [p, p + bytes), page-aligned pages of a reserved range that are not mapped: readable
@@ -117,6 +121,7 @@ class backend {
   virtual std::string_view do_name() const noexcept = 0;
   virtual std::size_t do_vm_page() const noexcept { return 0; }
   virtual void* do_vm_reserve(std::size_t bytes);
+  virtual std::size_t do_vm_reserve_hint() noexcept { return 0; }
   virtual void do_vm_free(void* p, std::size_t bytes) noexcept;
   virtual void do_vm_map(void* p, std::size_t bytes);
   virtual bool do_vm_unmap(void* p, std::size_t bytes) noexcept;

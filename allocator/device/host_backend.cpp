@@ -3,9 +3,12 @@
 #include "allocator/device/host_backend.hpp"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -97,6 +100,28 @@ void* host_backend::do_vm_reserve(std::size_t bytes) {
   if (base > a) ::munmap(raw, base - a);
   if (std::uintptr_t const end = base + bytes; end < a + span) ::munmap(reinterpret_cast<void*>(end), a + span - end);
   return reinterpret_cast<void*>(base);
+}
+
+std::size_t host_backend::do_vm_reserve_hint() noexcept {
+  // Under a limit on the address space (RLIMIT_AS, `ulimit -v`) PROT_NONE reservations count against it: a range
+  // of the machine's memory size, halved until the limit gives it, took half or more of what the process had left,
+  // and numpy, Python and a later range of the other pool failed. A range takes an eighth of the headroom at most
+  // (at least a page): the others, and the rest of the process, keep theirs; a request larger than that still gets
+  // a range of its own size.
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_AS, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return 0;
+  std::size_t used = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    unsigned long pages = 0;
+    if (std::fscanf(f, "%lu", &pages) == 1) used = std::size_t(pages) * std::size_t(::sysconf(_SC_PAGESIZE));
+    std::fclose(f);
+  }
+  return reserve_hint_for(static_cast<std::size_t>(lim.rlim_cur), used, vm_page_);
+}
+
+std::size_t host_backend::reserve_hint_for(std::size_t limit, std::size_t used, std::size_t page) noexcept {
+  std::size_t const headroom = used < limit ? limit - used : 0;
+  return std::max(headroom / 8 / page * page, page);
 }
 
 void host_backend::do_vm_free(void* p, std::size_t bytes) noexcept {

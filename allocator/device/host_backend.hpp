@@ -50,6 +50,10 @@ class host_backend final : public backend {
   ///        uses a smaller one than a GPU's, so that a memory limit and a release work at a finer grain).
   /// @throws gact::invalid_argument for a bad vm_page.
   explicit host_backend(std::size_t capacity = 0, std::size_t vm_page = k_vm_page);
+
+  /// vm_reserve_hint() under an address-space limit of `limit` bytes with `used` bytes of it taken: an eighth of
+  /// the headroom, in whole pages, at least one page.
+  static std::size_t reserve_hint_for(std::size_t limit, std::size_t used, std::size_t page) noexcept;
   ~host_backend() override = default;
 
   /// The cap given at construction (0 = none).
@@ -82,6 +86,7 @@ class host_backend final : public backend {
   std::string_view do_name() const noexcept override { return "host"; }
   std::size_t do_vm_page() const noexcept override { return vm_page_; }
   void* do_vm_reserve(std::size_t bytes) override;
+  std::size_t do_vm_reserve_hint() noexcept override;
   void do_vm_free(void* p, std::size_t bytes) noexcept override;
   void do_vm_map(void* p, std::size_t bytes) override;
   bool do_vm_unmap(void* p, std::size_t bytes) noexcept override;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -67,6 +68,13 @@ class vm_manual_backend final : public gact::device::backend {
   int syncs() const { return syncs_; }
   /// Refuse address-space reservations above this many bytes (a limit on the process's address space).
   std::size_t max_vm_reserve = 0;
+  /// What vm_reserve_hint() answers (0: no bound).
+  std::size_t reserve_hint = 0;
+  /// Refuse every vm_map (no memory behind the address space).
+  bool refuse_maps = false;
+  /// Ranges reserved and not yet freed, and the size of the last one reserved.
+  int live_ranges = 0;
+  std::size_t last_reserve = 0;
 
  private:
   void* do_reserve(std::size_t bytes) override { return host_.reserve(bytes); }
@@ -97,10 +105,20 @@ class vm_manual_backend final : public gact::device::backend {
   std::size_t do_vm_page() const noexcept override { return host_.vm_page(); }
   void* do_vm_reserve(std::size_t bytes) override {
     if (max_vm_reserve != 0 && bytes > max_vm_reserve) throw gact::out_of_memory("vm-manual: address space limit");
-    return host_.vm_reserve(bytes);
+    void* p = host_.vm_reserve(bytes);
+    ++live_ranges;
+    last_reserve = bytes;
+    return p;
   }
-  void do_vm_free(void* p, std::size_t bytes) noexcept override { host_.vm_free(p, bytes); }
-  void do_vm_map(void* p, std::size_t bytes) override { host_.vm_map(p, bytes); }
+  std::size_t do_vm_reserve_hint() noexcept override { return reserve_hint; }
+  void do_vm_free(void* p, std::size_t bytes) noexcept override {
+    --live_ranges;
+    host_.vm_free(p, bytes);
+  }
+  void do_vm_map(void* p, std::size_t bytes) override {
+    if (refuse_maps) throw gact::out_of_memory("vm-manual: no memory");
+    host_.vm_map(p, bytes);
+  }
   bool do_vm_unmap(void* p, std::size_t bytes) noexcept override { return host_.vm_unmap(p, bytes); }
 
   host_backend host_;
@@ -485,6 +503,43 @@ TEST_CASE("expandable: a limit on the address space gives smaller ranges, and a 
   a.deallocate(q);
   a.empty_cache();
   CHECK(a.reserved_bytes() == 0);
+}
+
+TEST_CASE("expandable: the backend's hint bounds a new range; a larger request gets a range of its own size") {
+  vm_manual_backend be;
+  be.reserve_hint = 8 * k_mib;  // (the host's share of a `ulimit -v` headroom)
+  caching_allocator a(be, expandable(0));  // (no range option: the backend's memory, bounded by the hint)
+  void* p = a.allocate(k_mib);
+  CHECK(be.last_reserve == 8 * k_mib);
+  void* q = a.allocate(20 * k_mib);  // larger than the hint: its own range
+  CHECK(be.last_reserve == 20 * k_mib);
+  CHECK(a.stats().segment[pool_all].current == 2);
+  be.reserve_hint = 0;
+  a.deallocate(p);
+  a.deallocate(q);
+  a.empty_cache();
+  CHECK(be.live_ranges == 0);
+}
+
+TEST_CASE("expandable: a range reserved for a request whose memory is refused goes back at once") {
+  vm_manual_backend be;
+  be.refuse_maps = true;
+  caching_allocator a(be, expandable());
+  CHECK_THROWS_AS((void)a.allocate(4 * k_mib), gact::out_of_memory);
+  CHECK(be.live_ranges == 0);  // (it kept an empty reservation until the next release)
+  CHECK(a.stats().segment[pool_all].current == 0);
+  be.refuse_maps = false;
+  void* p = a.allocate(4 * k_mib);
+  CHECK(p != nullptr);
+  a.deallocate(p);
+}
+
+TEST_CASE("host backend: under a limit on the address space, a range takes an eighth of what is left") {
+  CHECK(host_backend().vm_reserve_hint() == 0);  // (the test process has no limit)
+  CHECK(host_backend::reserve_hint_for(1000 * k_mib, 200 * k_mib, k_page) == 100 * k_mib);
+  CHECK(host_backend::reserve_hint_for(1000 * k_mib, 201 * k_mib, k_page) == 98 * k_mib);  // (whole pages)
+  CHECK(host_backend::reserve_hint_for(1000 * k_mib, 999 * k_mib, k_page) == k_page);     // (at least one)
+  CHECK(host_backend::reserve_hint_for(1000 * k_mib, 2000 * k_mib, k_page) == k_page);    // (over the limit)
 }
 
 TEST_CASE("expandable: holes do not split the process's memory map (vm.max_map_count)") {

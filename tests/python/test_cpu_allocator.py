@@ -265,3 +265,26 @@ print(json.dumps({"grad": g.tolist(), "exp": host["options"]["expandable_segment
     # the result) touch
     assert exp["reserved_after"] < exp["peak"], {k: v for k, v in exp.items() if k != "grad"}
     assert exp["reserved_after"] <= exp["live"] + 4 * (2 << 20), {k: v for k, v in exp.items() if k != "grad"}
+
+
+def test_under_an_address_space_limit_the_arena_leaves_the_process_its_room():
+    """`ulimit -v`: the arena's expandable ranges reserved address space of the machine's memory size, halved
+    until the limit gave it, so the first range (the small pool's) took most of what the process had left: after one
+    compressed step under a 2.9 GB limit (0.8 GB used at the start) a 600 MiB tensor, a 300 MiB numpy array and
+    200 MiB of Python bytes each failed where torch alone runs them. A range now takes an eighth of the headroom at most, and more ranges come as they fill."""
+    code = """
+import numpy as np, torch, torch.nn as nn, gact
+model = nn.Linear(16, 16)
+comp = gact.Compressor(model, bits=8)
+with comp:
+    model(torch.randn(4, 16)).sum().backward()
+comp.step()
+big = torch.ones(600 << 20, dtype=torch.uint8)
+arr = np.ones(200 << 20, dtype=np.uint8)
+raw = bytearray(100 << 20)
+held = [torch.ones(64 << 20, dtype=torch.uint8) for _ in range(4)]
+print("ok", int(big[-1]) == 1, len(held))
+"""
+    r = subprocess.run(["bash", "-c", f"ulimit -v 3000000 && exec {sys.executable} -c '{code}'"],
+                       capture_output=True, text=True, env=dict(os.environ, GACT_HOST_EXPANDABLE="1"), timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "True", "4"], (r.stdout, r.stderr[-600:])
