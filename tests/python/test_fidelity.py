@@ -807,9 +807,6 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "mish": F.mish, "softplus": lamb
                 "elu": F.elu, "elu_alpha": lambda a: F.elu(a, 0.5), "elu_": lambda a: F.elu(a * 1, inplace=True),
                 "celu": lambda a: F.celu(a, 0.5), "erf": torch.erf, "erf_method": lambda a: a.erf(),
                 "logsigmoid": F.logsigmoid}
-#: without the derivative these keep at least 4 bits at a 2-bit run (or exact): their values' bias is smaller than
-#: the test can see in 400 runs
-_FLOORED_WITHOUT_DERIVATIVE = {"elu", "elu_alpha", "elu_", "celu", "erf", "erf_method", "logsigmoid"}
 
 
 def _activation_input_grads(act, seeds, **kw):
@@ -844,8 +841,9 @@ def _activation_input_grads(act, seeds, **kw):
 def test_an_activation_stored_as_its_derivative_has_an_unbiased_gradient(name):
     """da = g * f'^(a) with f'(a) stochastically rounded: E[da] = g f'(a) exactly. Each element's error has a
     standard deviation <= |g| s_d / 2 (s_d: the largest quantization step of f'(a) at 2 bits), so the mean of
-    K runs lies within 5 |g| s_d / (2 sqrt K) of fp32's. The input's rounded values read through f' (the
-    option off) are biased by about f'''(a) Var / 2: their mean lands outside that bound."""
+    K runs lies within 5 |g| s_d / (2 sqrt K) of fp32's. (The input's rounded values read through f' are biased by
+    about f'''(a) Var / 2; without the stand-in every one of these keeps at least 4 bits at a 2-bit run, where that
+    bias is smaller than 400 runs can see: test_an_activation_without_its_derivative_stand_in_has_a_floor.)"""
     act, k = _ACTIVATIONS[name], 400
     ga0, gy, a, runs = _activation_input_grads(act, range(1, k + 1))
     a = a.clone().requires_grad_()
@@ -854,11 +852,6 @@ def test_an_activation_stored_as_its_derivative_has_an_unbiased_gradient(name):
     sigma = gy.abs() * s_d / 2
     z = (runs.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
     assert z.max().item() < 5, (name, z.max().item())
-    if name in _FLOORED_WITHOUT_DERIVATIVE:
-        return
-    _, _, _, runs_v = _activation_input_grads(act, range(1, k + 1), derivatives=False)
-    z_v = (runs_v.mean(0) - ga0).abs() / (sigma / math.sqrt(k) + 1e-12)
-    assert z_v.max().item() > 5, (name, "values: no bias seen", z_v.max().item())
 
 
 def _penalty_grads(act, comp, inplace=False):
@@ -2141,3 +2134,162 @@ def test_flex_attention_gradient_is_unbiased(score_mod):
     mean = sum(grad(k) for k in range(64)) / 64
     err = (mean - ref).norm() / ref.norm()
     assert one > 0 and err < one / 5, (score_mod, float(one), float(err))
+
+
+def _mlp_grads(model, x, c, comp=None):
+    model.zero_grad()
+    with comp if comp is not None else contextlib.nullcontext():
+        loss = (model(x) * c).sum()  # (mul saves c alone, which needs no gradient: kept)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_module_is_kept_exact(how):
+    """The tracker sees no op inside a TorchScript module: its saves (a ReLU's, a batch norm's statistics) came as
+    untracked and were stored as values, and a scripted ReLU MLP's 256-seed mean gradient was 15x what noise leaves
+    at 2 bits. They are kept exact now: the gradient is fp32's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)).double()
+    c = torch.randn(32, 4, dtype=torch.float64)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    model = torch.jit.script(net) if how == "script" else torch.jit.trace(net, x)
+    ref = _mlp_grads(model, x, c)
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    got = _mlp_grads(model, x, c, comp)
+    st = comp.stats()["store"]
+    assert st["skipped"]["exact"]["bytes"] >= 32 * 64 * 8, st["skipped"]
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12), float((got - ref).abs().max())
+    comp.close()
+
+
+class _Square(torch.autograd.Function):
+    """A backward that reads its save through a product with itself (biased as values)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * x
+
+
+class _Scale(torch.autograd.Function):
+    """A backward that reads its saves linearly, and says so."""
+
+    gact_saves = "values"
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+def test_a_custom_functions_saves_are_exact_unless_it_says_values():
+    """A custom autograd.Function's backward is unknown to gact: its saves are kept exact (they were values); one
+    whose class says ``gact_saves = "values"`` has them stored."""
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    xs, ws = x * 1.0, w * 1.0  # (made before the context: tensors with a graph, neither parameters nor inputs)
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        a = _Square.apply(xs)
+    before = comp.stats()["store"]
+    assert before["skipped"]["exact"]["bytes"] >= 64 * 64 * 8 and before["roles"]["values"]["tensors"] == 0, before
+    with comp:
+        b = _Scale.apply(a, ws)
+    after = comp.stats()["store"]
+    assert after["roles"]["values"]["tensors"] == 2, after["roles"]
+    (a.sum() + b.sum()).backward()
+    comp.close()
+
+
+@pytest.mark.parametrize("op", ["relu", "hardsigmoid"])
+def test_an_aten_overload_called_directly_gets_its_row(op):
+    """``torch.ops.aten.relu.default`` is named ``relu.default``: it missed the table and its input went out as
+    values (11x what noise leaves at 2 bits); the overload now has its op's row (a predicate)."""
+    fn = getattr(torch.ops.aten, op).default
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        y = fn(x * 4.0)
+    assert comp.stats()["store"]["roles"]["predicate"]["tensors"] == 1
+    y.sum().backward()
+    comp.close()
+
+
+def test_a_custom_operator_is_kept_exact():
+    """An operator of another namespace (torch.library.custom_op, torch.ops.myns.op) has a backward gact does not
+    know: kept exact, not stored as values."""
+    custom_op = getattr(getattr(torch, "library", None), "custom_op", None)
+    if custom_op is None:
+        pytest.skip("torch.library.custom_op needs torch >= 2.4")
+
+    @custom_op("gact_test::softplus3", mutates_args=())
+    def softplus3(x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(3 * x)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 3 * torch.sigmoid(3 * x)
+
+    softplus3.register_autograd(backward, setup_context=setup)
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(softplus3(x * 1.0).sum(), x)[0]
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    with comp:
+        y = softplus3(x * 1.0)
+    assert comp.stats()["store"]["skipped"]["exact"]["bytes"] >= 64 * 64 * 8
+    got = torch.autograd.grad(y.sum(), x)[0]
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
+    comp.close()
+
+
+def test_learnable_fake_quantization_keeps_its_input_exact():
+    """_fake_quantize_learnable_per_tensor_affine's backward reads its input through round(x / scale) and the
+    clamp's bounds: as 2-bit values the zero point's mean gradient was 1.2-1.6x its size off. Kept exact: the
+    gradients are fp32's."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    scale, zp = torch.tensor([0.1], requires_grad=True), torch.tensor([0.0], requires_grad=True)
+
+    def grads(comp=None):
+        with comp if comp is not None else contextlib.nullcontext():
+            y = torch._fake_quantize_learnable_per_tensor_affine(x * 1.0, scale, zp, -8, 7, 1.0)
+        return torch.autograd.grad((y * y).sum(), (x, scale, zp))
+
+    ref = grads()
+    comp = gact.Compressor(None, bits=2, min_bytes=0)
+    got = grads(comp)
+    assert comp.stats()["store"]["skipped"]["exact"]["bytes"] >= 64 * 64 * 4
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    comp.close()
+
+
+@pytest.mark.parametrize("name", ["gelu", "mish"])
+def test_an_activation_without_its_derivative_stand_in_has_a_floor(name):
+    """gelu, mish (and silu, softplus) store their input as their derivative through a stand-in; without it
+    (`derivatives=False`, an input under min_bytes, torch.ops.aten.gelu) the input went out as values at the run's
+    bits, read through a curve (aten.gelu at 2 bits: 3x what noise leaves at 1 024 seeds). Now at >= 4 bits, as the
+    other curves are."""
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    xs = x * 1.0
+    comp = gact.Compressor(None, bits=2, min_bytes=0, derivatives=False)
+    with comp:
+        y = getattr(F, name)(xs)
+    bits = comp.stats()["store"]["quant_bits"]
+    assert bits["2"] == 0 and bits["4"] == 1, bits
+    y.sum().backward()
+    comp.close()

@@ -766,6 +766,7 @@ class Compressor:
         local = self._local
         depth = getattr(local, "depth", 0)
         _compat.track_saved_hooks()  # (once: torch.func's transforms then find gact's hooks out of their way)
+        _saved.track_function_saves()  # (once: a custom autograd.Function's saves are told apart)
         if depth == 0:
             self._stack().clear()
             if not self._step_open:
@@ -1059,9 +1060,10 @@ class Compressor:
         d = _saved.decide(t, frame)
         kind = d.kind
         if kind == _saved.DERIVATIVE and not self.derivatives:
-            # another Compressor's tracker ran the stand-in (nested, or gact-run's global one): values here, and
-            # the stand-in's backward is torch's on them
-            d, kind = _saved._VALUES, _saved.VALUES
+            # another Compressor's tracker ran the stand-in (nested, or gact-run's global one): values here, read
+            # through the activation's curve by the stand-in's backward (torch's on them): at >= 4 bits, as the
+            # activations' rows store their input where no stand-in ran
+            d, kind = _saved._QUADRATIC, _saved.VALUES
         if kind == _saved.SHAPE:
             _C.store_note_unstored("shape", t.numel() * t.element_size(), self._owner)
             return _Shape(t, self.swap)
@@ -1113,7 +1115,9 @@ class Compressor:
                 return q
         if kind == _saved.EXP:
             return self._store_exp(t, key, d)
-        if kind == _saved.NORMALIZED or kind == _saved.DERIVATIVE:
+        if kind == _saved.DERIVATIVE:  # (f'(x) could not be computed: x, read through the curve, as above)
+            d, kind = _saved._QUADRATIC, _saved.VALUES
+        elif kind == _saved.NORMALIZED:
             d, kind = _saved._VALUES, _saved.VALUES
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
@@ -1579,6 +1583,7 @@ class Compressor:
             return
         self._global_depth += 1
         _compat.track_saved_hooks()
+        _saved.track_function_saves()
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
         tracker = _saved.OpTracker(self._flush, self._on_alias)
         tracker.substitutes = self._substitutes()
