@@ -684,6 +684,12 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
         assert prof["saved_tensors"] > 50 and prof["unpacks"] > 0 and prof["host_us_per_saved_tensor"] > 0
         assert prof["sync_count"] == 0 and prof["encode_kernels_ms"] == 0.0 and prof["allocations"] is None
         assert any(line.startswith("profile of one resnet50 step at 4 bits: gact host ") for line in doc["truths"])
+        # whether saved.py's correlation walk runs in C++ in the module gpu-check built (the test's own build)
+        import gact.saved
+        walk = "C++" if gact.saved._graph_reaches is not None else "Python"
+        assert doc["stages"]["train"]["figures"]["graph_walk"] == walk
+        assert any(line.startswith("profile of one") and line.endswith(f"correlation walk in {walk}")
+                   for line in doc["truths"])
         assert all(c["verdict"] == "equal" for c in doc["stages"]["train"]["figures"]["swap_check"].values())
         # what the counters promise at the fp32 peak, and what stays uncompressed, by reason (on a GPU the
         # device peaks give "realized" beside it; the CPU smoke run measures no peak)

@@ -336,7 +336,8 @@ def truths(report: Mapping[str, object]) -> List[str]:
                    f"us per saved tensor ({pr.get('saved_tensors')} saved; pack {_fmt(pr.get('pack_us'))}, unpack "
                    f"{_fmt(pr.get('unpack_us'))} us), encode/decode kernels {_fmt(pr.get('encode_kernels_ms'))} / "
                    f"{_fmt(pr.get('decode_kernels_ms'))} ms of {_fmt(pr.get('all_kernels_ms'))} ms on the device, "
-                   f"{pr.get('sync_count')} waits for the device, {pr.get('allocations')} allocations")
+                   f"{pr.get('sync_count')} waits for the device, {pr.get('allocations')} allocations" +
+                   (f"; correlation walk in {t['graph_walk']}" if t.get("graph_walk") else ""))
     elif isinstance(pr, Mapping) and pr.get("status") == "fail":
         out.append(f"profile: FAILED ({pr.get('error')})")
     sw = t.get("swap_check") or {}

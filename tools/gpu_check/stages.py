@@ -488,7 +488,7 @@ def stage_train(ctx: Context, budget: Budget, out: StageOutcome) -> StageOutcome
                     if k in figs}
     out.figures = {k: figs.get(k) for k in ("models", "swap_check", "max_batch", "memory_cap_mib", "arms",
                                            "python_module", "allocator", "max_batch_oom_errors", "profile",
-                                           "nonfinite")
+                                           "nonfinite", "graph_walk")
                    if k in figs}
     if not ctx.module_ok:
         out.note = f"Python module not available ({ctx.module_reason}): only the fp32 arms ran"

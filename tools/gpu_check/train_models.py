@@ -526,6 +526,9 @@ class Trainer:
         f = self.res.figures
         f["torch"] = torch.__version__
         f["python_module"] = "not used (--no-module)" if self.gact is None else "imported"
+        if self.gact is not None:  # (saved.py's correlation walk: C++ where _gact_torch was built with autograd's headers)
+            from gact import saved as gact_saved
+            f["graph_walk"] = "C++" if getattr(gact_saved, "_graph_reaches", None) is not None else "Python"
         if self.cuda and not self.torch_allocator:  # before anything initializes CUDA
             if self.gact is not None:
                 self.gact.use_allocator()
