@@ -1591,17 +1591,17 @@ _SAVER_DEPTH = 4
 
 
 def _untracked_save(t: torch.Tensor) -> Decision:
-    """How to store a tensor saved outside every function the tracker saw:
+    """How to store a tensor saved outside every function the tracker saw, in this order:
 
-    - a custom ``torch.autograd.Function``'s save (its ``ctx.save_for_backward``, told by track_function_saves):
-      exact, unless the Function says its backward reads its saves linearly (a class attribute
-      ``gact_saves = "values"``): gact cannot know what its backward does with them (a log-sum-exp read through
-      exp, a ReLU's test);
     - from the Python stack above the pack hook, walked once: a torch.utils.checkpoint saving its inputs
       (reentrant: they are read by the recomputation of its whole block, through every op in it, a ReLU's test
       among them): exact; a torch.compile'd graph saving at run time (AOTAutograd's compiled function: its saves
       are not the eager ops', fused, recomputed, and nothing tells which op reads them how; a log's input stored
       as values took the gradient's cosine to 0.78): exact, and counted as compiled;
+    - a custom ``torch.autograd.Function``'s save (its ``ctx.save_for_backward``, told by track_function_saves):
+      exact, unless the Function says its backward reads its saves linearly (a class attribute
+      ``gact_saves = "values"``): gact cannot know what its backward does with them (a log-sum-exp read through
+      exp, a ReLU's test);
     - otherwise exact too: an op the tracker does not see (a TorchScript module's or function's, a C++
       extension's), or autograd's engine thread saving for a backward with create_graph=True (where the tracker
       does not run). As values, a scripted ReLU MLP's 256-seed mean gradient was 15x what noise leaves at 2 bits."""
