@@ -110,11 +110,13 @@ def test_native_walk_bounds_and_barriers():
     # a part beside another of the same root (q beside k) reaches the root through its own slice: a hit
     k = root[:, 4:].exp()
     assert both([k], targets=[root[:, :4], root], chain_of=(root[:, :4], root))
-    # a walk that meets more than CORRELATION_NODES nodes gives up (a wide graph: every leaf its own node)
-    wide = sum(torch.randn(3, requires_grad=True) * 1.0 for _ in range(S.CORRELATION_NODES + 8))
+    # a walk that meets more than CORRELATION_NODES nodes gives up: the target's node is 4 levels back, behind a
+    # stack of n products, found with 8 of them and not with CORRELATION_NODES + 8
     target = torch.randn(3, requires_grad=True)
-    far = (wide + target * 1.0).sin()
-    assert both([far], leaf=target) == S._reaches_to([far], leaf=target, native=False)
+    for n, found in ((8, True), (S.CORRELATION_NODES + 8, False)):
+        parts = [torch.randn(3, requires_grad=True) * 1.0 for _ in range(n)] + [target * 1.0]
+        far = torch.stack(parts).sum(0).sin()
+        assert both([far], leaf=target) is found, n
 
 
 @native
