@@ -126,3 +126,125 @@ def test_native_walk_refuses_a_null_tensor_and_a_short_reduced_list():
         S._graph_reaches([0], [], 0, [], 0, 0, 6, 64)
     with pytest.raises(ValueError, match="one entry per operand"):
         S._graph_reaches([h._cdata, h._cdata], [], 0, [True], 0, 0, 6, 64)
+
+
+def _correlated_by_each_operand(t, frame, results):
+    """correlated() as it compared ``t`` with each operand in turn (_view_of), before the call's operands were
+    indexed by memory (saved._views): the oracle of the test below."""
+    if frame is None:
+        return False
+    if t.grad_fn is None:
+        if not t.requires_grad:
+            # an alias without a graph (p.detach()) of a live recorded result: that result's reads are its
+            return S._alias_of_a_result(t, frame, results)
+        # a leaf (a policy's probe cuts a module's input with one): computed from nothing, but given twice, or read
+        # by an operand through its AccumulateGrad node
+        ops = S._operands(frame)
+        if sum(1 for a in ops if a is t) >= 2:
+            return True
+        others = [a for a in ops if a is not t and not a.is_leaf]
+        return bool(others) and S._reaches_to(others, leaf=t, reduced=[a.numel() * 8 <= t.numel() for a in others])
+    # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
+    # each; this runs for every stored save)
+    every = S._operands(frame)
+    ops = [a for a in every if not a.is_leaf]
+    if not ops:
+        if results is not None and not any(S._view_of(t, a) for a in every):
+            S._record(results, t)  # (a result of operands that need no gradient: see below)
+        return False
+    if len(ops) == 1 and S._view_of(t, ops[0]):
+        # t is the call's one operand with a graph
+        if results is not None and S._in_place(frame) and S._view_of(t, S._arg(frame.args, frame.kwargs, 0, "input")):
+            S._record(results, t)  # (an in-place call's result, saved as the operand it overwrote: exp_)
+            return False
+        return S._reads_a_result(t, frame, results)
+    base = None  # the operand t is (or a whole view of)
+    others = []
+    for a in ops:
+        if not S._view_of(t, a):
+            others.append(a)
+        elif base is None:
+            base = a
+        else:
+            return True  # the same memory twice (p * p)
+    if base is None:
+        # (no operand is t: the call's result or a tensor it made inside; its inputs existed before it and cannot
+        # be computed from it. Recorded: a later call reading it for its own gradient gets a blob of its own)
+        if results is not None:
+            S._record(results, t)
+        return False
+    if others:
+        # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
+        # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
+        # other one; a part of one projection's output, q beside k, reaches the root too: a group, no bytes more
+        # where nothing else saves that memory)
+        root = base._base
+        if root is not None and root.grad_fn is None:
+            root = None
+        # another output of the node that made t (unbind's, chunk's) is a sibling, not computed from t; the same
+        # output is another view of t's memory
+        targets = [(base.grad_fn, base.output_nr)] + ([(root.grad_fn, root.output_nr)] if root is not None else [])
+        rest = []
+        for a in others:
+            sibling = False
+            for g, nr in targets:
+                if a.grad_fn is g:
+                    if a.output_nr == nr:
+                        return True
+                    sibling = True
+            if not sibling:
+                rest.append(a)
+        # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
+        if rest and S._reaches_to(rest, targets=[base] if root is None else [base, root],
+                                reduced=[a.numel() * 8 <= t.numel() for a in rest], chain_of=(base, root)):
+            return True
+    return S._reads_a_result(t, frame, results)
+
+
+def _random_call(rng: random.Random, pool: list, leaves: list) -> tuple:
+    """A call's operands and a tensor it saves: an operand itself, a whole view or alias of one (a transpose, a
+    reshape, detach(), the same memory as another dtype), a part of one, or a tensor of its own; operands repeated,
+    leaves among them, a list argument."""
+    ops = [rng.choice(pool if rng.random() < 0.7 else leaves) for _ in range(rng.randrange(1, 5))]
+    if rng.random() < 0.2:
+        ops.append(ops[0])
+    src = rng.choice(ops + pool)
+    how = rng.randrange(7)
+    if how == 0:
+        t = src
+    elif how == 1:
+        t = src.t()
+    elif how == 2:
+        t = src.reshape(-1)
+    elif how == 3:
+        t = src.detach()
+    elif how == 4:
+        t = src.detach().view(torch.int64)  # (the same memory, another dtype: not a view of it)
+    elif how == 5:
+        t = src[1:]
+    else:
+        t = src * 1
+    if rng.random() < 0.3:
+        ops = rng.sample(ops, len(ops))
+    args = (ops[0], ops[1:]) if len(ops) > 1 and rng.random() < 0.5 else tuple(ops)
+    return t, S.Frame(torch.mul, args, {})
+
+
+def test_operands_indexed_by_memory_answer_as_each_compared():
+    """correlated() finds the operands a save is a whole view of through an index of the call's operands by memory
+    (one lookup a save, an LSTM cell's call saving 13): on random calls and saves it answers as comparing the save
+    with every operand did, and records the same results."""
+    rng = random.Random(11)
+    outcomes = {True: 0, False: 0}
+    for g in range(40):
+        leaves, pool = _random_graph(rng, rng.randrange(3, 30))
+        for _ in range(25):
+            t, frame = _random_call(rng, pool, leaves)
+            twin = S.Frame(frame.func, frame.args, frame.kwargs)
+            got_results, want_results = {}, {}
+            got = S.correlated(t, frame, got_results)
+            want = _correlated_by_each_operand(t, twin, want_results)
+            assert got == want, (t.shape, [a.shape for a in S._operands(twin)])
+            assert got_results.keys() == want_results.keys()
+            outcomes[got] += 1
+    assert outcomes[True] >= 20 and outcomes[False] >= 500, outcomes  # (both answers occur)

@@ -1010,7 +1010,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "_name")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -1022,6 +1022,7 @@ class Frame:
         self.count = 0  # multi_head_attention_forward: its 4-dimensional saves so far
         self.group = 0  # the store's group of its correlated saves (correlation_group), once it has one
         self.operands: list | None = None  # _operands(self), once a save asked (an LSTM cell's call saves 26 tensors)
+        self.views: tuple | None = None  # _views(self), once a stored save asked
         self._name: str | None = None
 
     @property
@@ -1709,6 +1710,23 @@ def _operands(frame: Frame) -> list:
     return ops
 
 
+def _views(frame: Frame) -> tuple:
+    """The call's operands by memory, for _view_of against each of them at once: {(data pointer, element count,
+    dtype): operands with it}, and the operands that are no leaf (have a graph). A tensor t is a whole view of an
+    operand a, as _view_of says, where t is a or t's key is a's (the operands are all dense and unwrapped)."""
+    v = frame.views
+    if v is None:
+        index: dict = {}
+        for a in _operands(frame):
+            try:
+                key = (a.data_ptr(), a.numel(), a.dtype)
+            except RuntimeError:  # (a subclass without storage: only itself is itself)
+                key = (id(a),)
+            index.setdefault(key, []).append(a)
+        v = frame.views = (index, [a for a in _operands(frame) if not a.is_leaf])
+    return v
+
+
 _GROUPS = itertools.count(1)
 
 
@@ -1779,34 +1797,34 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         others = [a for a in ops if a is not t and not a.is_leaf]
         return bool(others) and _reaches_to(others, leaf=t, reduced=[a.numel() * 8 <= t.numel() for a in others])
     # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
-    # each; this runs for every stored save)
-    every = _operands(frame)
-    ops = [a for a in every if not a.is_leaf]
+    # each; this runs for every stored save: the operands t is a whole view of are looked up by memory, _views)
+    views, ops = _views(frame)
+    if t.layout is torch.strided and not _compat.is_functorch_wrapped(t):
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        same = views.get(key, ())
+    else:  # (no memory to compare: only t itself is t)
+        key, same = None, [a for a in _operands(frame) if a is t]
     if not ops:
-        if results is not None and not any(_view_of(t, a) for a in every):
+        if results is not None and not same:
             _record(results, t)  # (a result of operands that need no gradient: see below)
         return False
-    if len(ops) == 1 and _view_of(t, ops[0]):
+    same = [a for a in same if not a.is_leaf]  # (in the operands' order)
+    if len(same) >= 2:
+        return True  # the same memory twice (p * p)
+    if len(ops) == 1 and same:
         # t is the call's one operand with a graph
         if results is not None and _in_place(frame) and _view_of(t, _arg(frame.args, frame.kwargs, 0, "input")):
             _record(results, t)  # (an in-place call's result, saved as the operand it overwrote: exp_)
             return False
         return _reads_a_result(t, frame, results)
-    base = None  # the operand t is (or a whole view of)
-    others = []
-    for a in ops:
-        if not _view_of(t, a):
-            others.append(a)
-        elif base is None:
-            base = a
-        else:
-            return True  # the same memory twice (p * p)
-    if base is None:
+    if not same:
         # (no operand is t: the call's result or a tensor it made inside; its inputs existed before it and cannot
         # be computed from it. Recorded: a later call reading it for its own gradient gets a blob of its own)
         if results is not None:
             _record(results, t)
         return False
+    base = same[0]  # the operand t is (or a whole view of)
+    others = [a for a in ops if a is not base and not any(a is b for b in views.get(key, ()))]
     if others:
         # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
         # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
