@@ -277,6 +277,28 @@ def test_bad_settings_are_rejected_by_name():
         gact.configure(bits=3)
 
 
+def test_numpy_integers_are_integers_and_strings_are_not_switches():
+    """Settings read from a config file or computed with numpy: np.int64(256) as group_size was refused with
+    "group_size=256 must be a power of two in [64, 1024]" (and seed, min_bytes alike), while swap="false", a
+    truthy string, turned swap on (a 64 MiB pinned slab and blobs offloaded) where the same word in GACT_SWAP turns it
+    off. Integers of any kind are taken as the int they are; a switch takes True or False (numpy's too)."""
+    np = pytest.importorskip("numpy")
+    model = mlp()
+    c = gact.Compressor(model, bits=np.int64(2), group_size=np.int64(256), min_bytes=np.int32(0), seed=np.uint64(5),
+                        adapt_interval=np.int16(10))
+    assert (c.bits, c.group_size, c.min_bytes, c.seed, c.adapt_interval) == (2, 256, 0, 5, 10)
+    assert all(type(v) is int for v in (c.bits, c.group_size, c.min_bytes, c.seed, c.adapt_interval))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    assert torch.equal(grads(model, x, y, c), grads(model, x, y, gact.Compressor(model, bits=2, min_bytes=0, seed=5)))
+    for kw, match in [({"swap": "false"}, "swap"), ({"swap": 1}, "swap"), ({"derivatives": "no"}, "derivatives"),
+                      ({"bits": 2.0}, "bits"), ({"bits": np.bool_(True)}, "bits"), ({"group_size": np.float64(256)},
+                                                                                     "group_size")]:
+        with pytest.raises(ValueError, match=match):
+            gact.Compressor(model, **kw)
+    assert gact.Compressor(model, swap=np.bool_(False)).swap is False
+    assert gact.Compressor(model, derivatives=np.bool_(False)).derivatives is False
+
+
 def test_options_table_and_stats_dump(tmp_path):
     opts = gact.options()
     assert opts["min_bytes"] == 4096 and opts["group_size"] == 256
@@ -1355,3 +1377,35 @@ def test_jit_trace_under_a_global_install_records_torchs_activations(act):
         comp.uninstall_global()
         comp.close()
     assert torch.equal(traced(x), model(x))
+
+
+def test_a_with_block_inside_a_global_install_leaves_the_global_op_tracker():
+    """gact-run installs its Compressor for the whole process, and with bits="auto" the policy's probe replays a step
+    inside `with comp:` on it. The block's end dropped the thread's op tracker instead of giving install_global's
+    back: every later save was decided without knowing its op and kept exact, so gact-run --bits auto stored
+    nothing after its first estimate (a ReLU MLP: 3 saves stored a step, then 0 and 9 kept exact), with no word
+    said. Saves after the block are decided by their ops again: a ReLU's output goes to the store."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    comp = gact.Compressor(None, bits=4)
+    comp.install_global()
+    try:
+        tracker = comp._local.tracker
+
+        def stored_and_exact() -> tuple:
+            x = torch.randn(32, 64)
+            s0 = comp.stats()["store"]
+            model(x).square().mean().backward()
+            s1 = comp.stats()["store"]
+            exact = lambda s: s["skipped"].get("exact", {}).get("tensors", 0)  # noqa: E731
+            return s1["tensors_in"] - s0["tensors_in"], exact(s1) - exact(s0)
+
+        before = stored_and_exact()
+        with comp:  # (as the probe's replay)
+            model(torch.randn(8, 64)).sum().backward()
+        assert comp._local.tracker is tracker
+        after = stored_and_exact()
+        assert before[0] >= 2 and before[1] == 0, before
+        assert after == before, (before, after)
+    finally:
+        comp.uninstall_global()

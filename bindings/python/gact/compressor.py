@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import hashlib
 import threading
 import warnings
@@ -91,6 +92,17 @@ _PLAIN_NODES: set = set()
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
 #: dtypes whose saves take a key (the quant codec's and the mask codec's)
 _KEYED_DTYPES = frozenset(_compat.FLOAT_DTYPES + _compat.MASK_DTYPES)
+
+
+def _integer(v: Any) -> Any:
+    """``v`` as a Python int where it is an integer of any kind (numpy's too: ``np.int64(256)`` once got "group_size=256
+    must be a power of two"); a bool, numpy's or Python's, or anything else as it is, for the caller's check to refuse."""
+    if type(v).__name__ in ("bool", "bool_"):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -515,7 +527,9 @@ class Compressor:
                     bits = int(bits)
                 else:
                     raise ValueError(f"gact.Compressor: bits={bits!r} is not supported; use 1, 2, 4, 8 or 'auto'")
-        if isinstance(bits, bool) or (bits != "auto" and bits not in _VALID_BITS):
+        if bits != "auto":
+            bits = _integer(bits)
+        if bits != "auto" and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in _VALID_BITS):
             raise ValueError(f"gact.Compressor: bits={bits!r} is not supported; use 1, 2, 4, 8 or 'auto'")
         self.bits = bits
 
@@ -531,9 +545,9 @@ class Compressor:
 
         if group_size is None:
             group_size = opts["group_size"]
+        group_size = _integer(group_size)
         if (
-            isinstance(group_size, bool)
-            or not isinstance(group_size, int)
+            not isinstance(group_size, int)
             or not (64 <= group_size <= 1024)
             or group_size & (group_size - 1)
         ):
@@ -542,18 +556,22 @@ class Compressor:
 
         if min_bytes is None:
             min_bytes = opts["min_bytes"]
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        min_bytes = _integer(min_bytes)
+        if not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"gact.Compressor: min_bytes={min_bytes!r} must be an integer >= 0")
         self.min_bytes = min_bytes
 
         if seed is None:
             seed = opts["seed"]
-        if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**64):
+        seed = _integer(seed)
+        if not isinstance(seed, int) or not (0 <= seed < 2**64):
             raise ValueError(f"gact.Compressor: seed={seed!r} must be an integer in [0, 2**64)")
         self.seed = seed
 
         if swap is None:
             swap = bool(opts["swap"])
+        if type(swap).__name__ not in ("bool", "bool_"):  # (a string "false" is truthy: swap on, unasked)
+            raise ValueError(f"gact.Compressor: swap={swap!r} must be True or False")
         if swap and not hasattr(_C, "swap_enable"):
             raise NotImplementedError("gact.Compressor: swap=True needs the swap layer, which this build of gact lacks")
         self.swap = bool(swap)
@@ -566,16 +584,16 @@ class Compressor:
             raise ValueError(f"gact.Compressor: estimator={estimator!r} is used only with bits='auto' "
                              f"(bits={self.bits!r})")
         self.estimator = estimator
-        if adapt_interval is not None and (
-            isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int) or adapt_interval < 1
-        ):
+        if adapt_interval is not None:
+            adapt_interval = _integer(adapt_interval)
+        if adapt_interval is not None and (not isinstance(adapt_interval, int) or adapt_interval < 1):
             raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
         self.adapt_interval = adapt_interval
         if derivatives is None:
             derivatives = bool(opts["derivatives"])
-        if not isinstance(derivatives, bool):
+        if type(derivatives).__name__ not in ("bool", "bool_"):
             raise ValueError(f"gact.Compressor: derivatives={derivatives!r} must be True or False")
-        self.derivatives = derivatives
+        self.derivatives = bool(derivatives)
 
         self._excluded_modules: set[int] = set()
         self._excluded_tensors: list[torch.Tensor] = []
@@ -785,7 +803,9 @@ class Compressor:
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
-            local.ctx = (hooks, tracker)
+            # (the thread's tracker before it, install_global's, comes back at the end of the block: the policy's
+            # probe replays a step inside `with comp:` on gact-run's globally installed Compressor)
+            local.ctx = (hooks, tracker, getattr(local, "tracker", None))
             local.tracker = tracker
         else:
             # Entered again inside itself: its hooks go on top once more, so that they are the innermost, as torch's
@@ -821,9 +841,9 @@ class Compressor:
             self._stack().clear()
             if self._deferred:
                 self._resolve_deferred()
-            hooks, tracker = local.ctx
+            hooks, tracker, before = local.ctx
             local.ctx = None
-            local.tracker = None
+            local.tracker = before
             try:
                 tracker.__exit__(*exc)
             finally:
