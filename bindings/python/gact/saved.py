@@ -924,7 +924,8 @@ _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners
      "boxes exact", _positions(1, "rois"))
 _add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d linear",
      "input; the weight it is given", "input as values; a weight computed in the forward exact", _weight(1, "weight"))
-_add("bilinear", "inputs; the weight it is given", "inputs as values; a weight computed in the forward exact",
+_add("bilinear", "inputs; the weight it is given",
+     "inputs as values (one tensor as both: a rounding each); a weight computed in the forward exact",
      _weight(2, "weight"))
 _add("grid_sample grid_sampler grid_sampler_2d grid_sampler_3d", "the grid as positions", "grid exact; input as values",
      _positions(1, "grid"))
@@ -1736,9 +1737,26 @@ def correlation_group(t: torch.Tensor, frame: Frame | None, results: dict | None
     tensors stored as a call's own result or inner tensor (what this records, for correlated())."""
     if not correlated(t, frame, results):
         return 0
+    if frame.name in _PRODUCTS_OF_READS and _given_twice(t, frame):
+        # (its backward multiplies two of its reads, here of one memory: nn.Bilinear(h, h)'s weight gradient is a sum of
+        # g·h_i·h_j, whose i == j terms read one rounding squared where both saves share a blob: 8 % of the weight's
+        # gradient at 2 bits. Each save gets a rounding of its own: a group of its own)
+        return next(_GROUPS)
     if not frame.group:
         frame.group = next(_GROUPS)
     return frame.group
+
+
+#: calls whose backward multiplies two of their saved operands with each other (not each with the gradient alone, as a
+#: product's factors are read): given one memory twice, each save needs its own rounding
+_PRODUCTS_OF_READS = frozenset({"bilinear", "_trilinear"})
+
+
+def _given_twice(t: torch.Tensor, frame: Frame) -> bool:
+    """Whether the call was given ``t``'s memory (t, or a whole view of it) as two of its operands."""
+    if t.layout is torch.strided and not _compat.is_functorch_wrapped(t):
+        return len(_views(frame)[0].get((t.data_ptr(), t.numel(), t.dtype), ())) >= 2
+    return sum(1 for a in _operands(frame) if a is t) >= 2
 
 
 def _record(results: dict, t: torch.Tensor) -> None:
