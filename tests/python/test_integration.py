@@ -18,6 +18,7 @@ and keeps the segment's inputs itself: gact sees nothing of the region, not even
 boundary (measured: 1 compressed tensor per step instead of 2). Either way gradients stay unbiased (checked statistically).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -274,14 +275,15 @@ def test_dedup_respects_in_place_changes():
 def _param_probe(model, comp, x0, c):
     """Loss through F.linear (saves weight), h @ weight.t() (saves a transposed view) and
     a sliced view; returns (grad of h, grad of weight). h's gradient depends only on
-    the weight, so it is bit-exact iff no saved view of the weight was compressed."""
+    the weight and on h (held, so read as it is), so it is bit-exact iff no saved view of
+    the weight was compressed; sin(h)'s slice, whose base is gone by backward, is compressed."""
     model.zero_grad(set_to_none=True)
     ctx = comp if comp is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     with ctx:
         h = torch.tanh(x0)
         h.retain_grad()
         w = model.weight
-        y = model(h) + h @ w.t() + F.pad(h[:, :128] @ w[:, :128].t(), (0, 0))
+        y = model(h) + h @ w.t() + F.pad(torch.sin(h)[:, :128] @ w[:, :128].t(), (0, 0))
         loss = (y * c).sum()
     loss.backward()
     return h.grad.clone(), w.grad.clone()
@@ -601,6 +603,101 @@ def test_a_compiled_model_trains_with_its_gradients_and_says_what_was_not_compre
     said = [str(m.message) for m in w if "torch.compile" in str(m.message)]
     if backend != "eager":  # (dynamo's eager backend runs the graph's ops one by one: the tracker sees them)
         assert len(said) == 1, said
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2.x's")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_bits_auto_on_a_compiled_model_falls_back_to_the_online_estimator_and_says_why(backend):
+    """bits="auto" on a torch.compile'd model raised TypeError ("'bool' object is not subscriptable") at its first
+    sampled step: dynamo runs gact's module hooks while it traces, and the probe's capture of the step read the
+    trace's values. The probe cannot replay a compiled forward (every pass would recompile it): the policy says so
+    and uses the online estimator; training goes on."""
+    import warnings
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    f = torch.compile(m, backend=backend)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    comp = gact.Compressor(m, bits="auto", budget=2, adapt_interval=2)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            with comp:
+                loss = F.cross_entropy(f(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            comp.step()
+    comp.close()
+    assert torch.isfinite(loss)
+    said = [str(m.message) for m in w if "torch.compile" in str(m.message) and "probe" in str(m.message)]
+    assert len(said) == 1 and "online estimator" in said[0], [str(m.message) for m in w]
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2.x's")
+def test_a_compiled_model_is_compiled_once_whatever_the_compressors_made_for_it():
+    """Each Compressor took gact's two global module hooks out at close() and put them back under new keys, on which
+    dynamo's guards depend: every new Compressor recompiled the model, and past dynamo's cache limit (8) the model ran
+    uncompiled from then on, compressing what the compiled graph had kept. The hooks come back under their first
+    keys: twelve Compressors, one after another, one compilation."""
+    torch._dynamo.reset()
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(1)
+        return gm.forward
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    cm = torch.compile(m, backend=backend)
+    x = torch.randn(32, 64)
+    for i in range(12):
+        comp = gact.Compressor(m, bits=2, seed=i)
+        with comp:
+            loss = cm(x).square().sum()
+        loss.backward()
+        comp.step()
+        comp.close()
+    assert len(compiled) == 1, len(compiled)
+
+
+@pytest.mark.skipif(not hasattr(torch, "nested"), reason="no nested tensors in this torch")
+@pytest.mark.parametrize("act", [nn.GELU, nn.SiLU])
+def test_nested_tensors_through_an_activation_stand_in(act):
+    """A strided nested tensor (variable-length sequences) through GELU or SiLU raised "NestedTensorImpl doesn't
+    support sizes" from gact's derivative stand-in: nested tensors, which gact keeps as they are, run torch's own
+    activation. The gradients are torch's."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 128), act(), nn.Linear(128, 8))
+    xs = [torch.randn(n, 32) for n in (40, 17, 64)]
+
+    def grads(comp):
+        m.zero_grad()
+        try:
+            nt = torch.nested.nested_tensor(xs)
+        except (RuntimeError, TypeError) as e:
+            pytest.skip(f"this torch makes no strided nested tensor: {e}")
+        with comp if comp is not None else contextlib.nullcontext():
+            try:
+                out = m(nt)
+            except (RuntimeError, NotImplementedError) as e:
+                if comp is None:
+                    pytest.skip(f"this torch runs no Linear over a nested tensor: {e}")
+                raise
+        try:
+            sum(o.square().sum() for o in out.unbind()).backward()
+        except (RuntimeError, NotImplementedError) as e:
+            if comp is None:
+                pytest.skip(f"this torch has no backward of the activation over a nested tensor: {str(e)[:80]}")
+            raise
+        return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+    want = grads(None)
+    comp = gact.Compressor(m, bits=2)
+    assert torch.equal(grads(comp), want)
+    comp.close()
 
 
 @pytest.mark.skipif(not hasattr(torch, "func"), reason="torch.func is torch 2.x's")

@@ -15,6 +15,7 @@ version number, so the rest of the package reads the same on every torch:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Any
@@ -368,7 +369,12 @@ class _ModuleHooks:
         self.pre: dict[int, tuple] = {}
         self.post: dict[int, tuple] = {}
         self._refs: dict[int, Any] = {}  # id -> weak reference to the module, whose callback drops its hooks
-        self._handles: list = []  # torch's handles of the two global hooks while installed
+        self._handles: list = []  # what takes the two global hooks out again, while they are installed
+        # the keys torch gave the two hooks when first installed, and the hook objects themselves: installed again under
+        # the same keys, a torch.compile'd model's guards on the global hooks still hold (new keys recompiled the model
+        # for every new Compressor, and past dynamo's cache limit, 8, it ran uncompiled)
+        self._keys: tuple | None = None
+        self._fns = (self._run_pre, self._run_post)
         # changes (from any thread, and from a weak reference's callback that a collection runs in the middle
         # of one) are made under this lock; the hooks read the tables without it (a dict lookup and a tuple
         # are each read whole)
@@ -384,10 +390,22 @@ class _ModuleHooks:
                 self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
             table[key] = table.get(key, ()) + (fn,)
             if not self._handles:
-                from torch.nn.modules import module as _m
-                self._handles = [_m.register_module_forward_pre_hook(self._run_pre),
-                                 _m.register_module_forward_hook(self._run_post)]
+                self._install()
         return _HookHandle(self, table, key, fn)
+
+    def _install(self) -> None:
+        from torch.nn.modules import module as _m
+        dicts = (getattr(_m, "_global_forward_pre_hooks", None), getattr(_m, "_global_forward_hooks", None))
+        keys = self._keys
+        if keys is not None and all(isinstance(d, dict) for d in dicts) and keys[0] not in dicts[0] and \
+                keys[1] not in dicts[1]:
+            for d, k, fn in zip(dicts, keys, self._fns):
+                d[k] = fn
+            self._handles = [functools.partial(d.pop, k, None) for d, k in zip(dicts, keys)]
+            return
+        handles = [_m.register_module_forward_pre_hook(self._fns[0]), _m.register_module_forward_hook(self._fns[1])]
+        self._keys = tuple(h.id for h in handles)
+        self._handles = [h.remove for h in handles]
 
     def remove(self, table: dict, key: int, fn: Any) -> None:
         with self._lock:
@@ -416,8 +434,8 @@ class _ModuleHooks:
     def _uninstall_if_empty(self) -> None:
         if not self.pre and not self.post and self._handles:
             handles, self._handles = self._handles, []
-            for h in handles:
-                h.remove()
+            for remove in handles:
+                remove()
 
     def _run_pre(self, module: Any, inputs: Any) -> None:
         fns = self.pre.get(id(module))

@@ -732,6 +732,13 @@ class AutoPolicy:
             self._probe_closure = (self.closure or self._replay_closure()) if self._fallback_checks else None
             return self._online_estimates()
         closure = self.closure or self._replay_passes()
+        if closure is None and getattr(self, "_compiled", False):
+            why = ("the model runs under torch.compile, whose compiled forward the probe cannot replay (each replay "
+                   "would recompile it); pass comp.step(closure) with a closure over an uncompiled forward for "
+                   "the probe")
+            if not self._default_estimator:
+                raise RuntimeError(f"gact.Compressor: {why}")
+            return self._fall_back(why)
         if closure is None:
             why = ("estimator='probe' needs a closure that returns the loss of one forward pass on a small "
                    "batch (pass it to comp.step(closure) or estimator=gact.policy.Probe(closure)); the sampled "
@@ -769,6 +776,11 @@ class AutoPolicy:
         if not self._sampling or self._replay is not None or self._comp._depth == 0:
             return
         if self._override is not None or self._comp._probe is not None:
+            return
+        if _compat.is_compiling():
+            # (torch.compile traces the model, its hooks included: the call seen here is the trace's, not the step's;
+            # the probe cannot replay a compiled model without recompiling it for every pass)
+            self._compiled = True
             return
         tensors = [a for a in _compat.flatten(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
         outs = [o for o in _compat.flatten(output) if isinstance(o, torch.Tensor) and o.requires_grad]

@@ -1120,13 +1120,14 @@ class OpTracker(TorchFunctionMode):
 
     @staticmethod
     def _transformed(args: tuple, kwargs: dict) -> bool:
-        """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's), or
-        torch.jit.trace is recording (a stand-in would be traced as a Python op, and the trace's check of its
+        """Whether the call's input is a tensor of a torch.func / functorch transform (grad's, vmap's) or a nested
+        tensor, or torch.jit.trace is recording (a stand-in would be traced as a Python op, and the trace's check of its
         graph fails)."""
         if _jit_tracing() or _compat.functorch_active():
             return True
         x = args[0] if args else kwargs.get("input")
-        return isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x)
+        # (a nested tensor has no sizes the stand-in could read: it is kept as it is anyway)
+        return isinstance(x, torch.Tensor) and (_compat.is_functorch_wrapped(x) or getattr(x, "is_nested", False))
 
     def _too_small(self, args: tuple, kwargs: dict) -> bool:
         """Whether an activation's input is below the size the Compressor stores (see min_store_bytes)."""
