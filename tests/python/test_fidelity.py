@@ -2118,10 +2118,13 @@ def test_flex_attention_gradient_is_unbiased(score_mod):
         torch.manual_seed(1234)
         proj = nn.Linear(16, 3 * 32).double()
         comp = gact.Compressor(None, bits=2, seed=seed, min_bytes=0) if seed is not None else None
-        with comp if comp is not None else contextlib.nullcontext():
+        def forward():  # (q, k and v, views of the projection, not held past it: they would be read as they are)
             q, k, v = proj(x).view(2, 128, 3, 2, 16).permute(2, 0, 3, 1, 4)
             out = flex_attention(q, k, v, score_mod=mod if score_mod != "none" else None)
-            loss = (out ** 2).sum()
+            return (out ** 2).sum()
+
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = forward()
         loss.backward()
         if comp is not None:
             skipped = comp.stats()["store"]["skipped"]["exact"]["bytes"]
@@ -2306,9 +2309,12 @@ def test_a_bilinear_form_of_one_tensor_with_itself_is_unbiased():
         torch.manual_seed(1234)
         a, bl = nn.Linear(16, 32).double(), nn.Bilinear(32, 32, 4).double()
         comp = gact.Compressor(None, bits=2, seed=seed, min_bytes=0) if seed is not None else None
+        def forward():
+            h = a(x)  # (not held past the forward: a held h would be read as it is)
+            return bl(h, h).sum()
+
         with comp if comp is not None else contextlib.nullcontext():
-            h = a(x)
-            loss = bl(h, h).sum()
+            loss = forward()
         loss.backward()
         if comp is not None:
             assert comp.stats()["store"]["tensors_in"] >= 2  # (both reads stored, each its own blob)

@@ -297,8 +297,8 @@ def test_torch_func_transforms_run_under_gacts_hooks(act):
         return act(xx @ w).pow(2).sum()
 
     want = vmap(grad(loss), in_dims=(None, 0))(w, x)
-    comp = gact.Compressor(None, bits=2, min_bytes=0)
     for installed in ("global", "with"):
+        comp = gact.Compressor(None, bits=2, min_bytes=0)  # (uninstall_global closes it)
         if installed == "global":
             comp.install_global()
         else:
@@ -320,7 +320,7 @@ def test_torch_func_transforms_run_under_gacts_hooks(act):
                 comp.uninstall_global()
             else:
                 comp.__exit__(None, None, None)
-    comp.close()
+                comp.close()
 
 
 def test_hooks_pushed_through_torchs_reexport_stay_on_top_of_a_transform():

@@ -1409,3 +1409,61 @@ def test_a_with_block_inside_a_global_install_leaves_the_global_op_tracker():
         assert after == before, (before, after)
     finally:
         comp.uninstall_global()
+
+
+def test_a_closed_compressor_refuses_to_be_entered_again():
+    """close() takes out the module hooks: entered again, the Compressor stored the modules passed to exclude= (an
+    excluded layer's weight gradient 0.50 of its norm off at 2 bits, where it was exact) and keyed every tensor by no
+    module, without a word. It raises instead, naming close() and the way to give cached memory back; a graph made
+    before close() still reads its saves."""
+    torch.manual_seed(0)
+    model = mlp()
+    comp = gact.Compressor(model, bits=2, exclude=[model[0]])
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    with comp:
+        loss = F.cross_entropy(model(x), y)
+    comp.close()
+    loss.backward()
+    assert model[0].weight.grad is not None
+    with pytest.raises(RuntimeError, match=r"closed.*empty_cache"):
+        with comp:
+            pass
+    with pytest.raises(RuntimeError, match="closed"):
+        comp.install_global()
+    assert getattr(comp._local, "depth", 0) == 0 and comp._global_depth == 0
+
+
+def test_a_frozen_tensor_used_through_a_view_is_served_from_its_base():
+    """A frozen matrix kept as a plain attribute (precomputed class or text embeddings as a head), used as f @ E.t(),
+    saved E.t() for f's gradient: the view dies after the forward, so the blob was decoded, at 2 bits 0.75 of the
+    gradient's norm in noise, while E itself stayed alive. A saved view whose base lives unchanged is made again
+    from the base: f's gradient is fp32's, the blob dropped ("held"). A base changed in place still raises torch's
+    error, and a base that died leaves the decode."""
+    torch.manual_seed(0)
+    enc = nn.Linear(64, 32)
+    E = torch.randn(100, 32)  # (not a parameter, not a buffer)
+    x = torch.randn(16, 64)
+
+    def grad(comp):
+        enc.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            f = enc(x)
+            loss = (f @ E.t()).logsumexp(-1).sum()
+        loss.backward()
+        return enc.weight.grad.clone()
+
+    comp = gact.Compressor(enc, bits=2, min_bytes=0)
+    held = lambda: comp.stats()["store"]["unstored"].get("held", {}).get("tensors", 0)  # noqa: E731
+    before = held()
+    assert torch.equal(grad(comp), grad(None))
+    assert held() > before
+    with comp:
+        loss = (enc(x) @ E.t()).sum()
+    E.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    E2 = torch.randn(100, 32)
+    with comp:
+        loss = (enc(x) @ E2.t()).sum()
+    del E2
+    loss.backward()  # (decoded: the base is gone)

@@ -179,10 +179,12 @@ def _warn_create_graph(key: str) -> None:
     _warned_create_graph = True
     warnings.warn(
         f"gact: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML) read the "
-        f"activation '{key}', which gact stored quantized: a loss built on that gradient reads its rounding squared or "
-        f"twice, and its gradient is biased (an R1 penalty through BatchNorm measured 2x its value at 2 bits, 1.04x "
-        f"at 4). Run that forward outside the Compressor, exclude its modules (exclude=), or use bits=8 "
-        f"(README, Known limits). Said once.", RuntimeWarning, stacklevel=2)
+        f"activation '{key}', which gact stored quantized. Where the gradient that loss is built on depends on it (through "
+        f"a curve's derivative such as tanh, sigmoid or SiLU, a normalization, a weight gradient), the loss reads its "
+        f"rounding squared or twice and its gradient is biased (an R1 penalty through BatchNorm measured 2x its value "
+        f"at 2 bits, 1.04x at 4); a penalty on the input gradient of ReLU or LeakyReLU layers reads only exact masks "
+        f"and weights and is not. If it does: run that forward outside the Compressor, exclude its modules "
+        f"(exclude=), or use bits=8 (README, Known limits). Said once.", RuntimeWarning, stacklevel=2)
 
 try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
     from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
@@ -302,7 +304,7 @@ class _Packed:
     that of the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "logged", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "logged", "view", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -327,6 +329,9 @@ class _Packed:
         self.hold: torch.Tensor | None = None
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
+        # a view's base, held weakly, with its data address and the view's geometry (base ref, ptr, size, stride,
+        # offset): a frozen matrix used through a view (f @ E.t()) is served from the base while it lives unchanged
+        self.view: tuple | None = None
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.vref, self.version, self)
@@ -342,6 +347,16 @@ class _Packed:
                 # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
                 self.alias = t.detach()
                 _C.store_note_unstored("held", _compat.held_bytes(t), self.owner)
+                self.release()
+                return self.alias
+        view = self.view
+        if view is not None:
+            # the view is gone, its base still held unchanged (the same version counter, memory and dtype): the view
+            # made again from it, exact, and the blob dropped
+            b = view[0]()
+            if b is not None and b._version == self.version and b.dtype == self.dtype and b.data_ptr() == view[1]:
+                self.alias = b.detach().as_strided(view[2], view[3], view[4])
+                _C.store_note_unstored("held", _compat.held_bytes(self.alias), self.owner)
                 self.release()
                 return self.alias
         if self.hold is not None and self.handle and _C.store_verdict(self.handle) != 0:
@@ -769,7 +784,10 @@ class Compressor:
             s.pop()
 
     def close(self) -> None:
-        """Remove the module hooks this Compressor (and its policy) installed on the model."""
+        """Remove the module hooks this Compressor (and its policy) installed on the model. A graph alive still reads
+        its saves; entering the Compressor again raises (without its hooks it would store ``exclude=`` modules and
+        key every tensor by no module)."""
+        self._closed = True
         self._settle(drain=True)  # (a graph still alive reads its saves as they should be; no tensor stays kept)
         for h in self._module_hooks:
             h.remove()
@@ -780,9 +798,16 @@ class Compressor:
 
     # ---- context manager ----------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("gact.Compressor: this Compressor was closed (close() took out its module hooks); make "
+                               "a new one. To give the arena's cached memory back and go on, call gact.empty_cache()")
+
     def __enter__(self) -> "Compressor":
         local = self._local
         depth = getattr(local, "depth", 0)
+        if depth == 0:
+            self._check_open()
         _compat.track_saved_hooks()  # (once: torch.func's transforms then find gact's hooks out of their way)
         _saved.track_function_saves()  # (once: a custom autograd.Function's saves are told apart)
         if depth == 0:
@@ -1280,6 +1305,13 @@ class Compressor:
                 r.handle = h
             except TypeError:
                 _C.store_forget(h)
+            else:
+                b = t._base
+                if b is not None and keep is None:
+                    try:
+                        p.view = (weakref.ref(b), b.data_ptr(), t.shape, t.stride(), off)
+                    except TypeError:
+                        pass
         else:
             _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy
@@ -1601,6 +1633,7 @@ class Compressor:
         :meth:`uninstall_global`."""
         if getattr(self, "_global_pop", None) is not None:
             return
+        self._check_open()
         self._global_depth += 1
         _compat.track_saved_hooks()
         _saved.track_function_saves()
@@ -1617,6 +1650,7 @@ class Compressor:
             self._module_hooks.append(mm.register_module_forward_hook(self._leave_module))
 
     def uninstall_global(self) -> None:
+        """Take out what :meth:`install_global` put in, and close the Compressor (:meth:`close`)."""
         pop = getattr(self, "_global_pop", None)
         if pop is None:
             return
