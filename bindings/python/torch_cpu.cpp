@@ -316,6 +316,20 @@ struct version_ref {
   std::int64_t current() const { return counter.enabled() ? std::int64_t(counter.current_version()) : -1; }
 };
 
+/// A tensor's storage, held weakly: `same(impl)` tells whether the tensor at `impl` still uses that very storage. A
+/// weak reference keeps the StorageImpl's own memory allocated (c10's intrusive_ptr frees it with the last weak
+/// reference), so no other storage can be at its address while this lives: an address compared alone would take a
+/// storage freed and another made at the same place (`t.data = a` then `t.data = b`) for the one saved.
+struct storage_ref {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  bool same(std::uintptr_t impl) const {
+    if (impl == 0) return false;
+    auto const* t = reinterpret_cast<c10::TensorImpl const*>(impl);
+    if (!t->has_storage()) return false;
+    return t->storage().unsafeGetStorageImpl() == storage._unsafe_get_target();
+  }
+};
+
 }  // namespace
 
 #ifdef GACT_TORCH_GRAPH
@@ -370,4 +384,17 @@ PYBIND11_MODULE(_gact_torch, m) {
         return version_ref{reinterpret_cast<c10::TensorImpl const*>(impl)->version_counter()};
       },
       py::arg("impl"), "The version counter of the tensor whose TensorImpl is at `impl` (torch.Tensor._cdata).");
+  py::class_<storage_ref>(m, "StorageRef", "A tensor's storage, held weakly (storage_ref).")
+      .def("same", &storage_ref::same, py::arg("impl"),
+           "Whether the tensor whose TensorImpl is at `impl` uses this storage now.");
+  m.def(
+      "storage_ref",
+      [](std::uintptr_t impl) -> py::object {
+        if (impl == 0) throw py::value_error("storage_ref: a null TensorImpl address");
+        auto const* t = reinterpret_cast<c10::TensorImpl const*>(impl);
+        if (!t->has_storage()) return py::none();
+        return py::cast(storage_ref{t->storage().getWeakStorageImpl()});
+      },
+      py::arg("impl"),
+      "The storage of the tensor whose TensorImpl is at `impl` (torch.Tensor._cdata), held weakly; None without one.");
 }

@@ -90,6 +90,7 @@ _num_threads = torch.get_num_threads
 #: grad_fn types that are neither a dtype copy nor a view (a saved tensor made by one is no cast parameter)
 _PLAIN_NODES: set = set()
 _HAS_NESTED = hasattr(torch.Tensor, "is_nested")
+_HAS_NEG = hasattr(torch.Tensor, "is_neg")
 #: dtypes whose saves take a key (the quant codec's and the mask codec's)
 _KEYED_DTYPES = frozenset(_compat.FLOAT_DTYPES + _compat.MASK_DTYPES)
 
@@ -97,7 +98,7 @@ _KEYED_DTYPES = frozenset(_compat.FLOAT_DTYPES + _compat.MASK_DTYPES)
 def _integer(v: Any) -> Any:
     """``v`` as a Python int where it is an integer of any kind (numpy's too: ``np.int64(256)`` once got "group_size=256
     must be a power of two"); a bool, numpy's or Python's, or anything else as it is, for the caller's check to refuse."""
-    if type(v).__name__ in ("bool", "bool_"):
+    if type(v).__name__ in ("bool", "bool_") or (isinstance(v, torch.Tensor) and v.dtype is torch.bool):
         return v
     try:
         return operator.index(v)
@@ -190,6 +191,10 @@ try:  # a tensor's version counter held without the tensor (bindings/python/torc
     from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
 except ImportError:
     _VersionRef = _version_ref = None
+try:  # a tensor's storage held weakly (torch_cpu.cpp): a saved view is made again from its base only where it exists
+    from _gact_torch import storage_ref as _storage_ref
+except ImportError:
+    _storage_ref = None
 
 
 _graph = getattr(torch.autograd, "graph", None)
@@ -354,7 +359,7 @@ class _Packed:
             # the view is gone, its base still held unchanged (the same version counter, memory and dtype): the view
             # made again from it, exact, and the blob dropped
             b = view[0]()
-            if b is not None and b._version == self.version and b.dtype == self.dtype and b.data_ptr() == view[1]:
+            if b is not None and b._version == self.version and b.dtype == self.dtype and view[1].same(b._cdata):
                 self.alias = b.detach().as_strided(view[2], view[3], view[4])
                 _C.store_note_unstored("held", _compat.held_bytes(self.alias), self.owner)
                 self.release()
@@ -563,6 +568,7 @@ class Compressor:
         group_size = _integer(group_size)
         if (
             not isinstance(group_size, int)
+            or isinstance(group_size, bool)
             or not (64 <= group_size <= 1024)
             or group_size & (group_size - 1)
         ):
@@ -572,14 +578,14 @@ class Compressor:
         if min_bytes is None:
             min_bytes = opts["min_bytes"]
         min_bytes = _integer(min_bytes)
-        if not isinstance(min_bytes, int) or min_bytes < 0:
+        if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
             raise ValueError(f"gact.Compressor: min_bytes={min_bytes!r} must be an integer >= 0")
         self.min_bytes = min_bytes
 
         if seed is None:
             seed = opts["seed"]
         seed = _integer(seed)
-        if not isinstance(seed, int) or not (0 <= seed < 2**64):
+        if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**64):
             raise ValueError(f"gact.Compressor: seed={seed!r} must be an integer in [0, 2**64)")
         self.seed = seed
 
@@ -601,7 +607,8 @@ class Compressor:
         self.estimator = estimator
         if adapt_interval is not None:
             adapt_interval = _integer(adapt_interval)
-        if adapt_interval is not None and (not isinstance(adapt_interval, int) or adapt_interval < 1):
+        if adapt_interval is not None and (not isinstance(adapt_interval, int) or isinstance(adapt_interval, bool)
+                                           or adapt_interval < 1):
             raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
         self.adapt_interval = adapt_interval
         if derivatives is None:
@@ -1024,6 +1031,7 @@ class Compressor:
             or t.layout is not torch.strided
             or t.is_quantized
             or (_HAS_NESTED and t.is_nested)
+            or (_HAS_NEG and t.is_neg())  # (a negated view, Z.conj().imag: its memory holds -values)
             or _is_wrapped(t)
         ):
             return "layout"
@@ -1307,11 +1315,15 @@ class Compressor:
                 _C.store_forget(h)
             else:
                 b = t._base
-                if b is not None and keep is None:
-                    try:
-                        p.view = (weakref.ref(b), b.data_ptr(), t.shape, t.stride(), off)
-                    except TypeError:
-                        pass
+                if b is not None and keep is None and _storage_ref is not None:
+                    # (the base's storage itself, held weakly, not its address: `b.data = x` then `b.data = y` can put
+                    # another storage at the same address; and t must still use it: `t.data = other` keeps t's _base)
+                    sref = _storage_ref(b._cdata)
+                    if sref is not None and sref.same(t._cdata):
+                        try:
+                            p.view = (weakref.ref(b), sref, t.shape, t.stride(), off)
+                        except TypeError:
+                            pass
         else:
             _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy

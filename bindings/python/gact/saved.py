@@ -1736,13 +1736,14 @@ def correlation_group(t: torch.Tensor, frame: Frame | None, results: dict | None
     """The store's group for a save of ``t`` (put_params::group): the call's own (one per call, shared by its
     saves of the same memory) where correlated(), else 0 (the storage's common blobs). ``results``: the step's
     tensors stored as a call's own result or inner tensor (what this records, for correlated())."""
-    if not correlated(t, frame, results):
-        return 0
-    if frame.name in _PRODUCTS_OF_READS and _given_twice(t, frame):
+    if frame is not None and frame.name in _PRODUCTS_OF_READS and _given_twice(t, frame):
         # (its backward multiplies two of its reads, here of one memory: nn.Bilinear(h, h)'s weight gradient is a sum of
         # g·h_i·h_j, whose i == j terms read one rounding squared where both saves share a blob: 8 % of the weight's
-        # gradient at 2 bits. Each save gets a rounding of its own: a group of its own)
+        # gradient at 2 bits; with or without a graph for h, a frozen backbone's features or bl(h, h.detach()). Each save
+        # gets a rounding of its own: a group of its own)
         return next(_GROUPS)
+    if not correlated(t, frame, results):
+        return 0
     if not frame.group:
         frame.group = next(_GROUPS)
     return frame.group
