@@ -547,7 +547,8 @@ def ddp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
 def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeout: float = 300.0) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a deadline. gloo's teardown now and then
     leaves one rank hanging after both wrote their results (seen on a loaded 2-core machine: one rank
-    gone, the other waiting for minutes), and ``spawn(join=True)`` waits forever. At the deadline the
+    gone, the other waiting for minutes), and ``spawn(join=True)`` waits forever. Once every path in
+    ``outputs`` exists the deadline is 30 s away at most (a hung teardown cost the suite 5 minutes). At the deadline the
     ranks still running are killed; that is a failure naming them unless every path in ``outputs`` was
     written (the ranks did their work; only the teardown hung). A rank that raises fails as in spawn."""
     import time
@@ -556,7 +557,12 @@ def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeo
 
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
+    written = False
     while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        if not written and all(os.path.exists(o) for o in outputs):
+            # (every rank did its work: only the teardown is left, which takes seconds when it does not hang)
+            written = True
+            deadline = min(deadline, time.monotonic() + 30.0)
         if time.monotonic() < deadline:
             continue
         alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
