@@ -130,7 +130,7 @@ def test_native_walk_refuses_a_null_tensor_and_a_short_reduced_list():
 
 def _correlated_by_each_operand(t, frame, results):
     """correlated() as it compared ``t`` with each operand in turn (_view_of), before the call's operands were
-    indexed by memory (saved._views): the oracle of the test below."""
+    indexed by memory (saved._views): the oracle of the test below, up to where both have found the operand t is."""
     if frame is None:
         return False
     if t.grad_fn is None:
@@ -173,32 +173,7 @@ def _correlated_by_each_operand(t, frame, results):
         if results is not None:
             S._record(results, t)
         return False
-    if others:
-        # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
-        # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
-        # other one; a part of one projection's output, q beside k, reaches the root too: a group, no bytes more
-        # where nothing else saves that memory)
-        root = base._base
-        if root is not None and root.grad_fn is None:
-            root = None
-        # another output of the node that made t (unbind's, chunk's) is a sibling, not computed from t; the same
-        # output is another view of t's memory
-        targets = [(base.grad_fn, base.output_nr)] + ([(root.grad_fn, root.output_nr)] if root is not None else [])
-        rest = []
-        for a in others:
-            sibling = False
-            for g, nr in targets:
-                if a.grad_fn is g:
-                    if a.output_nr == nr:
-                        return True
-                    sibling = True
-            if not sibling:
-                rest.append(a)
-        # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
-        if rest and S._reaches_to(rest, targets=[base] if root is None else [base, root],
-                                reduced=[a.numel() * 8 <= t.numel() for a in rest], chain_of=(base, root)):
-            return True
-    return S._reads_a_result(t, frame, results)
+    return S._read_with_its_own(t, base, others, frame, results)  # (from here on as correlated() goes on)
 
 
 def _random_call(rng: random.Random, pool: list, leaves: list) -> tuple:

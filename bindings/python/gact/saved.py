@@ -1845,6 +1845,12 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         return False
     base = same[0]  # the operand t is (or a whole view of)
     others = [a for a in ops if a is not base and not any(a is b for b in views.get(key, ()))]
+    return _read_with_its_own(t, base, others, frame, results)
+
+
+def _read_with_its_own(t: torch.Tensor, base: torch.Tensor, others: list, frame: Frame, results: dict | None) -> bool:
+    """correlated() once the operand ``t`` is (a whole view of), ``base``, and the call's other operands with a graph,
+    ``others``, are known: whether one of them was computed from t, or the call reads a recorded result as t."""
     if others:
         # t's node, and the node of the tensor it is a whole view of (p.t() * log(p).t(): log read p, not p.t())
         # (and of its root when only a part of it: p[:, :32] * log(p[:, :32]) makes two slices of p, log reads the
