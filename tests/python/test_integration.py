@@ -664,6 +664,7 @@ def test_a_compiled_model_is_compiled_once_whatever_the_compressors_made_for_it(
 
 
 @pytest.mark.skipif(not hasattr(torch, "nested"), reason="no nested tensors in this torch")
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")  # (torch's own)
 @pytest.mark.parametrize("act", [nn.GELU, nn.SiLU])
 def test_nested_tensors_through_an_activation_stand_in(act):
     """A strided nested tensor (variable-length sequences) through GELU or SiLU raised "NestedTensorImpl doesn't
