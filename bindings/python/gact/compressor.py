@@ -102,15 +102,16 @@ _HAS_NEG = hasattr(torch.Tensor, "is_neg")
 _KEYED_DTYPES = frozenset(_compat.FLOAT_DTYPES + _compat.MASK_DTYPES)
 
 
-def _integer(v: Any) -> Any:
+def _integer(v: Any) -> int | None:
     """``v`` as a Python int where it is an integer of any kind (numpy's too: ``np.int64(256)`` once got "group_size=256
-    must be a power of two"); a bool, numpy's or Python's, or anything else as it is, for the caller's check to refuse."""
+    must be a power of two"); None for a bool (numpy's, Python's, a bool tensor) or anything else, which the caller
+    refuses naming ``v``."""
     if type(v).__name__ in ("bool", "bool_") or (isinstance(v, torch.Tensor) and v.dtype is torch.bool):
-        return v
+        return None
     try:
         return operator.index(v)
     except TypeError:
-        return v
+        return None
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -341,8 +342,9 @@ class _Packed:
         self.hold: torch.Tensor | None = None
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
-        # a view's base, held weakly, with its data address and the view's geometry (base ref, ptr, size, stride,
-        # offset): a frozen matrix used through a view (f @ E.t()) is served from the base while it lives unchanged
+        # a view's base and the storage the view was saved from, both held weakly, and the view's geometry (base ref,
+        # storage ref, size, stride, offset): a frozen matrix used through a view (f @ E.t()) is served from the base
+        # while it lives unchanged on that storage
         self.view: tuple | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -363,7 +365,7 @@ class _Packed:
                 return self.alias
         view = self.view
         if view is not None:
-            # the view is gone, its base still held unchanged (the same version counter, memory and dtype): the view
+            # the view is gone, its base still held unchanged (the same version counter, storage and dtype): the view
             # made again from it, exact, and the blob dropped
             b = view[0]()
             if b is not None and b._version == self.version and b.dtype == self.dtype and view[1].same(b._cdata):
@@ -555,9 +557,10 @@ class Compressor:
                 else:
                     raise ValueError(f"gact.Compressor: bits={bits!r} is not supported; use 1, 2, 4, 8 or 'auto'")
         if bits != "auto":
-            bits = _integer(bits)
-        if bits != "auto" and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in _VALID_BITS):
-            raise ValueError(f"gact.Compressor: bits={bits!r} is not supported; use 1, 2, 4, 8 or 'auto'")
+            b = _integer(bits)
+            if b not in _VALID_BITS:
+                raise ValueError(f"gact.Compressor: bits={bits!r} is not supported; use 1, 2, 4, 8 or 'auto'")
+            bits = b
         self.bits = bits
 
         if budget is None:
@@ -572,29 +575,24 @@ class Compressor:
 
         if group_size is None:
             group_size = opts["group_size"]
-        group_size = _integer(group_size)
-        if (
-            not isinstance(group_size, int)
-            or isinstance(group_size, bool)
-            or not (64 <= group_size <= 1024)
-            or group_size & (group_size - 1)
-        ):
+        g = _integer(group_size)
+        if g is None or not (64 <= g <= 1024) or g & (g - 1):
             raise ValueError(f"gact.Compressor: group_size={group_size!r} must be a power of two in [64, 1024]")
-        self.group_size = group_size
+        self.group_size = g
 
         if min_bytes is None:
             min_bytes = opts["min_bytes"]
-        min_bytes = _integer(min_bytes)
-        if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
+        n = _integer(min_bytes)
+        if n is None or n < 0:
             raise ValueError(f"gact.Compressor: min_bytes={min_bytes!r} must be an integer >= 0")
-        self.min_bytes = min_bytes
+        self.min_bytes = n
 
         if seed is None:
             seed = opts["seed"]
-        seed = _integer(seed)
-        if not isinstance(seed, int) or isinstance(seed, bool) or not (0 <= seed < 2**64):
+        n = _integer(seed)
+        if n is None or not (0 <= n < 2**64):
             raise ValueError(f"gact.Compressor: seed={seed!r} must be an integer in [0, 2**64)")
-        self.seed = seed
+        self.seed = n
 
         if swap is None:
             swap = bool(opts["swap"])
@@ -613,10 +611,10 @@ class Compressor:
                              f"(bits={self.bits!r})")
         self.estimator = estimator
         if adapt_interval is not None:
-            adapt_interval = _integer(adapt_interval)
-        if adapt_interval is not None and (not isinstance(adapt_interval, int) or isinstance(adapt_interval, bool)
-                                           or adapt_interval < 1):
-            raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
+            n = _integer(adapt_interval)
+            if n is None or n < 1:
+                raise ValueError(f"gact.Compressor: adapt_interval={adapt_interval!r} must be an integer >= 1")
+            adapt_interval = n
         self.adapt_interval = adapt_interval
         if derivatives is None:
             derivatives = bool(opts["derivatives"])
@@ -658,6 +656,7 @@ class Compressor:
         self._results: dict[tuple, Any] = {}
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
+        self._closed = False  # (close(): entered again, it raises)
         self._names: dict[int, str] = {}
         # torch's CPU tensors and the blobs: one pool (option cpu_allocator); a model wholly on a GPU has no
         # CPU tensors in play, so a build without the CPU pool is not worth a warning there
@@ -813,7 +812,7 @@ class Compressor:
     # ---- context manager ----------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise RuntimeError("gact.Compressor: this Compressor was closed (close() took out its module hooks); make "
                                "a new one. To give the arena's cached memory back and go on, call gact.empty_cache()")
 

@@ -214,6 +214,7 @@ class AutoPolicy:
         self._signs: dict | None = None  # (parameter, vector) -> the probe's signs, while a closure's passes run
         self._norm_values = math.inf  # the fewest values a batch norm's channel had in one row (_norm_hook)
         self._probe_disabled = False
+        self._compiled = False  # (a sampled step's forward was seen only while torch.compile traced it)
         self._probe_stage = ""  # how far the last probe got (a failed one: whether its closure ran backward)
         self._fallback_checks = False  # the online estimator standing in for the probe is checked against uniform
         self._probe_closure: Callable[[], Any] | None = None  # the closure the last probe ran (verification)
@@ -732,7 +733,7 @@ class AutoPolicy:
             self._probe_closure = (self.closure or self._replay_closure()) if self._fallback_checks else None
             return self._online_estimates()
         closure = self.closure or self._replay_passes()
-        if closure is None and getattr(self, "_compiled", False):
+        if closure is None and self._compiled:
             why = ("the model runs under torch.compile, whose compiled forward the probe cannot replay (each replay "
                    "would recompile it); pass comp.step(closure) with a closure over an uncompiled forward for "
                    "the probe")
