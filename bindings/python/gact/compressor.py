@@ -78,15 +78,16 @@ _VALID_BITS = (1, 2, 4, 8)
 # NORM_SMALL_MIN_BITS bits, outside an adaptive policy's budget: its backward divides by the block's
 # spread, and such tensors carried most of the gradient error at 4 and 2 bits (resnet18, 32 px, batch 4:
 # gradient cosine 0.973 -> 0.997 at 4 bits, 0.50 -> 0.89 at 2 bits, for 7 % and 17 % more stored bytes).
-NORM_SMALL_BLOCK = 64
-NORM_SMALL_MIN_BITS = 8
 # Below NORM_FLOOR_BLOCK elements per block (a layer norm over a transformer's width), NORM_FLOOR_MIN_BITS at least:
 # the backward reads x̂·mean(g·x̂) from one rounding, whose i == i term is biased by the rounding's variance over the
 # block's size, and in a post-norm stack the bias adds up layer after layer (2 bits, width 256: 1.8 % of the
 # gradient at depth 4, 3.1 % at 8; width 64 at depth 4 7.0 %); 4 bits divide it by about 16, for about 8 % more
-# stored bytes on a transformer layer at 2 bits.
-NORM_FLOOR_BLOCK = 1024
-NORM_FLOOR_MIN_BITS = 4
+# stored bytes on a transformer layer at 2 bits. (saved.norm_floor: the same floor for rms_norm, F.normalize and
+# cosine_similarity, whose rows the storage table gives it.)
+NORM_SMALL_BLOCK = _saved.NORM_SMALL_BLOCK
+NORM_SMALL_MIN_BITS = _saved.NORM_SMALL_MIN_BITS
+NORM_FLOOR_BLOCK = _saved.NORM_FLOOR_BLOCK
+NORM_FLOOR_MIN_BITS = _saved.NORM_FLOOR_MIN_BITS
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
@@ -1504,8 +1505,7 @@ class Compressor:
             mb = 0
             if len(stats) >= 2 and stats[-1].numel():
                 block = t.numel() // stats[-1].numel()
-                mb = NORM_SMALL_MIN_BITS if block < NORM_SMALL_BLOCK else NORM_FLOOR_MIN_BITS \
-                    if block < NORM_FLOOR_BLOCK else 0
+                mb = _saved.norm_floor(block)
             other = t if src is not t else None
             try:
                 q = self._store(src, p.key, _saved._VALUES, norm, mb, True, keep=other)

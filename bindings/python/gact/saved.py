@@ -96,6 +96,27 @@ _ATTENTION_QK = Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS)
 #: 2-layer LSTM's 0.073 (0.018); at 4 bits 0.0046 against 0.0039
 QUADRATIC_MIN_BITS = 4
 _QUADRATIC = Decision(VALUES, min_bits=QUADRATIC_MIN_BITS)
+#: a normalization's input over fewer than NORM_FLOOR_BLOCK values per block (a layer or RMS norm over a transformer's
+#: width, F.normalize's embeddings): its backward reads x̂·mean(g·x̂) from one rounding, whose i == i term is biased by
+#: the rounding's variance over the block's size, and in a stack of such layers the bias adds up (2 bits, width 64,
+#: depth 4: 7.0 % of the gradient for LayerNorm, 3.7 % for a hand-written RMSNorm): at least NORM_FLOOR_MIN_BITS,
+#: which divides it by about 16; below NORM_SMALL_BLOCK (a batch norm over a small batch of 1x1 maps, whose spread
+#: the backward divides by) NORM_SMALL_MIN_BITS. Outside an adaptive policy's budget.
+NORM_SMALL_BLOCK = 64
+NORM_SMALL_MIN_BITS = 8
+NORM_FLOOR_BLOCK = 1024
+NORM_FLOOR_MIN_BITS = 4
+
+
+def norm_floor(block: int) -> int:
+    """The fewest bits a normalization's input over ``block`` values per statistics block is stored with (0: none)."""
+    return NORM_SMALL_MIN_BITS if block < NORM_SMALL_BLOCK else NORM_FLOOR_MIN_BITS if block < NORM_FLOOR_BLOCK else 0
+
+
+def _floored(block: int) -> Decision:
+    """Values with norm_floor(block) bits at least (block 0: not known, NORM_FLOOR_MIN_BITS)."""
+    mb = norm_floor(block) if block > 0 else NORM_FLOOR_MIN_BITS
+    return _VALUES if mb == 0 else Decision(VALUES, min_bits=mb)
 
 
 class Row(NamedTuple):
@@ -575,9 +596,19 @@ def _kl_div(t, args, kwargs, frame) -> Decision:
 
 
 def _rms_norm(t, args, kwargs, frame) -> Decision:
-    # x * rsqrt(mean(x^2) + eps) * w: the input as values; 1/rms (one value per row, read through a
-    # division in the backward) exact, like a norm's result.
-    return _VALUES if _view_of(t, _arg(args, kwargs, 0, "input")) else _EXACT
+    # x * rsqrt(mean(x^2) + eps) * w: the input as values, read twice by the backward (x̂·mean(g·x̂)): at least
+    # norm_floor's bits over the normalized shape; 1/rms (one value per row, read through a division in the backward)
+    # exact, like a norm's result; x·(1/rms), the weight's factor, values.
+    x = _arg(args, kwargs, 0, "input")
+    if not _view_of(t, x):
+        # (a full-size tensor made inside, x·(1/rms) that the weight's gradient reads linearly: values)
+        return _VALUES if isinstance(x, torch.Tensor) and t.numel() >= x.numel() and _is_float(t) else _EXACT
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    try:
+        block = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else int(shape)
+    except (TypeError, ValueError):
+        block = 0
+    return _floored(block)
 
 
 def _broadcast_factor(t, args, kwargs, frame) -> Decision:
@@ -668,7 +699,18 @@ def _normalize(t, args, kwargs, frame) -> Decision:
     # per row.
     if not _divides(args, kwargs, frame):
         return _EXACT
-    return _VALUES if t is _arg(args, kwargs, 0, "input") else _EXACT
+    x = _arg(args, kwargs, 0, "input")
+    return _floored(_reduced_size(x, _arg(args, kwargs, 2, "dim", 1))) if t is x else _EXACT
+
+
+def _reduced_size(x: Any, dim: Any) -> int:
+    """How many values of ``x`` each result of a reduction over ``dim`` (an int) sums; 0 where that cannot be told."""
+    if not isinstance(x, torch.Tensor) or isinstance(dim, bool) or not isinstance(dim, int):
+        return 0
+    try:
+        return x.shape[dim] if x.dim() else 1
+    except IndexError:
+        return 0
 
 
 def _reduction_result(t, args, kwargs, frame) -> Decision:
@@ -693,6 +735,13 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         g = through_copies(t.grad_fn)[0]
         if g is not None and any(k in type(g).__name__ for k in _REDUCTION_RESULT_NODES):
             return _EXACT
+    if frame.name == "cosine_similarity":
+        # (each input is read twice by its own gradient, x1/(n1 n2) - cos·x1/n1² with cos summing x1·x2: as a
+        # normalization's input, at least norm_floor's bits over the reduced dimension)
+        dim = _arg(args, kwargs, 2, "dim", 1)
+        for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
+            if isinstance(x, torch.Tensor) and _view_of(t, x):
+                return _floored(_reduced_size(x, dim))
     return _VALUES
 
 
@@ -906,11 +955,13 @@ _add("grad backward", "anything the double backward reads",
      lambda *a: _EXACT)
 _add("div div_ divide divide_ true_divide true_divide_", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
      _divisor)
-_add("normalize", "input; its norm through a division", "input as values; the norm (one value per row) exact (all exact at an order other than 2)",
-     _normalize)
+_add("normalize", "input twice; its norm through a division",
+     "input as values, >= 4 bits below 1 024 values per row (8 below 64); the norm (one value per row) exact (all exact "
+     "at an order other than 2)", _normalize)
 _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean pairwise_distance "
      "cosine_similarity", "input; the norm or deviation through a division",
-     "input as values; the reduced result exact (all exact at an order other than 2, and for a matrix norm)", _reduction_result)
+     "input as values (cosine_similarity's, read twice: >= 4 bits below 1 024 values per row, 8 below 64); the reduced "
+     "result exact (all exact at an order other than 2, and for a matrix norm)", _reduction_result)
 _add("cdist pdist", "points; the distances through a division",
      "points as values; the distances exact (all exact at an order other than 2)", _distance_result)
 _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
@@ -972,7 +1023,8 @@ _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod
      "(integers)", _flex_attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
-_add("rms_norm _fused_rms_norm", "input; 1/rms through a division", "input as values; 1/rms exact", _rms_norm)
+_add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through a division",
+     "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
      "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values for 1 and 2; "
      f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased), and for a "
@@ -1790,10 +1842,11 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
     ``t`` (softmax's of its result) is read again: served by one blob, both reads are one rounding, and their
     product is biased by the rounding's variance (the entropy of a softmax over 256 classes: 1.6x the gradient's
     norm at 2 bits, not shrinking with seeds). Such a call's saves get blobs of their own (correlation_group),
-    with their own rounding. An operand that reduces ``t`` (fewer than 1/8 of its elements) counts when the
-    reduction is signed (a DCN cross layer's x0 @ w), not through a sum of squares (a hand-written RMSNorm's
-    rsqrt(h.pow(2).mean(-1)), a norm: its term is one n-th of the sum, and the tensor's extra blob would cost every
-    such layer bytes; README, Known limits). Looks CORRELATION_DEPTH nodes back at most, CORRELATION_NODES nodes
+    with their own rounding. An operand that reduces ``t`` (has fewer elements) counts when the
+    reduction is signed (a DCN cross layer's x0 @ w), or through a sum of squares over fewer than NORM_FLOOR_BLOCK
+    values (a hand-written RMSNorm's rsqrt(h.pow(2).mean(-1)) over a small width, a norm); over more its term is a
+    negligible share of the sum, and the tensor's extra blob would cost every such layer bytes (_square_sum_shared;
+    README, Known limits). Looks CORRELATION_DEPTH nodes back at most, CORRELATION_NODES nodes
     in all (a dependence further back keeps the shared blob).
 
     Across calls (``results``, the step's record): a call that reads ``t`` for ``t``'s own gradient (``y ** 2``,
@@ -1815,7 +1868,7 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
         if sum(1 for a in ops if a is t) >= 2:
             return True
         others = [a for a in ops if a is not t and not a.is_leaf]
-        return bool(others) and _reaches_to(others, leaf=t, reduced=[a.numel() * 8 <= t.numel() for a in others])
+        return bool(others) and _reaches_to(others, leaf=t, reduced=[_square_sum_shared(a, t) for a in others])
     # (only operands with a graph, not leaves, can be computed from t: a linear layer's weight and bias cost a read
     # each; this runs for every stored save: the operands t is a whole view of are looked up by memory, _views)
     views, ops = _views(frame)
@@ -1872,9 +1925,9 @@ def _read_with_its_own(t: torch.Tensor, base: torch.Tensor, others: list, frame:
                     sibling = True
             if not sibling:
                 rest.append(a)
-        # (an operand with fewer than 1/8 of t's elements reduces it: through a sum of squares, left shared)
+        # (an operand that reduces t over at least NORM_FLOOR_BLOCK values: through a sum of squares, left shared)
         if rest and _reaches_to(rest, targets=[base] if root is None else [base, root],
-                                reduced=[a.numel() * 8 <= t.numel() for a in rest], chain_of=(base, root)):
+                                reduced=[_square_sum_shared(a, t) for a in rest], chain_of=(base, root)):
             return True
     return _reads_a_result(t, frame, results)
 
@@ -1887,6 +1940,14 @@ _CROSS_READS = frozenset("""mul __mul__ __rmul__ __imul__ mul_ multiply matmul _
     addcdiv addcdiv_ embedding embedding_bag mean gather take_along_dim index_select""".split())
 #: a quotient reads its numerator only for the denominator's gradient
 _DIVISIONS = frozenset("div div_ __truediv__ __itruediv__ true_divide divide __floordiv__".split())
+
+
+def _square_sum_shared(a: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether a correlation of ``t`` through the operand ``a`` is left shared where it passes a sum of squares: ``a``
+    has at most 1/NORM_FLOOR_BLOCK of t's elements, a reduction over so many values that each one's rounding squared
+    is a negligible share of the sum (a hand-written RMSNorm's rsqrt(h.pow(2).mean(-1)) over a wide model's width).
+    Over fewer (width 64 at depth 4, 2 bits: 3.7 % of the gradient's norm) such a call's saves get their own."""
+    return a.numel() * NORM_FLOOR_BLOCK <= t.numel()
 
 
 def _in_place(frame: Frame) -> bool:
