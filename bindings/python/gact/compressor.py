@@ -89,6 +89,8 @@ NORM_SMALL_MIN_BITS = _saved.NORM_SMALL_MIN_BITS
 NORM_FLOOR_BLOCK = _saved.NORM_FLOOR_BLOCK
 NORM_FLOOR_MIN_BITS = _saved.NORM_FLOOR_MIN_BITS
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
+# a row's largest magnitude that _row_params scales by (beyond: the row as it is, scale 1; 1/m stays a float32 normal)
+_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, 1e30
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 # (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
@@ -206,6 +208,11 @@ except ImportError:
     _storage_ref = None
 
 
+def _held_storage(t: torch.Tensor) -> Any:
+    """``t``'s storage held weakly, for _Packed.sref; None without _gact_torch."""
+    return _storage_ref(t._cdata) if _storage_ref is not None else None
+
+
 _graph = getattr(torch.autograd, "graph", None)
 
 
@@ -318,7 +325,8 @@ class _Packed:
     that of the input an activation's stored derivative came from."""
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
-                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "logged", "view", "__weakref__")
+                 "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "sref", "logged", "view",
+                 "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -333,6 +341,9 @@ class _Packed:
         self.decode = decode  # a predicate's (true_value, false_value); None: the values
         self.ref: Any = None
         self.ptr = 0  # the data address of the tensor `ref` follows, at pack
+        # and its storage, held weakly (None without _gact_torch): `t.data = a` then `t.data = b` can put another
+        # storage at the same address, with no version change
+        self.sref: Any = None
         self.version = t._version
         self.alias: torch.Tensor | None = None
         self.pending: Any = None  # a normalization input waiting for its layer's statistics
@@ -357,7 +368,8 @@ class _Packed:
             t = ref()
             # (its memory too: `t.data = other` swaps the storage of a tensor the program holds, with no version
             # change, and what was saved is the old one)
-            if t is not None and t._version == self.version and t.data_ptr() == self.ptr:
+            if t is not None and t._version == self.version and t.data_ptr() == self.ptr and (
+                    self.sref is None or self.sref.same(t._cdata)):
                 # Still held by the program and unchanged: use it, and drop the blob. A detached alias
                 # (same storage and version counter) keeps no tensor -> grad_fn -> saved cycle.
                 self.alias = t.detach()
@@ -1181,6 +1193,9 @@ class Compressor:
             d, kind = _saved._VALUES, _saved.VALUES
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
+        if d.rows:
+            norm, held = self._row_params(t, d.rows)  # (held: the statistics' tensors, alive through the encode)
+            return self._store(t, key, d, norm, group=group)
         return self._store(t, key, d, group=group)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
@@ -1204,7 +1219,7 @@ class Compressor:
                 # the temporary's address must never match a later tensor's; the program's own tensor, if it still
                 # holds it unchanged at unpack (a language model's output), is used as it is
                 _C.store_forget(q.handle)
-                q.ref, q.ptr = weakref.ref(t), t.data_ptr()
+                q.ref, q.ptr, q.sref = weakref.ref(t), t.data_ptr(), _held_storage(t)
         return q
 
     def _store_derivative(self, t: torch.Tensor, key: str, call: Any) -> Any:
@@ -1317,6 +1332,8 @@ class Compressor:
             p.ptr = ptr
             try:
                 p.ref = r = _TensorRef(t, _forget_ref)
+                if _storage_ref is not None:
+                    p.sref = _storage_ref(t._cdata)
                 r.handle = h
             except TypeError:
                 _C.store_forget(h)
@@ -1457,7 +1474,7 @@ class Compressor:
         if q.alias is not None:
             p.alias = q.alias
             return False
-        p.handle, p.offset, p.stride, p.ref, p.ptr = q.handle, q.offset, q.stride, q.ref, q.ptr
+        p.handle, p.offset, p.stride, p.ref, p.ptr, p.sref = q.handle, q.offset, q.stride, q.ref, q.ptr, q.sref
         q.handle, q.ref = 0, None
         if q.hold is not None:  # (q's entry in _verdicts is dropped as released)
             p.hold, p.pred, q.hold = q.hold, q.pred, None
@@ -1522,7 +1539,7 @@ class Compressor:
                 # (the copy's address must never match a later tensor's; the program's own tensor, if it still
                 # holds it unchanged at unpack, is used as it is)
                 _C.store_forget(q.handle)
-                q.ref, q.ptr = weakref.ref(t), t.data_ptr()
+                q.ref, q.ptr, q.sref = weakref.ref(t), t.data_ptr(), _held_storage(t)
             self._adopt(p, q)
 
     @staticmethod
@@ -1565,6 +1582,20 @@ class Compressor:
         if not m.is_cuda and _shift_residual_too_large(m, r):
             return None, None
         return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
+
+    def _row_params(self, t: torch.Tensor, inner: int) -> tuple:
+        """_norm_params for a save normalized per row (saved.Decision.rows): blocks of ``inner`` consecutive elements,
+        each scaled by 1/its largest magnitude (no shift; a row of zeros, or beyond float32's range, by 1); (None,
+        None) where the layout does not allow it or every quantization group lies inside one row anyway."""
+        if inner <= 0 or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
+                inner % self.group_size == 0 or not t.is_contiguous():
+            return None, None
+        with torch.no_grad():
+            m = t.detach().reshape(-1, inner).abs().amax(dim=1).float()
+            ok = torch.isfinite(m) & (m > _ROW_SCALE_MIN) & (m < _ROW_SCALE_MAX)
+            r = torch.where(ok, m.reciprocal(), torch.ones_like(m)).contiguous()
+            z = torch.zeros_like(r)
+        return (int(r.numel()), int(inner), z.data_ptr(), r.data_ptr()), (z, r)
 
     def _probe_pack(self, t: torch.Tensor, key: str, d: Any, frame: Any) -> Any:
         """A policy's probe keeps the tensors it would quantize as they are (with their rounding variance)."""

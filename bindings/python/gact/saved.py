@@ -70,6 +70,11 @@ class Decision(NamedTuple):
     clamped: bool = False  # predicate: the tensor is the output of a clamp to the predicate's range
     window: dict | None = None  # indices: the pooling geometry
     min_bits: int = 0  # values: the fewest bits the reader tolerates
+    # values: stored normalized per block of this many consecutive elements (a row) by the block's own largest
+    # magnitude (0: plainly): the reader divides by a per-row quantity (a norm, a sum), and a quantization group that
+    # spans rows of different scales would give a small row the rounding step of a large one, divided by its own
+    # small norm (F.normalize over rows whose norms span 1000x: one seed's gradient 1.0x its norm off at 8 bits)
+    rows: int = 0
 
 
 _VALUES = Decision(VALUES)
@@ -113,10 +118,23 @@ def norm_floor(block: int) -> int:
     return NORM_SMALL_MIN_BITS if block < NORM_SMALL_BLOCK else NORM_FLOOR_MIN_BITS if block < NORM_FLOOR_BLOCK else 0
 
 
-def _floored(block: int) -> Decision:
-    """Values with norm_floor(block) bits at least (block 0: not known, NORM_FLOOR_MIN_BITS)."""
+def _floored(block: int, rows: int = 0) -> Decision:
+    """Values with norm_floor(block) bits at least (block 0: not known, NORM_FLOOR_MIN_BITS), normalized per ``rows``
+    consecutive elements (Decision.rows)."""
     mb = norm_floor(block) if block > 0 else NORM_FLOOR_MIN_BITS
-    return _VALUES if mb == 0 else Decision(VALUES, min_bits=mb)
+    return _VALUES if mb == 0 and rows == 0 else Decision(VALUES, min_bits=mb, rows=rows)
+
+
+def _last_dim_rows(x: Any, dim: Any) -> int:
+    """The row length where a reduction over ``dim`` of ``x`` reduces each row of its last dimension (dim -1 or the
+    last, x of at least 2 dimensions): the blocks Decision.rows normalizes; 0 otherwise."""
+    if not isinstance(x, torch.Tensor) or isinstance(dim, bool) or x.dim() < 2:
+        return 0
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or dim not in (-1, x.dim() - 1):
+        return 0
+    return x.shape[-1] if x.shape[-1] > 1 else 0
 
 
 class Row(NamedTuple):
@@ -656,9 +674,18 @@ def _pow(t, args, kwargs, frame) -> Decision:
 
 
 def _divisor(t, args, kwargs, frame) -> Decision:
-    # d(a / b)/db = -a / b^2: a quantized divisor near zero makes the gradient explode and biases it.
+    # d(a / b)/db = -a / b^2: a quantized divisor near zero makes the gradient explode and biases it. A dividend over a
+    # divisor of one value per row (a softmax by hand, e / e.sum(-1, keepdim=True); h / h.norm(dim=-1, keepdim=True)) is
+    # read for the divisor's gradient divided by that row's b^2: normalized per row (Decision.rows)
     other = _arg(args, kwargs, 1, "other")
-    return _EXACT if isinstance(other, torch.Tensor) and t is other else _VALUES
+    if isinstance(other, torch.Tensor) and t is other:
+        return _EXACT
+    a = _arg(args, kwargs, 0, "input")
+    if isinstance(other, torch.Tensor) and other.requires_grad and isinstance(a, torch.Tensor) and _view_of(t, a) and \
+            _is_float(t) and a.dim() >= 2 and other.dim() >= 1 and other.shape[-1] == 1 and a.shape[-1] > 1 and \
+            other.numel() * a.shape[-1] == a.numel():
+        return Decision(VALUES, rows=a.shape[-1])
+    return _VALUES
 
 
 #: where a norm-like call takes its order: (position, keyword); calls not listed have none (a 2-norm)
@@ -700,7 +727,10 @@ def _normalize(t, args, kwargs, frame) -> Decision:
     if not _divides(args, kwargs, frame):
         return _EXACT
     x = _arg(args, kwargs, 0, "input")
-    return _floored(_reduced_size(x, _arg(args, kwargs, 2, "dim", 1))) if t is x else _EXACT
+    if t is not x:
+        return _EXACT
+    dim = _arg(args, kwargs, 2, "dim", 1)
+    return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
 
 
 def _reduced_size(x: Any, dim: Any) -> int:
@@ -741,10 +771,19 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         dim = _arg(args, kwargs, 2, "dim", 1)
         for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
             if isinstance(x, torch.Tensor) and _view_of(t, x):
-                return _floored(_reduced_size(x, dim))
+                return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
+    elif frame.name in _NORM_DIM_ARG:
+        # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm)
+        x = _arg(args, kwargs, 0, "input")
+        if isinstance(x, torch.Tensor) and _view_of(t, x):
+            rows = _last_dim_rows(x, _arg(args, kwargs, _NORM_DIM_ARG[frame.name], "dim"))
+            if rows:
+                return Decision(VALUES, rows=rows)
     return _VALUES
 
 
+#: where a 2-norm call takes its dimension
+_NORM_DIM_ARG = {"norm": 2, "linalg_vector_norm": 2, "linalg_norm": 2}
 #: the nodes of a norm's, a deviation's or a distance's result (a full-size difference inside a pairwise distance is a
 #: subtraction's, read linearly)
 _REDUCTION_RESULT_NODES = ("Norm", "Std", "Dist")
@@ -953,15 +992,17 @@ _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex 
 _add("grad backward", "anything the double backward reads",
      "exact: saved by a backward with create_graph=True, whose next backward reads them in any way (an ELU's sign)",
      lambda *a: _EXACT)
-_add("div div_ divide divide_ true_divide true_divide_", "the divisor", "the divisor exact (d/db of a/b = -a/b^2); the dividend as values",
-     _divisor)
+_add("div div_ divide divide_ true_divide true_divide_", "the divisor; the dividend for the divisor's gradient",
+     "the divisor exact (d/db of a/b = -a/b^2); the dividend as values, normalized per row over a divisor of one value "
+     "per row (e / e.sum(-1, keepdim=True))", _divisor)
 _add("normalize", "input twice; its norm through a division",
-     "input as values, >= 4 bits below 1 024 values per row (8 below 64); the norm (one value per row) exact (all exact "
-     "at an order other than 2)", _normalize)
+     "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64); "
+     "the norm (one value per row) exact (all exact at an order other than 2)", _normalize)
 _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean pairwise_distance "
      "cosine_similarity", "input; the norm or deviation through a division",
-     "input as values (cosine_similarity's, read twice: >= 4 bits below 1 024 values per row, 8 below 64); the reduced "
-     "result exact (all exact at an order other than 2, and for a matrix norm)", _reduction_result)
+     "input as values (a 2-norm's over the last dimension normalized per row; cosine_similarity's too, read twice: >= 4 "
+     "bits below 1 024 values per row, 8 below 64); the reduced result exact (all exact at an order other than 2, and "
+     "for a matrix norm)", _reduction_result)
 _add("cdist pdist", "points; the distances through a division",
      "points as values; the distances exact (all exact at an order other than 2)", _distance_result)
 _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
