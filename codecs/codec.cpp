@@ -348,6 +348,7 @@ char const* refusal_name(refusal r) noexcept {
     case refusal::not_two_level: return "not_two_level";
     case refusal::not_window: return "not_window";
     case refusal::float64_range: return "float64_range";
+    case refusal::wide: return "wide";
   }
   return "invalid";
 }
@@ -664,6 +665,7 @@ encode_result encode_cpu(void const* src, dtype dt, std::span<std::int64_t const
       job.bits = p.bits;
       job.group_size = p.group_size;
       job.seed = p.seed;
+      job.max_magnitude = p.max_magnitude;
       job.key = p.key;
       job.count = p.norm_count;
       job.inner = p.norm_inner;

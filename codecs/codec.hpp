@@ -54,6 +54,12 @@ char const* variant_name(codec_id c, std::uint8_t variant) noexcept;
 /// Name of a predicate ("gt", "ge", "lt", "le", "open", "closed", "ne"; "invalid" otherwise).
 char const* predicate_name(predicate p) noexcept;
 
+/// The largest magnitude the activation store lets a plain or normalized quant group hold (2^15,
+/// encode_params::max_magnitude): beyond it the group holds a mask's fill (torch.finfo(dtype).min, -1e9,
+/// float16's -65504) or an outlier whose step, at least 2^15 / 255, swamps every other value of the group (at 8
+/// bits a value of 1 beside finfo.min decodes to 0: the mean gradient 100 % off). Such a tensor is kept exact.
+inline constexpr float k_store_max_magnitude = 32768.0f;
+
 /// How to encode. bits and group_size matter to quant (bits also to window); seed and key are
 /// the Philox key and counter half of the stochastic rounding (fold a step counter into the seed
 /// if rounding must differ between steps). `variant` selects a quant_mode or mask_mode; each
@@ -72,6 +78,9 @@ struct encode_params {
   std::uint64_t norm_inner = 1;
   float const* norm_shift = nullptr;
   float const* norm_scale = nullptr;
+  /// quant plain/normalized: a group holding a magnitude >= this is refused (refusal::wide; on a device marked as a
+  /// non-finite group is, for the verdict); 0: no limit. The activation store sets k_store_max_magnitude.
+  float max_magnitude = 0.0f;
   /// quant/boundary: the values of codes 0 and 2^b - 1.
   boundary_params boundary{};
   /// mask/predicate: the predicate and its bounds (`level` is found by the encoder).

@@ -199,6 +199,7 @@ struct quant_args {
   std::uint64_t count, inner;
   float const* shift;  // normalized: device arrays of count values
   float const* scale;
+  float max_magnitude;  // plain, normalized: a group at or beyond it is marked bad (encode_params::max_magnitude)
   boundary_params boundary;
   device_verdict verdict;  // word == nullptr: not asked
 };
@@ -298,6 +299,9 @@ __device__ __forceinline__ bool encode_group(typename dev_io<Dt>::storage const*
   }
   lo = hd::canonical_zero(lo);
   hi = hd::canonical_zero(hi);
+  // (a group too wide to quantize, a mask's fill: marked as a non-finite one is, and the tensor kept exact through its
+  // verdict; lo and hi are the warp's, so bad stays uniform)
+  if constexpr (V != k_boundary) bad = bad || !hd::quant_range_ok(lo, hi, a.max_magnitude);
   if (lane == 0) {
     auto* m = reinterpret_cast<typename M::storage*>(blob + a.meta_off) + 2 * g;
     m[0] = bad ? M::nan() : M::store(lo);
@@ -753,6 +757,7 @@ encode_result encode_cuda(void const* src, dtype dt, std::span<std::int64_t cons
       a.inner = p.norm_inner;
       a.shift = p.norm_shift;
       a.scale = p.norm_scale;
+      a.max_magnitude = p.max_magnitude;
       std::memcpy(&a.boundary, params, variant == std::uint8_t(quant_mode::boundary) ? sizeof a.boundary : 0);
       if (verdict != nullptr) {
         GACT_EXPECTS(verdict->word != nullptr && verdict->counter != nullptr && verdict->seq != 0,

@@ -64,4 +64,7 @@ GACT_HD float div_rn(float a, float b) { return a / b; }
 /// True for every finite float (not NaN, not ±Inf), by looking at the exponent bits only.
 GACT_HD bool is_finite_bits(float f) { return (float_bits(f) & 0x7f800000u) != 0x7f800000u; }
 
+/// Whether a group's bounds lie inside (-m, m), or m is 0 (no limit: encode_params::max_magnitude); false for NaN.
+GACT_HD bool quant_range_ok(float lo, float hi, float m) { return m == 0.0f || (lo > -m && hi < m); }
+
 }  // namespace gact::codec::hd

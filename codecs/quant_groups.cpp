@@ -809,6 +809,10 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
         __atomic_store_n(failed, int(refusal::nonfinite), __ATOMIC_RELAXED);
         return false;
       }
+      if (!hd::quant_range_ok(lo, hi, job.max_magnitude)) {
+        __atomic_store_n(failed, int(refusal::wide), __ATOMIC_RELAXED);
+        return false;
+      }
       store_meta<Dt, V>(job.meta, g, lo, hi);
       group_params const p = hd::make_params(lo, hi, Bits);
       if (p.step > 0.0f) {

@@ -19,6 +19,8 @@ enum class refusal : std::uint8_t {
   not_window,     ///< window: an index is not a position of its pooling window
   float64_range,  ///< quant of float64: a nonzero value lies outside float32's normal range (it is
                   ///< quantized in float32, where it would overflow or lose its precision)
+  wide,           ///< quant (plain, normalized): a group holds a magnitude >= encode_params::max_magnitude (a
+                  ///< mask's fill such as finfo.min), whose step would swamp every other value of the group
 };
 namespace detail {
 
@@ -35,6 +37,7 @@ struct quant_job {
   float const* statsf;               ///< normalized: the statistics unpacked once per call, 2 floats per
                                      ///< block: (shift, scale) to encode, (shift, 1 / scale) to decode
   boundary_params boundary;          ///< boundary
+  float max_magnitude;               ///< plain, normalized encode: encode_params::max_magnitude
   bool predicate;                    ///< decode a boundary blob's predicate instead of its values
   float true_value, false_value;     ///< ... as these values
   unsigned char* meta;               ///< group metadata (read-only when decoding)

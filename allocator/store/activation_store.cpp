@@ -619,6 +619,7 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
     bool const f64_on_device = !host && v.dtype == codec::dtype::float64;
     if (fl && p.bits <= 8 && !f64_on_device) {
       ep.codec = codec::codec_id::quant;
+      ep.max_magnitude = codec::k_store_max_magnitude;  // (a mask's fill: kept exact, refusal::wide)
       if (what == role::values && p.boundary && p.norm_count == 0 && upgradable(p.pred)) {
         // as the upgrade of a predicate entry in put(): one blob for the values and the predicate
         set_boundary(ep, p.pred, p.bits);
@@ -697,8 +698,9 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   }
   if (r.refused != codec::refusal::none) {
     out.blob.reset();
-    if (r.refused == codec::refusal::nonfinite || r.refused == codec::refusal::float64_range) {
-      // NaN/Inf, or float64 values float32 cannot hold: kept exact
+    if (r.refused == codec::refusal::nonfinite || r.refused == codec::refusal::float64_range ||
+        r.refused == codec::refusal::wide) {
+      // NaN/Inf, float64 values float32 cannot hold, or a group too wide to quantize (a mask's fill): kept exact
       out.nonfinite = r.refused == codec::refusal::nonfinite;
       out.refused = !out.nonfinite;
       ep = codec::encode_params{};
@@ -711,14 +713,15 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
       if (fl && p.bits <= 8) {
         q.codec = codec::codec_id::quant;
         q.bits = p.bits;
+        q.max_magnitude = codec::k_store_max_magnitude;
       } else {
         q.codec = codec::codec_id::raw;
       }
       ep = q;
     }
     r = run(ep);
-    if (r.refused == codec::refusal::nonfinite) {
-      out.nonfinite = true;
+    if (r.refused != codec::refusal::none) {  // (the values a refused predicate fell back to: NaN/Inf, or too wide)
+      if (r.refused == codec::refusal::nonfinite) out.nonfinite = true;
       out.blob.reset();
       ep = codec::encode_params{};
       ep.codec = codec::codec_id::raw;

@@ -855,7 +855,7 @@ PYBIND11_MODULE(_gact, m) {
       py::arg("group_size"), py::arg("seed"), py::arg("key"),
       "Encode a contiguous host tensor; returns (blob bytes, None), or (None, why) when the codec refused "
       "it: why is 'nonfinite' (quant: NaN/Inf), 'float64_range' (quant: a float64 value outside float32's "
-      "range) or another refusal's name.");
+      "range), 'wide' (quant: a magnitude of 2^15 or more, a mask's fill such as finfo.min) or another refusal's name.");
   m.def(
       "codec_parse",
       [](py::bytes blob) {

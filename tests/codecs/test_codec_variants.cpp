@@ -726,6 +726,60 @@ TEST_CASE("float64 quant: error within a step of the float32-rounded values; val
   CHECK(encode_cpu(hb.data(), dtype::float64, std::vector<std::int64_t>{300}, p, blob.data(), blob.size(), 1).nonfinite);
 }
 
+TEST_CASE("quant: max_magnitude refuses a group holding a magnitude at or beyond it, in every dtype and build") {
+  // (encode_params::max_magnitude: the store's k_store_max_magnitude keeps a mask's fill exact; 0, the default, sets no
+  // limit and such a group is encoded as before)
+  std::size_t const n = 300;  // (two groups of 256, the second partial: the tail loop too)
+  for (char const* isa : detail::quant_cpu_isas()) {
+    REQUIRE(detail::use_quant_cpu_isa(isa));
+    for (dtype dt : {dtype::float32, dtype::float16, dtype::bfloat16, dtype::float64}) {
+      for (std::uint8_t variant : {std::uint8_t(0), std::uint8_t(quant_mode::normalized)}) {
+        for (std::size_t at : {std::size_t{0}, std::size_t{131}, n - 1}) {
+          for (float v : {-65504.0f, 32768.0f, 40000.0f, 32767.0f, -32767.0f}) {
+            std::vector<float> x(n);
+            for (std::size_t i = 0; i < n; ++i) x[i] = float(int(i % 17) - 8) * 0.25f;
+            x[at] = v;
+            std::vector<unsigned char> t(n * dtype_size(dt));
+            for (std::size_t i = 0; i < n; ++i) {
+              if (dt == dtype::float32) std::memcpy(t.data() + 4 * i, &x[i], 4);
+              else if (dt == dtype::float64) { double const d = x[i]; std::memcpy(t.data() + 8 * i, &d, 8); }
+              else {
+                std::uint16_t const b = dt == dtype::float16 ? hd::float_to_half(x[i]) : hd::float_to_bf16(x[i]);
+                std::memcpy(t.data() + 2 * i, &b, 2);
+              }
+            }
+            std::vector<float> shift(3, 0.0f), scale(3, 1.0f);
+            for (float limit : {0.0f, 32768.0f}) {
+              encode_params p;
+              p.bits = 8;
+              p.variant = variant;
+              p.max_magnitude = limit;
+              if (variant != 0) {
+                p.norm_count = 3;
+                p.norm_inner = 100;
+                p.norm_shift = shift.data();
+                p.norm_scale = scale.data();
+              }
+              std::vector<std::int64_t> const shape{std::int64_t(n)};
+              bytes blob(blob_size(dt, shape, p));
+              auto const r = encode_cpu(t.data(), dt, shape, p, blob.data(), blob.size(), 1);
+              float const held = dt == dtype::float16 ? hd::half_to_float(hd::float_to_half(v))
+                                 : dt == dtype::bfloat16 ? hd::bf16_to_float(hd::float_to_bf16(v))
+                                                         : v;
+              bool const wide = limit > 0.0f && std::fabs(held) >= limit;
+              INFO(isa << " " << dtype_name(dt) << " variant " << int(variant) << " value " << v << " at " << at
+                       << " limit " << limit);
+              CHECK(r.refused == (wide ? refusal::wide : refusal::none));
+              CHECK_FALSE(r.nonfinite);
+            }
+          }
+        }
+      }
+    }
+  }
+  detail::use_quant_cpu_isa(nullptr);
+}
+
 TEST_CASE("float64 quant: the range test's edges, at every position of a vector, in every build of the loops") {
   encode_params p;
   p.bits = 4;

@@ -704,8 +704,8 @@ def test_cpu_smoke_run_leaves_three_files_with_the_ranked_report(tmp_path, witho
                    for line in doc["truths"]), doc["truths"]
         # the NaN/Inf contract ran first, and its line is in the report
         nf = doc["stages"]["train"]["figures"]["nonfinite"]
-        assert nf["failures"] == [] and nf["cases"] == 8 and nf["device_nonfinite"] == 0, nf
-        assert any(line.startswith("NaN/Inf in saved tensors come back exactly") and ": yes (8 cases" in line
+        assert nf["failures"] == [] and nf["cases"] == 13 and nf["device_nonfinite"] == 0, nf
+        assert any(line.startswith("NaN/Inf in saved tensors come back exactly") and ": yes (13 cases" in line
                    for line in doc["truths"])
 
 

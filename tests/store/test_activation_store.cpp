@@ -670,6 +670,31 @@ TEST_CASE("NaN and Inf are stored raw and counted") {
                        gact::invalid_argument);
 }
 
+TEST_CASE("a mask's fill (a magnitude of 2^15 or more) is kept exact; a value just inside is quantized") {
+  // At 8 bits a value of 1 in a group with torch.finfo(float32).min decoded to 0 (its step swamps it): such tensors are
+  // refused by the codec (refusal::wide) and stored raw, in every float dtype; a boundary or predicate save is not
+  // concerned (its range is the predicate's).
+  fixture f;
+  for (float fill : {std::numeric_limits<float>::lowest(), -1e9f, -65504.0f, 32768.0f}) {
+    CAPTURE(fill);
+    auto x = randn(2000, 4);
+    for (std::size_t i = 300; i < 400; ++i) x[i] = fill;
+    auto h = f.store.put(view(x.data(), dtype::float32, {2000}), bits(8)).h;
+    CHECK(f.store.info(h).codec == codec_id::raw);
+    std::vector<float> y(2000);
+    f.store.get(h, y.data(), y.size() * 4);
+    CHECK(y == x);
+    f.store.release(h);
+  }
+  CHECK(f.store.stats_json()["refusal_fallbacks"] == 4);
+  CHECK(f.store.stats_json()["nonfinite_fallbacks"] == 0);
+  auto x = randn(2000, 4);
+  x[300] = 32767.0f;  // (inside: quantized, within one step of its group)
+  auto h = f.store.put(view(x.data(), dtype::float32, {2000}), bits(8)).h;
+  CHECK(f.store.info(h).codec == codec_id::quant);
+  f.store.release(h);
+}
+
 TEST_CASE("bool and 0/1 uint8 go to the mask codec; other integers raw") {
   fixture f;
   std::vector<std::uint8_t> m(5000), u(5000);

@@ -8,9 +8,12 @@ there is one: tests/python/test_integration.py) and by gpu-check's train stage o
   mapped memory and the Compressor serves the tensor it kept until then, codecs/verdict.hpp);
 * a finite tensor saved beside it is still compressed (it comes back within one quantization
   step of its range, and not exactly), so the fallback does not spread to its neighbours;
+* a saved tensor holding a mask's finite fill (torch.finfo(dtype).min, a magnitude of 2^15 or
+  more) comes back exactly too (the codec refuses such a group, codec.hpp k_store_max_magnitude; on
+  a device through the same verdict), where its group's step would have swamped every other value;
 * a policy network with masked actions (logits set to -inf, then log_softmax, as reinforcement
-  learning masks invalid actions) trains with finite gradients as in fp32, close to fp32's
-  (MASKED_POLICY_MIN_COS).
+  learning masks invalid actions; or to finfo.min) trains with finite gradients as in fp32, close to
+  fp32's (MASKED_POLICY_MIN_COS).
 
 ``run(device)`` returns {"cases", "failures": [text, ...], "device_nonfinite": the store's count of
 device encodes that reported such a value}; no failure is the pass.
@@ -74,7 +77,7 @@ def _echo(gact: Any, ts: List[torch.Tensor], bits: int) -> List[torch.Tensor]:
     return out[::-1]  # (backward runs last save first)
 
 
-def _masked_policy(device: torch.device, gact: Any, bits: int) -> Dict[str, float]:
+def _masked_policy(device: torch.device, gact: Any, bits: int, fill: float = float("-inf")) -> Dict[str, float]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64)).to(device)
     obs = torch.randn(128, 32, device=device)
@@ -86,10 +89,10 @@ def _masked_policy(device: torch.device, gact: Any, bits: int) -> Dict[str, floa
     def grads(comp: Any) -> torch.Tensor:
         net.zero_grad()
         if comp is None:
-            logp = F.log_softmax(net(obs).masked_fill(~valid, float("-inf")), dim=-1)
+            logp = F.log_softmax(net(obs).masked_fill(~valid, fill), dim=-1)
         else:
             with comp:
-                logp = F.log_softmax(net(obs).masked_fill(~valid, float("-inf")), dim=-1)
+                logp = F.log_softmax(net(obs).masked_fill(~valid, fill), dim=-1)
         # the policy-gradient loss and an entropy bonus that reads every log-probability (0 * -inf := 0)
         p = logp.exp()
         ent = -(p * logp.masked_fill(~valid, 0.0)).sum(-1)
@@ -146,15 +149,31 @@ def run(device: str | torch.device, gact: Any = None) -> Dict[str, Any]:
                 failures.append(f"{dtype} {bits} bits: its finite neighbour is off by {err:.4g} > one step {bound:.4g}")
             elif err == 0.0:
                 failures.append(f"{dtype} {bits} bits: its finite neighbour came back exact: it was not compressed")
-    for bits in (2, 4):
+        # a mask's finite fill in a few rows (a causal mask's, an action mask's): exact, as NaN/Inf are
         cases += 1
-        r = _masked_policy(dev, gact, bits)
-        if not r["ref_finite"]:
-            failures.append("masked policy: the fp32 gradients are not finite (the case is broken)")
-        elif not r["finite"]:
-            failures.append(f"masked policy, {bits} bits: gradients not finite where fp32's are")
-        elif not r["cos"] >= MASKED_POLICY_MIN_COS[bits]:
-            failures.append(f"masked policy, {bits} bits: gradient cosine to fp32 {r['cos']:.4f} < "
-                            f"{MASKED_POLICY_MIN_COS[bits]}")
+        g = torch.Generator().manual_seed(7)
+        wide = torch.randn(64, 512, generator=g).to(dtype)
+        wide[5:9, 100:300] = torch.finfo(dtype).min
+        wide = wide.to(dev)
+        try:
+            (back_wide,) = _echo(gact, [wide], 8)
+        except Exception as exc:
+            failures.append(f"{dtype} mask fill: {type(exc).__name__}: {exc}")
+        else:
+            if not torch.equal(back_wide, wide):
+                failures.append(f"{dtype} mask fill: the tensor with finfo.min came back with "
+                                f"{int((back_wide != wide).sum())} values changed")
+    for fill in (float("-inf"), torch.finfo(torch.float32).min):
+        for bits in (2, 4):
+            cases += 1
+            r = _masked_policy(dev, gact, bits, fill)
+            what = "masked policy" + ("" if fill == float("-inf") else " (finfo.min)")
+            if not r["ref_finite"]:
+                failures.append(f"{what}: the fp32 gradients are not finite (the case is broken)")
+            elif not r["finite"]:
+                failures.append(f"{what}, {bits} bits: gradients not finite where fp32's are")
+            elif not r["cos"] >= MASKED_POLICY_MIN_COS[bits]:
+                failures.append(f"{what}, {bits} bits: gradient cosine to fp32 {r['cos']:.4f} < "
+                                f"{MASKED_POLICY_MIN_COS[bits]}")
     return {"cases": cases, "failures": failures,
             "device_nonfinite": _store_count(gact, "device_nonfinite") - before}

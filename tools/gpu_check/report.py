@@ -327,8 +327,9 @@ def truths(report: Mapping[str, object]) -> List[str]:
         else:
             fails = nf.get("failures") or []
             out.append(f"NaN/Inf in saved tensors come back exactly, their neighbours compressed, a masked policy's "
-                       f"gradients finite: {'yes' if not fails else 'NO'} ({nf.get('cases')} cases, "
-                       f"{nf.get('device_nonfinite')} device encodes reported NaN/Inf)" +
+                       f"gradients finite (mask fills of finfo.min exact too): {'yes' if not fails else 'NO'} "
+                       f"({nf.get('cases')} cases, {nf.get('device_nonfinite')} device encodes reported NaN/Inf or a "
+                       f"mask fill)" +
                        ("" if not fails else ": " + "; ".join(str(x) for x in fails[:4])))
     pr = t.get("profile") or {}
     if isinstance(pr, Mapping) and pr.get("status") == "pass":
