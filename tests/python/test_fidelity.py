@@ -1859,6 +1859,22 @@ def test_a_read_through_a_curve_over_many_values_is_unbiased(name):
     _assert_seed_mean_unbiased(name, lambda l1, l2: loss_of(l2(torch.relu(l1(x)))), 64, width, bits)
 
 
+def test_label_smoothing_over_many_classes_stores_no_overflowing_exp():
+    """torch 1.13's cross_entropy with label smoothing saves each row's smoothing term (about +460 over 97 classes of
+    logits x 10) beside the log-probabilities: taken for log-probabilities, it was stored as exp(460), which overflows:
+    the codec refused it as holding Inf and logged so every step. Terms with fewer elements than the input are kept
+    exact; the gradient is as unbiased as before (test_a_read_through_a_curve_over_many_values_is_unbiased)."""
+    lin = nn.Linear(16, 97)
+    x = torch.randn(128, 16, generator=torch.Generator().manual_seed(0))
+    comp = gact.Compressor(lin, bits=4, min_bytes=0)
+    with comp:
+        loss = F.cross_entropy(lin(x) * 10, torch.arange(128) % 97, label_smoothing=0.1)
+    loss.backward()
+    store = comp.stats()["store"]
+    comp.close()
+    assert store["nonfinite_fallbacks"] == 0 and store["tensors_in"] >= 1, store
+
+
 def _rms(z):
     h = z * 1.0
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)

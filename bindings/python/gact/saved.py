@@ -464,6 +464,11 @@ def _cross_entropy(t, args, kwargs, frame) -> Decision:
     # 256 seeds at 4 bits). A target or a class weight that is trained reads them linearly too: log-space values.
     if not (_is_float(t) and t.requires_grad):
         return _VALUES
+    x = _arg(args, kwargs, 0, "input")
+    if isinstance(x, torch.Tensor) and t.numel() < x.numel():
+        # (a per-row term made inside, torch 1.13's label-smoothing loss of each row, +460 over 97 classes: not
+        # log-probabilities, whose exp would overflow; one value per row, exact)
+        return _EXACT
     target, weight = _arg(args, kwargs, 1, "target"), _arg(args, kwargs, 2, "weight")
     if not isinstance(target, torch.Tensor) or (target.is_floating_point() and target.requires_grad) or \
             (isinstance(weight, torch.Tensor) and weight.requires_grad):
