@@ -812,7 +812,13 @@ put_result activation_store::put(tensor_view const& v, put_params const& p) {
         if (e.owner != p.owner || e.group != p.group) continue;  // (a correlated call's group: put_params::group)
         bool serves = false;
         switch (p.what) {
-          case role::values: serves = e.info.values && precise_enough(e.info, p); break;
+          case role::values:
+            // (a put normalized per block, a row-divided or normalization input, is not served by plain quantized
+            // groups: their range spans the blocks, which is what it is normalized against)
+            serves = e.info.values && precise_enough(e.info, p) &&
+                     (p.norm_count == 0 || e.info.codec != codec::codec_id::quant ||
+                      e.info.variant == std::uint8_t(codec::quant_mode::normalized));
+            break;
           case role::predicate: serves = e.info.predicate && same_predicate(e.info.pred, p.pred); break;
           case role::indices: serves = e.info.values && !is_float(e.info.dtype); break;
         }

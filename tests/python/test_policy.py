@@ -2302,3 +2302,64 @@ def test_auto_on_a_float64_model_says_its_activations_get_the_default_bits():
     comp.close()
     said = [str(w.message) for w in seen if "float64" in str(w.message)]
     assert len(said) == 1 and "default 2 bits" in said[0], said
+
+
+class _JitBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, h):
+        return torch.relu(self.lin(h))
+
+
+class _NoHooks(torch.nn.Linear):
+    """A module that refuses forward pre-hooks, as a scripted one does."""
+
+    def register_forward_pre_hook(self, hook, *args, **kwargs):
+        raise RuntimeError("register_forward_pre_hook is not supported here")
+
+
+@pytest.mark.parametrize("inner", ["scripted", "refuses_hooks"])
+def test_the_probe_leaves_no_cut_behind_on_a_module_it_cannot_hook(inner):
+    """A probe that could not hook every module (a torch.jit.script'ed block takes no forward hooks) left the hooks it
+    had placed before it on the program's modules: from the first estimate on, each layer before it got its input cut
+    from the graph (its weight's gradient None at every later step, the cut inputs kept, the leak count growing), also
+    after close(). Scripted modules are not cut (their saves are kept exact); a module that refuses a hook makes the
+    probe remove the ones it placed."""
+    torch.manual_seed(0)
+    block = torch.jit.script(_JitBlock()) if inner == "scripted" else _NoHooks(32, 32)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), block,
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    comp = gact.Compressor(model, bits="auto", budget=4)
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (refuses_hooks: the probe fails and says so)
+        for _ in range(4):
+            with comp:
+                loss = model(x).pow(2).mean()
+            loss.backward()
+            grads.append(model[0].weight.grad)
+            model.zero_grad(set_to_none=True)
+            comp.step()
+    comp.close()
+    assert all(g is not None and g.norm() > 0 for g in grads)
+    assert not any(getattr(m, "_forward_pre_hooks", None) for m in model.modules()
+                   if not isinstance(m, torch.jit.ScriptModule))
+
+
+def test_the_probe_models_a_save_normalized_per_row_as_the_store_keeps_it():
+    """A save the store keeps normalized per row (F.normalize's input: saved.Decision.rows) has the rounding variance
+    of each row's own scale: the probe records it as z = rows / their largest magnitude with that magnitude as std
+    (as a normalization input), not as plain groups whose range spans every row's scale (for rows whose norms span
+    1000x, about 1000x the variance the store makes)."""
+    comp = gact.Compressor(None, bits=2)
+    spread = torch.logspace(0, 3, 64).unsqueeze(1)
+    t = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * spread
+    z, std = comp._probe_rows(t, 16)
+    assert z.shape == t.shape and std.shape == t.shape
+    assert torch.allclose(z.abs().amax(dim=1), torch.ones(64), rtol=1e-6)
+    assert torch.allclose(z * std, t, rtol=1e-5)
+    assert comp._probe_rows(t, 256) is None  # (rows as long as a group: plain groups, nothing normalized)
+    comp.close()

@@ -647,6 +647,35 @@ TEST_CASE("normalized values: per-channel statistics given with the put") {
   f.store.release(h);
 }
 
+TEST_CASE("dedup: a put normalized per block is not served by plain groups of its storage; a plain put is by it") {
+  // (F.normalize's rows, a layer norm's input: plain groups span the blocks whose scales it is normalized against, so a
+  // normalized reader served by them read a small row at a large one's step)
+  fixture f;
+  std::vector<float> x(256 * 16);
+  auto z = randn(x.size(), 21);
+  for (std::size_t e = 0; e < x.size(); ++e) x[e] = z[e] * std::pow(10.0f, float((e / 16) % 4));
+  std::vector<float> shift(256, 0.0f), inv(256);
+  for (std::size_t r = 0; r < 256; ++r) inv[r] = std::pow(10.0f, -float(r % 4));
+  put_params normed = bits(8);
+  normed.norm_count = 256;
+  normed.norm_inner = 16;
+  normed.norm_shift = shift.data();
+  normed.norm_scale = inv.data();
+  auto const v = view(x.data(), dtype::float32, {256, 16});
+  auto plain = f.store.put(v, bits(8));
+  auto after = f.store.put(v, normed);  // (a blob of its own)
+  CHECK_FALSE(after.shared);
+  CHECK(after.h != plain.h);
+  CHECK(f.store.info(after.h).variant == std::uint8_t(gact::codec::quant_mode::normalized));
+  std::vector<float> y(x.size());
+  f.store.get(after.h, y.data(), y.size() * 4);
+  // (one step of the group's z range, within about ±6 for these normal values, in the row's own units)
+  for (std::size_t e = 0; e < x.size(); ++e) REQUIRE(std::fabs(y[e] - x[e]) <= 12.0f / 255.0f / inv[e / 16]);
+  auto served = f.store.put(v, bits(8));  // (a plain reader: either blob serves it)
+  CHECK(served.shared);
+  for (auto h : {plain.h, after.h, served.h}) f.store.release(h);
+}
+
 TEST_CASE("NaN and Inf are stored raw and counted") {
   fixture f;
   auto x = randn(2000, 4);

@@ -89,8 +89,10 @@ NORM_SMALL_MIN_BITS = _saved.NORM_SMALL_MIN_BITS
 NORM_FLOOR_BLOCK = _saved.NORM_FLOOR_BLOCK
 NORM_FLOOR_MIN_BITS = _saved.NORM_FLOOR_MIN_BITS
 LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
-# a row's largest magnitude that _row_params scales by (beyond: the row as it is, scale 1; 1/m stays a float32 normal)
-_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, 1e30
+# a row's largest magnitude that _row_params scales by (beyond: the row as it is, scale 1; 1/m stays a float32 normal);
+# from the store's widest value on (codecs' k_store_max_magnitude, a mask's fill) the row keeps its own magnitude, which
+# the codec then refuses: the tensor is kept exact, as it is unnormalized
+_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, 32768.0
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 # (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
@@ -671,6 +673,7 @@ class Compressor:
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
         self._names: dict[int, str] = {}
+        self._parents: dict[int, set] = {}  # id(module) -> ids of the modules it is a child of (_enter_module)
         # torch's CPU tensors and the blobs: one pool (option cpu_allocator); a model wholly on a GPU has no
         # CPU tensors in play, so a build without the CPU pool is not worth a warning there
         on_gpu = model is not None and any(True for _ in model.parameters()) and \
@@ -765,10 +768,13 @@ class Compressor:
     def _install_module_hooks(self, model: torch.nn.Module) -> None:
         for name, m in model.named_modules():
             self._names.setdefault(id(m), name or "<root>")
+            for c in m.children():
+                self._parents.setdefault(id(c), set()).add(id(m))
             self._module_hooks.append(_compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
-            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
+            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module),
+                                                                    always=True))
 
-    def _stack(self) -> list[tuple[str, bool]]:
+    def _stack(self) -> list[tuple[str, bool, int]]:
         s = getattr(self._local, "stack", None)
         if s is None:
             s = self._local.stack = []
@@ -784,8 +790,19 @@ class Compressor:
             s = local.stack = []
         if not s and self.model is not None:
             self._note_inputs(inputs)
-        excluded = (bool(s) and s[-1][1]) or id(m) in self._excluded_modules
-        s.append((self._names.get(id(m)) or type(m).__name__, excluded))
+        key = id(m)
+        if s and not _compat.ALWAYS_CALLED_MODULE_HOOKS:
+            parents = self._parents.get(key)
+            if parents:
+                # (torch 1.13, whose hooks do not run when a forward raised: a module whose forward raised, caught by
+                # its caller, never left, and is on top while the caller calls its next child. An entry on top that
+                # is no parent of this module but a child of one of its parents (a sibling) is such a one: dropped,
+                # so the next child is neither named after it nor excluded with it)
+                while len(s) > 1 and s[-1][2] not in parents and \
+                        not parents.isdisjoint(self._parents.get(s[-1][2], ())):
+                    s.pop()
+        excluded = (bool(s) and s[-1][1]) or key in self._excluded_modules
+        s.append((self._names.get(key) or type(m).__name__, excluded, key))
 
     def _note_inputs(self, inputs: Any) -> None:
         for a in _compat.flatten(inputs):
@@ -807,7 +824,16 @@ class Compressor:
             return
         s = getattr(local, "stack", None)
         if s:
-            s.pop()
+            key = id(m)
+            if s[-1][2] == key:
+                s.pop()
+            else:
+                # (entries above it: modules whose forward raised inside its own, caught there; torch 2.x calls this
+                # hook for them too, always_call. Not in the stack at all: nothing to drop)
+                for j in range(len(s) - 1, -1, -1):
+                    if s[j][2] == key:
+                        del s[j:]
+                        break
 
     def close(self) -> None:
         """Remove the module hooks this Compressor (and its policy) installed on the model. A graph alive still reads
@@ -1590,11 +1616,15 @@ class Compressor:
         if inner <= 0 or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
                 inner % self.group_size == 0 or not t.is_contiguous():
             return None, None
-        with torch.no_grad():
-            m = t.detach().reshape(-1, inner).abs().amax(dim=1).float()
-            ok = torch.isfinite(m) & (m > _ROW_SCALE_MIN) & (m < _ROW_SCALE_MAX)
-            r = torch.where(ok, m.reciprocal(), torch.ones_like(m)).contiguous()
-            z = torch.zeros_like(r)
+        try:
+            with torch.no_grad():
+                rows = t.detach().reshape(-1, inner)  # (a view: t is contiguous)
+                m = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()).float()  # (no full-size temporary)
+                ok = torch.isfinite(m) & (m > _ROW_SCALE_MIN) & (m < _ROW_SCALE_MAX)
+                r = torch.where(ok, m.reciprocal(), torch.ones_like(m)).contiguous()
+                z = torch.zeros_like(r)
+        except RuntimeError:  # (out of memory for the statistics: plain values)
+            return None, None
         return (int(r.numel()), int(inner), z.data_ptr(), r.data_ptr()), (z, r)
 
     def _probe_pack(self, t: torch.Tensor, key: str, d: Any, frame: Any) -> Any:
@@ -1614,11 +1644,24 @@ class Compressor:
         if kind in (_saved.VALUES, _saved.LOG, _saved.EXP) and t.is_floating_point():
             # (a correlated call's saves are blobs of their own in the store: records of their own here)
             group = _saved.correlation_group(t, frame, self._results) if kind != _saved.EXP else 0
+            if d.rows:  # (stored normalized per row: its variance is the rows' own, as _row_params stores them)
+                zs = self._probe_rows(t, d.rows)
+                if zs is not None:
+                    return self._probe.pack(t, key, z=zs[0], std=zs[1], group=group)
             return self._probe.pack(t, key, group=group)
         if kind == _saved.NORMALIZED and t.is_floating_point():
             zs = self._probe_normalized(t, frame)
             return self._probe.pack(t, key) if zs is None else self._probe.pack(t, key, z=zs[0], std=zs[1])
         return t if t.grad_fn is None else t.detach()  # exact: nothing to probe
+
+    def _probe_rows(self, t: torch.Tensor, inner: int) -> tuple | None:
+        """(z, std) of a save normalized per row as _row_params stores it; None where it stores plain values."""
+        norm, held = self._row_params(t, inner)
+        if norm is None:
+            return None
+        r = held[1].reshape(-1, 1)  # (1 / each row's scale)
+        z = (t.detach().reshape(-1, inner).float() * r).to(t.dtype).reshape(t.shape)
+        return z, r.reciprocal().expand(-1, inner).reshape(t.shape)
 
     @staticmethod
     def _probe_normalized(t: torch.Tensor, frame: Any) -> tuple | None:

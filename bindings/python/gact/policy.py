@@ -959,8 +959,16 @@ class AutoPolicy:
             raise RuntimeError("gact.Compressor: estimator='probe' needs a model with parameters that require grad")
         rec = _ProbeRecorder(comp.group_size)
         cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        hooks = [m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec, copy_inputs))
-                 for m in comp.model.modules() if _cut_here(m)]
+        hooks: list = []
+        try:
+            for m in comp.model.modules():
+                if _cut_here(m):
+                    hooks.append(m.register_forward_pre_hook(functools.partial(_cut_inputs, cuts, rec, copy_inputs)))
+        except BaseException:
+            # (one that could not be hooked: those hooked so far would cut the program's own graph from now on)
+            for h in hooks:
+                h.remove()
+            raise
         user_grads = [p.grad for p in params]
         saved_state = comp._key_counts, comp._input_ptrs, comp._step_open, comp._results
         # the probe keys tensors as a step does, but stores nothing: no store step is opened
@@ -1452,8 +1460,9 @@ def _cut_here(m: torch.nn.Module) -> bool:
     its own directly (multi-head attention applies its projections functionally, without calling its
     children): without the cut, the tensors it saves would collect the derivatives of every later
     tensor through the forward graph (a layer's attention leaked into the previous layer's norm input).
-    Not at the modules of ``_NO_CUT``, whose saves carry no derivative."""
-    if isinstance(m, _NO_CUT):
+    Not at the modules of ``_NO_CUT``, whose saves carry no derivative, nor inside a scripted module (torch.jit.script:
+    it takes no hooks; its saves are kept exact, and the probe measures nothing there)."""
+    if isinstance(m, _NO_CUT) or isinstance(m, torch.jit.ScriptModule):
         return False
     return next(m.children(), None) is None or next(m.parameters(recurse=False), None) is not None
 
