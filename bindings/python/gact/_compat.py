@@ -34,20 +34,6 @@ HAS_GLOBAL_MODULE_HOOKS = hasattr(torch.nn.modules.module, "register_module_forw
 )
 
 
-def _has_always_called_hooks() -> bool:
-    m = torch.nn.modules.module
-    try:
-        import inspect
-        return "always_call" in inspect.signature(m.register_module_forward_hook).parameters and \
-            isinstance(getattr(m, "_global_forward_hooks_always_called", None), dict)
-    except (TypeError, ValueError):
-        return False
-
-
-#: a global forward hook can be called also when the module's forward raised (torch 2.x's always_call; not 1.13)
-ALWAYS_CALLED_MODULE_HOOKS = HAS_GLOBAL_MODULE_HOOKS and _has_always_called_hooks()
-
-
 def _never_compiling() -> bool:
     return False
 
@@ -382,26 +368,23 @@ class _ModuleHooks:
     def __init__(self) -> None:
         self.pre: dict[int, tuple] = {}
         self.post: dict[int, tuple] = {}
-        # run after the module's forward, also when it raised (ALWAYS_CALLED_MODULE_HOOKS; else as post hooks are):
-        # a Compressor's module stack, which a forward that raised, caught by its caller, left with an entry too many
-        self.leave: dict[int, tuple] = {}
         self._refs: dict[int, Any] = {}  # id -> weak reference to the module, whose callback drops its hooks
         self._handles: list = []  # what takes the two global hooks out again, while they are installed
         # the keys torch gave the two hooks when first installed, and the hook objects themselves: installed again under
         # the same keys, a torch.compile'd model's guards on the global hooks still hold (new keys recompiled the model
         # for every new Compressor, and past dynamo's cache limit, 8, it ran uncompiled)
         self._keys: tuple | None = None
-        self._fns = (self._run_pre, self._run_post, self._run_leave)
+        self._fns = (self._run_pre, self._run_post)
         # changes (from any thread, and from a weak reference's callback that a collection runs in the middle
         # of one) are made under this lock; the hooks read the tables without it (a dict lookup and a tuple
         # are each read whole)
         self._lock = threading.RLock()
 
-    def add(self, module: Any, fn: Any, pre: bool, always: bool = False) -> Any:
+    def add(self, module: Any, fn: Any, pre: bool) -> Any:
         if not HAS_GLOBAL_MODULE_HOOKS:  # (an old torch: the module's own hooks)
             return module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
         key = id(module)
-        table = self.pre if pre else self.leave if always else self.post
+        table = self.pre if pre else self.post
         with self._lock:
             if key not in self._refs:
                 self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
@@ -412,21 +395,15 @@ class _ModuleHooks:
 
     def _install(self) -> None:
         from torch.nn.modules import module as _m
-        post = getattr(_m, "_global_forward_hooks", None)
-        dicts = (getattr(_m, "_global_forward_pre_hooks", None), post) + ((post,) if ALWAYS_CALLED_MODULE_HOOKS else ())
+        dicts = (getattr(_m, "_global_forward_pre_hooks", None), getattr(_m, "_global_forward_hooks", None))
         keys = self._keys
-        if keys is not None and all(isinstance(d, dict) for d in dicts) and \
-                not any(k in d for d, k in zip(dicts, keys)):
+        if keys is not None and all(isinstance(d, dict) for d in dicts) and keys[0] not in dicts[0] and \
+                keys[1] not in dicts[1]:
             for d, k, fn in zip(dicts, keys, self._fns):
                 d[k] = fn
             self._handles = [functools.partial(d.pop, k, None) for d, k in zip(dicts, keys)]
-            if ALWAYS_CALLED_MODULE_HOOKS:
-                _m._global_forward_hooks_always_called[keys[2]] = True
-                self._handles.append(functools.partial(_m._global_forward_hooks_always_called.pop, keys[2], None))
             return
         handles = [_m.register_module_forward_pre_hook(self._fns[0]), _m.register_module_forward_hook(self._fns[1])]
-        if ALWAYS_CALLED_MODULE_HOOKS:
-            handles.append(_m.register_module_forward_hook(self._fns[2], always_call=True))
         self._keys = tuple(h.id for h in handles)
         self._handles = [h.remove for h in handles]
 
@@ -443,7 +420,7 @@ class _ModuleHooks:
                 table[key] = fns
             else:
                 del table[key]
-                if key not in self.pre and key not in self.post and key not in self.leave:
+                if key not in self.pre and key not in self.post:
                     self._refs.pop(key, None)
             self._uninstall_if_empty()
 
@@ -451,12 +428,11 @@ class _ModuleHooks:
         with self._lock:
             self.pre.pop(key, None)
             self.post.pop(key, None)
-            self.leave.pop(key, None)
             self._refs.pop(key, None)
             self._uninstall_if_empty()
 
     def _uninstall_if_empty(self) -> None:
-        if not self.pre and not self.post and not self.leave and self._handles:
+        if not self.pre and not self.post and self._handles:
             handles, self._handles = self._handles, []
             for remove in handles:
                 remove()
@@ -469,14 +445,6 @@ class _ModuleHooks:
 
     def _run_post(self, module: Any, inputs: Any, output: Any) -> None:
         fns = self.post.get(id(module))
-        if fns is not None:
-            for fn in fns:
-                fn(module, inputs, output)
-        if not ALWAYS_CALLED_MODULE_HOOKS:
-            self._run_leave(module, inputs, output)
-
-    def _run_leave(self, module: Any, inputs: Any, output: Any) -> None:
-        fns = self.leave.get(id(module))
         if fns is not None:
             for fn in fns:
                 fn(module, inputs, output)
@@ -544,11 +512,10 @@ def register_forward_pre_hook(module: Any, fn: Any) -> _HookHandle:
     return _MODULE_HOOKS.add(module, fn, True)
 
 
-def register_forward_hook(module: Any, fn: Any, always: bool = False) -> _HookHandle:
+def register_forward_hook(module: Any, fn: Any) -> _HookHandle:
     """``module.register_forward_hook(fn)`` without touching the module (see _ModuleHooks); fn's return
-    value is ignored. ``always``: called also when the forward raised, where torch can (ALWAYS_CALLED_MODULE_HOOKS;
-    ``output`` is then None)."""
-    return _MODULE_HOOKS.add(module, fn, False, always)
+    value is ignored."""
+    return _MODULE_HOOKS.add(module, fn, False)
 
 
 def remove_handles(handles: list) -> None:

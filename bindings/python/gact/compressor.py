@@ -771,8 +771,7 @@ class Compressor:
             for c in m.children():
                 self._parents.setdefault(id(c), set()).add(id(m))
             self._module_hooks.append(_compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
-            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module),
-                                                                    always=True))
+            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
 
     def _stack(self) -> list[tuple[str, bool, int]]:
         s = getattr(self._local, "stack", None)
@@ -791,13 +790,14 @@ class Compressor:
         if not s and self.model is not None:
             self._note_inputs(inputs)
         key = id(m)
-        if s and not _compat.ALWAYS_CALLED_MODULE_HOOKS:
+        if s:
             parents = self._parents.get(key)
             if parents:
-                # (torch 1.13, whose hooks do not run when a forward raised: a module whose forward raised, caught by
-                # its caller, never left, and is on top while the caller calls its next child. An entry on top that
-                # is no parent of this module but a child of one of its parents (a sibling) is such a one: dropped,
-                # so the next child is neither named after it nor excluded with it)
+                # (a module whose forward raised, caught by its caller, never ran its forward hook, and is on top while
+                # the caller calls its next child. An entry on top that is no parent of this module but a child of one
+                # of its parents (a sibling) is such a one: dropped, so the next child is neither named after it nor
+                # excluded with it. torch 2.x's always-called global hooks would tell at once, but a third global hook
+                # makes torch.compile guard on it, and recompile)
                 while len(s) > 1 and s[-1][2] not in parents and \
                         not parents.isdisjoint(self._parents.get(s[-1][2], ())):
                     s.pop()
@@ -828,8 +828,8 @@ class Compressor:
             if s[-1][2] == key:
                 s.pop()
             else:
-                # (entries above it: modules whose forward raised inside its own, caught there; torch 2.x calls this
-                # hook for them too, always_call. Not in the stack at all: nothing to drop)
+                # (entries above it: modules whose forward raised inside its own, caught there. Not in the stack at
+                # all: nothing to drop)
                 for j in range(len(s) - 1, -1, -1):
                     if s[j][2] == key:
                         del s[j:]
