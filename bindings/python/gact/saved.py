@@ -647,7 +647,17 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
     other = b if _view_of(t, a) else a if _view_of(t, b) else None
     if isinstance(other, torch.Tensor) and other.numel() >= 8 * t.numel():
         return _EXACT
+    if isinstance(other, torch.Tensor) and other.requires_grad and _per_row(other, t):
+        # (s's gradient, sum(g·a) over each row, reads a; through a hand-written RMSNorm's rsqrt it reaches the row
+        # scaled by 1/rms³: a small row must not take a large one's rounding step. Normalized per row)
+        return Decision(VALUES, rows=t.shape[-1])
     return _VALUES
+
+
+def _per_row(s: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``s`` holds one value per row of ``a``'s last dimension (broadcast over it: shape (..., 1))."""
+    return a.dim() >= 2 and s.dim() >= 1 and s.shape[-1] == 1 and a.shape[-1] > 1 and \
+        s.numel() * a.shape[-1] == a.numel()
 
 
 def _pow(t, args, kwargs, frame) -> Decision:
@@ -676,6 +686,10 @@ def _pow(t, args, kwargs, frame) -> Decision:
             return _EXACT
         if p != 1 and p != 2:
             return _QUADRATIC
+        if p == 2 and t.dim() >= 2 and t.shape[-1] > 1:
+            # (x², a hand-written RMSNorm's or variance's: the gradient of the row's mean of squares reaches each row
+            # scaled by 1/rms³; normalized per row, a small row keeps its own rounding step)
+            return Decision(VALUES, rows=t.shape[-1])
     return _VALUES
 
 
@@ -789,7 +803,7 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
 
 
 #: where a 2-norm call takes its dimension
-_NORM_DIM_ARG = {"norm": 2, "linalg_vector_norm": 2, "linalg_norm": 2}
+_NORM_DIM_ARG = {"norm": 2, "linalg_vector_norm": 2, "linalg_norm": 2, "std": 1, "std_mean": 1, "var": 1, "var_mean": 1}
 #: the nodes of a norm's, a deviation's or a distance's result (a full-size difference inside a pairwise distance is a
 #: subtraction's, read linearly)
 _REDUCTION_RESULT_NODES = ("Norm", "Std", "Dist")
@@ -1007,7 +1021,7 @@ _add("div div_ divide divide_ true_divide true_divide_", "the divisor; the divid
 _add("normalize", "input twice; its norm through a division",
      "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64); "
      "the norm (one value per row) exact (all exact at an order other than 2)", _normalize)
-_add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean pairwise_distance "
+_add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean var var_mean pairwise_distance "
      "cosine_similarity", "input; the norm or deviation through a division",
      "input as values (a 2-norm's over the last dimension normalized per row; cosine_similarity's too, read twice: >= 4 "
      "bits below 1 024 values per row, 8 below 64); the reduced result exact (all exact at an order other than 2, and "
@@ -1072,11 +1086,13 @@ _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod
      "at >= 2 bits; the log-sum-exp and every other float it saves (score_mod's tensors) exact; block-mask indices kept "
      "(integers)", _flex_attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
-     "least 8x its elements (a per-row scale, a gate) exact", _broadcast_factor)
+     "least 8x its elements (a per-row scale, a gate) exact; the other factor of a trained one with one value per row "
+     "normalized per row (h * rsqrt(mean(h²)))", _broadcast_factor)
 _add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through a division",
      "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
-     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values for 1 and 2; "
+     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values for 1 and 2 (x²'s "
+     "base normalized per row of its last dimension); "
      f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased), and for a "
      "tensor exponent (read through x^(e-1))",
      _pow)
