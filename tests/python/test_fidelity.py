@@ -2489,6 +2489,10 @@ def test_a_normalization_inside_one_call_keeps_the_floor_below_1024_values():
         # ATen's rms_norm over a bfloat16 or float16 input saves its float32 copy for both reads
         xb = x.to(torch.bfloat16)
         assert rms(xb.float(), (xb, (width,)), {}, None).min_bits == bits
+    # over a dimension of size 1 each value is divided by its own magnitude: kept
+    x1 = torch.randn(64, 1, requires_grad=True) * 1.0
+    assert decide(x1, Frame(F.normalize, (x1,), {"dim": -1})).kind == saved.EXACT
+    assert decide(x1, Frame(F.cosine_similarity, (x1, x1.flip(0)), {"dim": 1})).kind == saved.EXACT
     assert saved.norm_floor(63) == 8 and saved.norm_floor(64) == 4 and saved.norm_floor(1023) == 4
     assert saved.norm_floor(1024) == 0
 

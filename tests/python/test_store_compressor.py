@@ -150,6 +150,12 @@ def test_excluded_modules_and_tensors():
     comp2.step()
     with pytest.raises(TypeError, match="exclude"):
         gact.Compressor(model, exclude=[3])
+    with pytest.raises(TypeError, match="exclude"):
+        gact.Compressor(model, exclude=3)
+    # one module given without a list is the list of it (it raised "'Linear' object is not iterable", naming nothing)
+    comp3 = gact.Compressor(model, bits=4, exclude=model[2])
+    assert comp3._excluded_modules == {id(m) for m in model[2].modules()}
+    comp3.close()
 
 
 def test_bf16_and_unusual_ranks_are_compressed():

@@ -639,6 +639,13 @@ class Compressor:
 
         self._excluded_modules: set[int] = set()
         self._excluded_tensors: list[torch.Tensor] = []
+        if isinstance(exclude, (torch.nn.Module, torch.Tensor)):
+            exclude = (exclude,)  # (one module or tensor, given without a list)
+        try:
+            exclude = list(exclude)
+        except TypeError:
+            raise TypeError(f"gact.Compressor: exclude must be modules and tensors (a list, or one), not "
+                            f"{type(exclude).__name__}") from None
         for e in exclude:
             if isinstance(e, torch.nn.Module):
                 self._excluded_modules.update(id(m) for m in e.modules())

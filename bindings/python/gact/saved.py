@@ -750,6 +750,10 @@ def _normalize(t, args, kwargs, frame) -> Decision:
     if t is not x:
         return _EXACT
     dim = _arg(args, kwargs, 2, "dim", 1)
+    if _reduced_size(x, dim) == 1:
+        # (over a dimension of size 1 each value is its own row, divided by its own magnitude: x / |x| reads a
+        # rounded x near 0 at 1 / |x|; kept, at the input's bytes)
+        return _EXACT
     return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
 
 
@@ -791,6 +795,8 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         dim = _arg(args, kwargs, 2, "dim", 1)
         for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
             if isinstance(x, torch.Tensor) and _view_of(t, x):
+                if _reduced_size(x, dim) == 1:
+                    return _EXACT  # (each value its own row: as F.normalize's)
                 return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
     elif frame.name in _NORM_DIM_ARG:
         # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm)
