@@ -93,6 +93,10 @@ LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 # from the store's widest value on (codecs' k_store_max_magnitude, a mask's fill) the row keeps its own magnitude, which
 # the codec then refuses: the tensor is kept exact, as it is unnormalized
 _ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, 32768.0
+# the fewest values a row normalized per row holds: its scale and shift take 4 bytes, 2 bits a value over 16 values (the
+# codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2) the statistics would
+# cost several times the codes
+_ROW_MIN = 16
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 # (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
@@ -680,7 +684,6 @@ class Compressor:
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
         self._names: dict[int, str] = {}
-        self._parents: dict[int, set] = {}  # id(module) -> ids of the modules it is a child of (_enter_module)
         # torch's CPU tensors and the blobs: one pool (option cpu_allocator); a model wholly on a GPU has no
         # CPU tensors in play, so a build without the CPU pool is not worth a warning there
         on_gpu = model is not None and any(True for _ in model.parameters()) and \
@@ -775,8 +778,6 @@ class Compressor:
     def _install_module_hooks(self, model: torch.nn.Module) -> None:
         for name, m in model.named_modules():
             self._names.setdefault(id(m), name or "<root>")
-            for c in m.children():
-                self._parents.setdefault(id(c), set()).add(id(m))
             self._module_hooks.append(_compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
             self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
 
@@ -797,17 +798,6 @@ class Compressor:
         if not s and self.model is not None:
             self._note_inputs(inputs)
         key = id(m)
-        if s:
-            parents = self._parents.get(key)
-            if parents:
-                # (a module whose forward raised, caught by its caller, never ran its forward hook, and is on top while
-                # the caller calls its next child. An entry on top that is no parent of this module but a child of one
-                # of its parents (a sibling) is such a one: dropped, so the next child is neither named after it nor
-                # excluded with it. torch 2.x's always-called global hooks would tell at once, but a third global hook
-                # makes torch.compile guard on it, and recompile)
-                while len(s) > 1 and s[-1][2] not in parents and \
-                        not parents.isdisjoint(self._parents.get(s[-1][2], ())):
-                    s.pop()
         excluded = (bool(s) and s[-1][1]) or key in self._excluded_modules
         s.append((self._names.get(key) or type(m).__name__, excluded, key))
 
@@ -835,8 +825,8 @@ class Compressor:
             if s[-1][2] == key:
                 s.pop()
             else:
-                # (entries above it: modules whose forward raised inside its own, caught there. Not in the stack at
-                # all: nothing to drop)
+                # (entries above it: modules whose forward raised inside its own, caught there, whose forward hook
+                # never ran; its forward returning, none of them still runs. Not in the stack at all: nothing to drop)
                 for j in range(len(s) - 1, -1, -1):
                     if s[j][2] == key:
                         del s[j:]
@@ -1620,7 +1610,7 @@ class Compressor:
         """_norm_params for a save normalized per row (saved.Decision.rows): blocks of ``inner`` consecutive elements,
         each scaled by 1/its largest magnitude (no shift; a row of zeros, or beyond float32's range, by 1); (None,
         None) where the layout does not allow it or every quantization group lies inside one row anyway."""
-        if inner <= 0 or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
+        if inner < _ROW_MIN or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
                 inner % self.group_size == 0 or not t.is_contiguous():
             return None, None
         try:
