@@ -2385,6 +2385,13 @@ def test_a_post_norm_transformer_stack_is_unbiased_at_2_bits():
     model = nn.Sequential(nn.Linear(64, 64), nn.TransformerEncoder(layer, 4))
     x = torch.randn(6, 24, 64, generator=torch.Generator().manual_seed(1))
     r = torch.randn(6, 24, 64, generator=torch.Generator().manual_seed(7))
+    one, err, _ = _stack_seed_errors(model, x, r, 64)
+    assert one > 0 and err < 0.15 * one, (float(one), float(err))
+
+
+def _stack_seed_errors(model, x, r, n):
+    """One seed's gradient error and the n-seed mean's, relative to fp32's norm, of the loss sum(model(x) * r) at 2
+    bits (one Compressor, a step between runs), and the store's quantization widths over the runs."""
     params = list(model.parameters())
 
     def grad(comp):
@@ -2398,11 +2405,12 @@ def test_a_post_norm_transformer_stack_is_unbiased_at_2_bits():
 
     ref = grad(None)
     comp = gact.Compressor(model, bits=2, seed=5)
-    runs = [grad(comp) for _ in range(64)]
+    runs = [grad(comp) for _ in range(n)]
+    bits = comp.stats()["store"]["quant_bits"]
     comp.close()
     one = (torch.stack([(g - ref).norm() for g in runs]).square().mean().sqrt()) / ref.norm()
     err = (sum(runs) / len(runs) - ref).norm() / ref.norm()
-    assert one > 0 and err < 0.15 * one, (float(one), float(err))
+    return one, err, bits
 
 
 class _RMSNorm(nn.Module):
@@ -2443,27 +2451,10 @@ def test_an_rms_norm_stack_is_unbiased_at_2_bits(by_hand):
     model = nn.Sequential(nn.Linear(32, 32), *[_RMSBlock(32, by_hand) for _ in range(4)])
     x = torch.randn(144, 32, generator=torch.Generator().manual_seed(1))
     r = torch.randn(144, 32, generator=torch.Generator().manual_seed(7))
-    params = list(model.parameters())
-
-    def grad(comp):
-        model.zero_grad(set_to_none=True)
-        with comp if comp is not None else contextlib.nullcontext():
-            out = model(x)
-        (out * r).sum().backward()
-        if comp is not None:
-            comp.step()
-        return torch.cat([p.grad.reshape(-1) for p in params]).double()
-
-    ref = grad(None)
-    comp = gact.Compressor(model, bits=2, seed=5)
-    runs = [grad(comp) for _ in range(128)]
-    bits = comp.stats()["store"]["quant_bits"]
-    comp.close()
+    one, err, bits = _stack_seed_errors(model, x, r, 128)
     if not by_hand:
-        assert bits["8"] == 4 * len(runs), bits  # (the norms' inputs: 8 bits below 64 values)
-    one = (torch.stack([(g - ref).norm() for g in runs]).square().mean().sqrt()) / ref.norm()
-    err = (sum(runs) / len(runs) - ref).norm() / ref.norm()
-    assert one > 0 and err < 1.25 / math.sqrt(len(runs)) * one, (float(one), float(err))
+        assert bits["8"] == 4 * 128, bits  # (the norms' inputs: 8 bits below 64 values)
+    assert one > 0 and err < 1.25 / math.sqrt(128) * one, (float(one), float(err))
 
 
 def test_a_normalization_inside_one_call_keeps_the_floor_below_1024_values():
