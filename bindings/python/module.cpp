@@ -517,6 +517,13 @@ PYBIND11_MODULE(_gact, m) {
             nogil.emplace();
           res = r.store.put(v, p);
         }
+        // A signal that came during the put (a Ctrl-C while it encoded) would raise from its handler as soon as this
+        // returns, before Python holds the handle: the blob would stay stored, owned by nothing, for good. Its handler
+        // runs here instead, and the put is undone.
+        if (PyErr_CheckSignals() != 0) {
+          r.store.release(res.h);
+          throw py::error_already_set();
+        }
         // The view's strides in the decoded image (put_result::strides says which).
         return py::make_tuple(res.h, res.offset, res.shared, py::tuple(py::cast(res.strides)), res.upgraded);
       },

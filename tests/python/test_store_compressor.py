@@ -1618,3 +1618,29 @@ def test_exclusion_holds_through_a_sibling_called_as_an_argument_and_through_rec
     store = comp.stats()["store"]
     comp.close()
     assert store["tensors_in"] == 0 and store["skipped"]["excluded"]["tensors"] >= 2 * (depth + 1) + 1, store
+
+
+def test_a_threads_hooks_are_taken_out_only_on_that_thread():
+    """install_thread's hooks are popped when the thread's Python state is cleared. The thread-locals of threads
+    Python did not start (a DataLoader's, torch's) are collected on the main thread at interpreter exit, where the
+    pop took the main thread's hooks and then met an empty stack: torch printed an INTERNAL ASSERT at exit under
+    gact-run with DataLoader workers. On another thread the pop is left alone."""
+    import threading
+    from gact.compressor import _ThreadHooks
+
+    calls = []
+
+    class _Tracker:
+        def __exit__(self, *a):
+            calls.append("exit")
+
+    made = []
+    worker = threading.Thread(target=lambda: made.append(_ThreadHooks(lambda: calls.append("pop"), _Tracker())))
+    worker.start()
+    worker.join()
+    made.pop().__del__()  # (on the main thread: not its own)
+    assert calls == []
+    own = _ThreadHooks(lambda: calls.append("pop"), _Tracker())
+    own.__del__()
+    assert calls == ["exit", "pop"]
+    own.ident = -1  # (collected later: nothing more)

@@ -455,15 +455,21 @@ class _ThreadHooks:
     state is cleared (its thread-local dict goes, with the GIL held, before join() returns). Left in
     place, torch's thread-local destructors would drop them after the OS thread has let go of Python,
     needing the GIL while the interpreter may be finalizing: the process then aborted at exit
-    ("terminate called without an active exception", a few runs in a hundred)."""
+    ("terminate called without an active exception", a few runs in a hundred). Only on its own thread: the
+    thread-locals of threads Python did not start (torch's, a DataLoader's) are collected on the main thread at
+    interpreter exit, where popping took the main thread's hooks, and then an empty stack (torch's INTERNAL ASSERT
+    "pack_hook != nullptr", printed at exit)."""
 
-    __slots__ = ("pop", "tracker", "__weakref__")
+    __slots__ = ("pop", "tracker", "ident", "__weakref__")
 
     def __init__(self, pop: Any, tracker: Any) -> None:
         self.pop = pop
         self.tracker = tracker
+        self.ident = threading.get_ident()
 
     def __del__(self) -> None:
+        if threading.get_ident() != self.ident:
+            return  # (another thread's torch state: not this thread's to change)
         try:
             self.tracker.__exit__(None, None, None)
         finally:
@@ -1337,12 +1343,14 @@ class Compressor:
             if waiting is not None:
                 self._resolve_one(waiting)
             return self._out_of_memory(t if keep is None else keep, e)
+        # (owned at once: an exception from here on, a Ctrl-C in the middle of a forward, drops p, whose __del__
+        # releases the handle; before, one landing before p was made orphaned the blob for good)
+        p = _Packed(h, t, key, decode, self._owner, strides)
         if waiting is not None:
             # its predicate save: served by the blob just stored; a ReLU's backward tests result > 0, which the
             # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values
             # image the next layer's backward decodes (kept for it: decoded once), not a mask decoded apart
             self._resolve_one(waiting, values=h if upgraded else 0, group=group)
-        p = _Packed(h, t, key, decode, self._owner, strides)
         self._note_live(p)
         p.offset = offset
         if device >= 0 or self._VERDICTS_ON_HOST:

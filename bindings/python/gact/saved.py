@@ -1235,9 +1235,11 @@ class OpTracker(TorchFunctionMode):
                     func = sub
             return func(*args, **frame.kwargs)
         finally:
-            stack.pop()
-            if frame.pending:
-                self._on_exit(frame)
+            try:
+                stack.pop()
+            finally:  # (a Ctrl-C landing on the pop must not leave the call's waiting saves unstored)
+                if frame.pending:
+                    self._on_exit(frame)
 
     def current(self) -> Frame | None:
         return self.stack[-1] if self.stack else None
