@@ -1644,3 +1644,32 @@ def test_a_threads_hooks_are_taken_out_only_on_that_thread():
     own.__del__()
     assert calls == ["exit", "pop"]
     own.ident = -1  # (collected later: nothing more)
+
+
+def test_an_interrupt_while_entering_leaves_nothing_installed(monkeypatch):
+    """`with comp:` calls no __exit__ when __enter__ raises: a Ctrl-C landing after the op tracker was entered left it
+    and the saved-tensor hooks on the thread for good (every later torch call paid the tracker, and every later
+    `with comp:` took the nested path). __enter__ undoes what it installed before raising."""
+    from gact import saved as gsaved
+    comp = gact.Compressor(mlp(), bits=4)
+    modes = torch._C._len_torch_function_stack() if hasattr(torch._C, "_len_torch_function_stack") else None
+    real = gsaved.OpTracker.__enter__
+
+    def enter_then_interrupt(self):
+        real(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gsaved.OpTracker, "__enter__", enter_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with comp:
+            pass
+    monkeypatch.setattr(gsaved.OpTracker, "__enter__", real)
+    assert getattr(comp._local, "depth", 0) == 0 and getattr(comp._local, "tracker", None) is None
+    if modes is not None:
+        assert torch._C._len_torch_function_stack() == modes
+    x = torch.randn(64, 64)
+    with comp:
+        loss = comp.model(x).sum()
+    loss.backward()
+    assert comp.stats()["store"]["tensors_in"] >= 1
+    comp.close()

@@ -214,6 +214,14 @@ except ImportError:
     _storage_ref = None
 
 
+_len_modes = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def _mode_depth() -> int | None:
+    """How many TorchFunctionModes are on this thread's stack (None where torch does not say)."""
+    return _len_modes() if _len_modes is not None else None
+
+
 def _held_storage(t: torch.Tensor) -> Any:
     """``t``'s storage held weakly, for _Packed.sref; None without _gact_torch."""
     return _storage_ref(t._cdata) if _storage_ref is not None else None
@@ -875,18 +883,32 @@ class Compressor:
                 _C.swap_disable()
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
-            tracker = _saved.OpTracker(self._flush, self._on_alias)
-            tracker.substitutes = self._substitutes()
-            tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
+            tracker = entered = None
+            before = getattr(local, "tracker", None)
+            modes = _mode_depth()
             try:
+                tracker = _saved.OpTracker(self._flush, self._on_alias)
+                tracker.substitutes = self._substitutes()
+                tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
+                entered = tracker
                 tracker.__enter__()
+                # (the thread's tracker before it, install_global's, comes back at the end of the block: the policy's
+                # probe replays a step inside `with comp:` on gact-run's globally installed Compressor)
+                local.ctx = (hooks, tracker, before)
+                local.tracker = tracker
+                local.depth = depth + 1
             except BaseException:
-                hooks.__exit__(None, None, None)
+                # (a Ctrl-C, or an error, before the block is entered: `with` then calls no __exit__, and the hooks and
+                # the tracker would stay on this thread for good)
+                local.tracker, local.ctx = before, None
+                try:
+                    # (its mode is on the stack once its __enter__ has pushed it, also if that then raised)
+                    if entered is not None and (modes is None or _mode_depth() > modes):
+                        entered.__exit__(None, None, None)
+                finally:
+                    hooks.__exit__(None, None, None)
                 raise
-            # (the thread's tracker before it, install_global's, comes back at the end of the block: the policy's
-            # probe replays a step inside `with comp:` on gact-run's globally installed Compressor)
-            local.ctx = (hooks, tracker, getattr(local, "tracker", None))
-            local.tracker = tracker
+            return self
         else:
             # Entered again inside itself: its hooks go on top once more, so that they are the innermost, as torch's
             # hooks are wherever a `with` enters them, over a save_on_cpu, a user's saved_tensors_hooks or a
