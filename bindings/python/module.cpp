@@ -420,6 +420,8 @@ bool core_section(std::string const& name) {
 PYBIND11_MODULE(_gact, m) {
   m.doc() = "gact's C++ core (activation store, codecs, tags, stats, options); use the gact package";
   m.attr("__version__") = GACT_VERSION;
+  // the largest magnitude the store quantizes (a mask's fill from there on is kept exact: codecs/codec.hpp)
+  m.attr("store_max_magnitude") = gact::codec::k_store_max_magnitude;
   gact::codec::detail::ensure_stats_registered();  // the codecs section is in every document, used or not
 #if defined(GACT_HAVE_KERNELS)
   m.attr("have_kernels") = true;

@@ -92,7 +92,7 @@ LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 # a row's largest magnitude that _row_params scales by (beyond: the row as it is, scale 1; 1/m stays a float32 normal);
 # from the store's widest value on (codecs' k_store_max_magnitude, a mask's fill) the row keeps its own magnitude, which
 # the codec then refuses: the tensor is kept exact, as it is unnormalized
-_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, 32768.0
+_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, float(_C.store_max_magnitude)
 # the fewest values a row normalized per row holds: its scale and shift take 4 bytes, 2 bits a value over 16 values (the
 # codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2) the statistics would
 # cost several times the codes
@@ -883,7 +883,7 @@ class Compressor:
                 _C.swap_disable()
             hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             hooks.__enter__()
-            tracker = entered = None
+            entered = None
             before = getattr(local, "tracker", None)
             modes = _mode_depth()
             try:
@@ -1385,8 +1385,7 @@ class Compressor:
             p.ptr = ptr
             try:
                 p.ref = r = _TensorRef(t, _forget_ref)
-                if _storage_ref is not None:
-                    p.sref = _storage_ref(t._cdata)
+                p.sref = _held_storage(t)
                 r.handle = h
             except TypeError:
                 _C.store_forget(h)
@@ -1638,8 +1637,9 @@ class Compressor:
 
     def _row_params(self, t: torch.Tensor, inner: int) -> tuple:
         """_norm_params for a save normalized per row (saved.Decision.rows): blocks of ``inner`` consecutive elements,
-        each scaled by 1/its largest magnitude (no shift; a row of zeros, or beyond float32's range, by 1); (None,
-        None) where the layout does not allow it or every quantization group lies inside one row anyway."""
+        each scaled by 1/its largest magnitude (no shift; a row of zeros or tiny values, by 1; a row of 2^15 or more
+        too, which the codec then refuses: a mask's fill); (None, None) for rows under _ROW_MIN values, where the
+        layout does not allow it, or where every quantization group lies inside one row anyway."""
         if inner < _ROW_MIN or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
                 inner % self.group_size == 0 or not t.is_contiguous():
             return None, None

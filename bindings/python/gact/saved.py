@@ -624,7 +624,7 @@ def _rms_norm(t, args, kwargs, frame) -> Decision:
     # exact, like a norm's result; x·(1/rms), the weight's factor, values.
     x = _arg(args, kwargs, 0, "input")
     # (ATen's rms_norm reads a float16 or bfloat16 input through its float32 copy, saved for both reads)
-    if not (_view_of(t, x) or (isinstance(x, torch.Tensor) and t.dtype != x.dtype and _copy_of(t, x))):
+    if not _given_as(t, x):
         # (a full-size tensor made inside, x·(1/rms) that the weight's gradient reads linearly: values)
         return _VALUES if isinstance(x, torch.Tensor) and t.numel() >= x.numel() and _is_float(t) else _EXACT
     shape = _arg(args, kwargs, 1, "normalized_shape")
@@ -702,8 +702,7 @@ def _divisor(t, args, kwargs, frame) -> Decision:
         return _EXACT
     a = _arg(args, kwargs, 0, "input")
     if isinstance(other, torch.Tensor) and other.requires_grad and isinstance(a, torch.Tensor) and _view_of(t, a) and \
-            _is_float(t) and a.dim() >= 2 and other.dim() >= 1 and other.shape[-1] == 1 and a.shape[-1] > 1 and \
-            other.numel() * a.shape[-1] == a.numel():
+            _is_float(t) and _per_row(other, a):
         return Decision(VALUES, rows=a.shape[-1])
     return _VALUES
 
@@ -750,11 +749,12 @@ def _normalize(t, args, kwargs, frame) -> Decision:
     if t is not x:
         return _EXACT
     dim = _arg(args, kwargs, 2, "dim", 1)
-    if _reduced_size(x, dim) == 1:
+    n = _reduced_size(x, dim)
+    if n == 1:
         # (over a dimension of size 1 each value is its own row, divided by its own magnitude: x / |x| reads a
         # rounded x near 0 at 1 / |x|; kept, at the input's bytes)
         return _EXACT
-    return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
+    return _floored(n, _last_dim_rows(x, dim))
 
 
 def _reduced_size(x: Any, dim: Any) -> int:
@@ -795,9 +795,8 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         dim = _arg(args, kwargs, 2, "dim", 1)
         for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
             if isinstance(x, torch.Tensor) and _view_of(t, x):
-                if _reduced_size(x, dim) == 1:
-                    return _EXACT  # (each value its own row: as F.normalize's)
-                return _floored(_reduced_size(x, dim), _last_dim_rows(x, dim))
+                n = _reduced_size(x, dim)
+                return _EXACT if n == 1 else _floored(n, _last_dim_rows(x, dim))  # (size 1: as F.normalize's)
     elif frame.name in _NORM_DIM_ARG:
         # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm)
         x = _arg(args, kwargs, 0, "input")
