@@ -97,6 +97,9 @@ _ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, float(_C.store_max_magnitude)
 # codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2) the statistics would
 # cost several times the codes
 _ROW_MIN = 16
+#: the scale of a row of zeros stored normalized per row (_row_params): exact in the row statistics' bfloat16, its inverse
+#: a normal float; the row decodes to its codes' values times 2^-100, zero to any gradient a finite one multiplies
+_ZERO_ROW_SCALE = 2.0 ** 100
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 # (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
@@ -1648,7 +1651,9 @@ class Compressor:
                 rows = t.detach().reshape(-1, inner)  # (a view: t is contiguous)
                 m = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()).float()  # (no full-size temporary)
                 ok = torch.isfinite(m) & (m > _ROW_SCALE_MIN) & (m < _ROW_SCALE_MAX)
-                r = torch.where(ok, m.reciprocal(), torch.ones_like(m)).contiguous()
+                # (a row of zeros: scaled by _ZERO_ROW_SCALE, decoded as its codes times its inverse, 2^-100, where
+                # scale 1 gave it the step of the rows it shares a group with)
+                r = torch.where(ok, m.reciprocal(), torch.where(m == 0, _ZERO_ROW_SCALE, 1.0)).contiguous()
                 z = torch.zeros_like(r)
         except RuntimeError:  # (out of memory for the statistics: plain values)
             return None, None

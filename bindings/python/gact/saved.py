@@ -676,7 +676,7 @@ def _pow(t, args, kwargs, frame) -> Decision:
             return _QUADRATIC
     if frame.name == "__rpow__" or not (_is_float(t) and _view_of(t, base)):
         return _VALUES
-    p = _arg(args, kwargs, 1, "exponent")
+    p = 2 if frame.name in ("square", "square_") else _arg(args, kwargs, 1, "exponent")
     if isinstance(p, torch.Tensor):
         p = _scalar(p) if p.dim() == 0 and not p.requires_grad else None
         if p is None:
@@ -686,11 +686,23 @@ def _pow(t, args, kwargs, frame) -> Decision:
             return _EXACT
         if p != 1 and p != 2:
             return _QUADRATIC
+        if p == 2 and _complex_part(t):
+            # (re² + im² of a spectrum, X.real ** 2 or view_as_real(X).pow(2): its magnitude's square, under a sqrt and
+            # a log in every spectral loss, whose gradient divides the base by |X|²; a quiet bin shares its group with
+            # loud ones, whose step is 1e4x its magnitude: a multi-resolution STFT loss's gradient was 1.7x its norm
+            # off at 8 bits, 2 500x with view_as_real)
+            return _EXACT
         if p == 2 and t.dim() >= 2 and t.shape[-1] > 1:
             # (x², a hand-written RMSNorm's or variance's: the gradient of the row's mean of squares reaches each row
             # scaled by 1/rms³; normalized per row, a small row keeps its own rounding step)
             return Decision(VALUES, rows=t.shape[-1])
     return _VALUES
+
+
+def _complex_part(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of a complex tensor's memory: its real or imaginary part, or view_as_real of it."""
+    b = t._base
+    return b is not None and b.is_complex()
 
 
 def _divisor(t, args, kwargs, frame) -> Decision:
@@ -892,15 +904,46 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     return through_copies(g, target)[0] is target
 
 
+#: nodes that only move, copy or cast a tensor's elements (a window partition: roll, view, permute, reshape's copy)
+_REARRANGING = VIEW_NODES | {"CloneBackward0", "RollBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                             "SqueezeBackward1", "ToCopyBackward0"}
+
+
+def _padded_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` is, up to moves and copies of its elements, the result of ``F.pad`` over dimensions before the
+    last: whole rows of the pad's value (zeros) among the input's rows (Swin's window partition of a map padded to
+    whole windows). At most 8 nodes back."""
+    g = t.grad_fn
+    for _ in range(8):
+        if g is None:
+            return False
+        name = type(g).__name__
+        if name == "ConstantPadNdBackward0":
+            pad = getattr(g, "_saved_pad", None)
+            return pad is not None and len(pad) >= 4 and pad[0] == 0 and pad[1] == 0 and any(pad[2:])
+        if name not in _REARRANGING:
+            return False
+        nxt = g.next_functions
+        g = nxt[0][0] if nxt else None
+    return False
+
+
 def _weight(index: int, name: str):
     """A rule for a layer given its weight (argument `index`, `name`): a weight computed in the forward (weight
     or spectral norm, a parametrization, a low-rank update, fake quantization) is not a parameter but is read
     like one, usually the same for every sample, so its rounding would not average out over the batch: exact
     (a kernel computed per sample is kept too: memory, not fidelity). So is autocast's copy of a weight that
-    does not require grad. The input: values."""
+    does not require grad. The input: values; a linear layer's input padded with whole rows (_padded_rows)
+    normalized per row, which keeps those rows zero: a zero row's output can get a huge gradient (F.normalize of
+    it: g/eps, Swin v2's keys), which the weight's gradient multiplies with that row, exactly zero in fp32 and
+    the rounding noise of the rows it shares a group with otherwise (1e8x the gradient's norm at 8 bits)."""
     def rule(t, args, kwargs, frame) -> Decision:
         w = _arg(args, kwargs, index, name)
-        return _EXACT if isinstance(w, torch.Tensor) and _is_float(t) and _derived_from(t, w) else _VALUES
+        if isinstance(w, torch.Tensor) and _is_float(t) and _derived_from(t, w):
+            return _EXACT
+        if frame.name == "linear" and t.dim() >= 2 and _is_float(t) and _padded_rows(t):
+            return Decision(VALUES, rows=t.shape[-1])
+        return _VALUES
     return rule
 
 
@@ -1038,12 +1081,18 @@ _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_l
      "lp_pool1d lp_pool2d lp_pool3d",
      "input through a division by a function of it", "exact: p(1-p), a variance, a norm or x^2 + y^2 divides",
      lambda *a: _EXACT)
+_add("stft istft", "the window (and istft the sum of its squares over the frames, which it divides by)",
+     "exact: one window given to stft and istft is read by both, twice (a rounding shared by both reads biased the "
+     "gradient before them: 9x what noise leaves in 256 seeds at 2 bits), and istft divides by it",
+     lambda *a: _EXACT)
 _add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
      lambda *a: _EXACT)
 _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners) as positions",
      "boxes exact", _positions(1, "rois"))
 _add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d linear",
-     "input; the weight it is given", "input as values; a weight computed in the forward exact", _weight(1, "weight"))
+     "input; the weight it is given",
+     "input as values (a linear layer's, padded with whole rows by F.pad: normalized per row); a weight computed in the "
+     "forward exact", _weight(1, "weight"))
 _add("bilinear", "inputs; the weight it is given",
      "inputs as values (one tensor as both: a rounding each); a weight computed in the forward exact",
      _weight(2, "weight"))
@@ -1095,8 +1144,9 @@ _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an 
      "row normalized per row (h * rsqrt(mean(h²)))", _broadcast_factor)
 _add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through a division",
      "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
-_add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_", "base through p x^(p-1); log(base)",
-     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it); values for 1 and 2 (x²'s "
+_add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_ square square_", "base through p x^(p-1); log(base)",
+     "base exact for an exponent below 1 or a tensor exponent (a division by a power of it), and for x² of a complex "
+     "tensor's real or imaginary part (a spectrum's squared magnitude); values for 1 and 2 (x²'s "
      "base normalized per row of its last dimension); "
      f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased), and for a "
      "tensor exponent (read through x^(e-1))",
