@@ -435,14 +435,18 @@ def _window(idx: torch.Tensor, args, kwargs, nd: int) -> dict | None:
             "pad": pad, "dilation": dil}
 
 
+_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _view_of(t: torch.Tensor, x: Any) -> bool:
     """Whether `t` is `x` or a view of all of it (the same storage start and element count)."""
     if t is x:
         return True
     # (a torch.func transform's wrapped tensor has no storage of its own to compare: inside vmap a mul of a
     # batched and a plain tensor raised "Cannot access data pointer")
-    # (nor a sparse tensor's: it has no data pointer)
-    return isinstance(x, torch.Tensor) and t.numel() == x.numel() and t.dtype == x.dtype and \
+    # (nor a sparse tensor's: it has no data pointer; nor a Tensor subclass standing for a computation, whose every
+    # attribute is its own __torch_function__: SDPA's CausalBias raised NotImplementedError at x.numel())
+    return isinstance(x, torch.Tensor) and type(x) in _DENSE_TYPES and t.numel() == x.numel() and t.dtype == x.dtype and \
         x.layout is torch.strided and t.layout is torch.strided and \
         not _compat.is_functorch_wrapped(x) and not _compat.is_functorch_wrapped(t) and t.data_ptr() == x.data_ptr()
 
@@ -498,8 +502,9 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
     mask = _arg(args, kwargs, 3, "attn_mask")
-    # (the mask, or autocast's copy of it in the call's dtype: a float32 ALiBi bias under bfloat16 autocast)
-    if isinstance(mask, torch.Tensor) and (_view_of(t, mask) or cast_copy_of(t, mask)):
+    # (the mask, or autocast's copy of it in the call's dtype: a float32 ALiBi bias under bfloat16 autocast; not a
+    # Tensor subclass standing for one, torch.nn.attention.bias.CausalBias, which holds no values)
+    if isinstance(mask, torch.Tensor) and type(mask) in _DENSE_TYPES and (_view_of(t, mask) or cast_copy_of(t, mask)):
         return _EXACT
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
@@ -1184,7 +1189,8 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
+                 "_wrapped")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -1198,6 +1204,24 @@ class Frame:
         self.operands: list | None = None  # _operands(self), once a save asked (an LSTM cell's call saves 26 tensors)
         self.views: tuple | None = None  # _views(self), once a stored save asked
         self._name: str | None = None
+        self._wrapped: bool | None = None
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the call was given a tensor of a torch.func transform (vmap's batched tensors): autograd then saves
+        the plain tensors beneath them, which no test of which operand a save is can match."""
+        w = self._wrapped
+        if w is None:
+            w = False
+            for a in (*self.args, *self.kwargs.values()) if self.kwargs else self.args:
+                if isinstance(a, torch.Tensor):
+                    w = _compat.is_functorch_wrapped(a)
+                elif type(a) in (list, tuple):
+                    w = any(isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x) for x in a)
+                if w:
+                    break
+            self._wrapped = w
+        return w
 
     @property
     def name(self) -> str:
@@ -1578,11 +1602,17 @@ def _derivative_by(backward: Callable) -> Callable:
     return lambda x, *extra: backward(_unit(x), x, *extra)
 
 
-def _derivative_over_ones(backward_out: Callable) -> Callable:
+def _derivative_over_ones(backward_out: Callable, backward: Callable) -> Callable:
     """f'(x) by a backward kernel's out= form, written over a unit gradient of x's size and layout: for kernels
-    that a stride-0 gradient slows (gelu's takes 3x as long, against a fill of ones)."""
+    that a stride-0 gradient slows (gelu's takes 3x as long, against a fill of ones). Under
+    allow_mutation_on_saved_tensors() by the functional form (``backward``): torch's dispatch mode of that context
+    reads every out= argument as ``out``, and raised KeyError at gelu_backward's ``grad_input``."""
+    graph = getattr(torch.autograd, "graph", None)
+
     def derivative(x, *extra):
         d = torch.ones_like(x)
+        if getattr(graph, "_allow_mutation_on_saved_tensors_enabled", False) is True:
+            return backward(d, x, *extra)
         return backward_out(d, x, *extra, grad_input=d)
     return derivative
 
@@ -1705,7 +1735,8 @@ DERIVATIVE_SUBSTITUTES = {
         _Activation(lambda x, approximate: torch._C._nn.gelu(x, approximate=approximate),
                     lambda g, x, approximate: _aten.gelu_backward(g, x, approximate=approximate),
                     _derivative_over_ones(lambda g, x, approximate, grad_input: _aten.gelu_backward.grad_input(
-                        g, x, approximate=approximate, grad_input=grad_input))),
+                        g, x, approximate=approximate, grad_input=grad_input),
+                        lambda g, x, approximate: _aten.gelu_backward(g, x, approximate=approximate))),
         _F.gelu, None, _gelu_extra),
     _F.mish: _activation_stand_in(
         _Activation(torch._C._nn.mish, _aten.mish_backward, _derivative_by(_aten.mish_backward), torch._C._nn.mish_),
@@ -1854,6 +1885,10 @@ def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
     """How to store tensor `t` saved during `frame` (None: outside any function the tracker saw)."""
     if frame is None:
         return _untracked_save(t)
+    if frame.wrapped:
+        # (torch 2.x's vmap leaves saved-tensor hooks on; a divisor, a power's base or a grid went by as values: kept as
+        # they are, as under torch 1.13's functorch.vmap, which turns the hooks off)
+        return _EXACT
     name = frame.name
     row = TABLE.get(name)
     if row is None:
@@ -1900,8 +1935,17 @@ def _operands(frame: Frame) -> list:
             out.append(a)
         elif type(a) in (list, tuple):
             out.extend(x for x in a if isinstance(x, torch.Tensor))
-    ops = frame.operands = [a for a in out if a.layout is torch.strided and not _compat.is_functorch_wrapped(a)]
+    ops = frame.operands = [a for a in out if _dense(a)]
     return ops
+
+
+def _dense(a: torch.Tensor) -> bool:
+    """Whether ``a`` is a dense tensor with memory: not sparse, not a transform's wrapped tensor, not a Tensor subclass
+    standing for a computation (SDPA's CausalBias, whose attributes raise NotImplementedError)."""
+    try:
+        return a.layout is torch.strided and not _compat.is_functorch_wrapped(a)
+    except NotImplementedError:
+        return False
 
 
 def _views(frame: Frame) -> tuple:
