@@ -2535,6 +2535,39 @@ def test_rows_of_different_scales_divided_by_their_norms_keep_their_own_precisio
     assert 0 < plain < 0.05 and spread_err < 4 * plain, (plain, spread_err)
 
 
+def test_rows_normalized_per_row_under_a_float64_default_dtype_and_with_tiny_rows():
+    """The per-row scales were made in the default dtype: under torch.set_default_dtype(torch.float64) the codec read
+    float64 statistics as float32 and the forward raised ValueError ("normalized quant: block 0 has shift 0 and scale
+    -0"). And a row whose values are all below 1e-30 kept scale 1, taking its group's step (19.6x the gradient's norm
+    at 8 bits in a hand-written RMSNorm). The scales are float32, and rows up to 2^-100 get 2^100: within 5 % at 8
+    bits."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 64)
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        w = torch.randn(256, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        s = torch.ones(256, 1, dtype=torch.float64)
+        s[7] = 1e-31
+
+        def grad(comp):
+            lin.zero_grad()
+            with comp if comp is not None else contextlib.nullcontext():
+                h = lin(x) * s
+                loss = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w).sum()
+            loss.backward()
+            return torch.cat([lin.weight.grad.reshape(-1), lin.bias.grad])
+
+        ref = grad(None)
+        comp = gact.Compressor(lin, bits=8, seed=0, min_bytes=0)
+        got = grad(comp)
+        comp.close()
+    finally:
+        torch.set_default_dtype(old)
+    assert (got - ref).norm() < 0.05 * ref.norm(), float((got - ref).norm() / ref.norm())
+
+
 @pytest.mark.parametrize("fill", ["finfo_min", "-1e9", "float16_min"])
 @pytest.mark.parametrize("case", ["masked_entropy", "temperature_after_mask", "normalized_rows"])
 def test_a_mask_fill_in_a_saved_tensor_keeps_the_gradient(case, fill):

@@ -92,14 +92,15 @@ LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 # a row's largest magnitude that _row_params scales by (beyond: the row as it is, scale 1; 1/m stays a float32 normal);
 # from the store's widest value on (codecs' k_store_max_magnitude, a mask's fill) the row keeps its own magnitude, which
 # the codec then refuses: the tensor is kept exact, as it is unnormalized
-_ROW_SCALE_MIN, _ROW_SCALE_MAX = 1e-30, float(_C.store_max_magnitude)
+_ROW_SCALE_MIN, _ROW_SCALE_MAX = 2.0 ** -100, float(_C.store_max_magnitude)
 # the fewest values a row normalized per row holds: its scale and shift take 4 bytes, 2 bits a value over 16 values (the
 # codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2) the statistics would
 # cost several times the codes
 _ROW_MIN = 16
-#: the scale of a row of zeros stored normalized per row (_row_params): exact in the row statistics' bfloat16, its inverse
-#: a normal float; the row decodes to its codes' values times 2^-100, zero to any gradient a finite one multiplies
-_ZERO_ROW_SCALE = 2.0 ** 100
+#: the scale of a row of zeros or of values at most 2^-100 stored normalized per row (_row_params): exact in the row
+#: statistics' bfloat16, its inverse a normal float, the row's normalized values within [-1, 1]; it decodes to its codes'
+#: values times 2^-100 at most, zero to any gradient a finite one multiplies
+_TINY_ROW_SCALE = 2.0 ** 100
 _FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal
 
 # (a capsule straight to torch's converter: the public wrapper first probes it for __dlpack__, once per unpack)
@@ -1640,8 +1641,9 @@ class Compressor:
 
     def _row_params(self, t: torch.Tensor, inner: int) -> tuple:
         """_norm_params for a save normalized per row (saved.Decision.rows): blocks of ``inner`` consecutive elements,
-        each scaled by 1/its largest magnitude (no shift; a row of zeros or tiny values, by 1; a row of 2^15 or more
-        too, which the codec then refuses: a mask's fill); (None, None) for rows under _ROW_MIN values, where the
+        each scaled by 1/its largest magnitude (no shift; a row of zeros or of values at most 2^-100, by 2^100; a row of
+        NaN/Inf or of 2^15 or more by 1, which the codec then refuses: a mask's fill); (None, None) for rows under
+        _ROW_MIN values, where the
         layout does not allow it, or where every quantization group lies inside one row anyway."""
         if inner < _ROW_MIN or not t.is_floating_point() or t.numel() == 0 or t.numel() % inner or \
                 inner % self.group_size == 0 or not t.is_contiguous():
@@ -1651,9 +1653,11 @@ class Compressor:
                 rows = t.detach().reshape(-1, inner)  # (a view: t is contiguous)
                 m = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg()).float()  # (no full-size temporary)
                 ok = torch.isfinite(m) & (m > _ROW_SCALE_MIN) & (m < _ROW_SCALE_MAX)
-                # (a row of zeros: scaled by _ZERO_ROW_SCALE, decoded as its codes times its inverse, 2^-100, where
-                # scale 1 gave it the step of the rows it shares a group with)
-                r = torch.where(ok, m.reciprocal(), torch.where(m == 0, _ZERO_ROW_SCALE, 1.0)).contiguous()
+                # (a row of zeros or tiny values: scaled by _TINY_ROW_SCALE, decoded as its codes times its inverse,
+                # 2^-100, where scale 1 gave it the step of the rows it shares a group with; float32 whatever the default
+                # dtype: the codec reads the statistics as float32)
+                r = torch.where(ok, m.reciprocal(), torch.where(m <= _ROW_SCALE_MIN, torch.full_like(m, _TINY_ROW_SCALE),
+                                                                torch.ones_like(m))).contiguous()
                 z = torch.zeros_like(r)
         except RuntimeError:  # (out of memory for the statistics: plain values)
             return None, None

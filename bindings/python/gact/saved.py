@@ -704,6 +704,10 @@ def _pow(t, args, kwargs, frame) -> Decision:
     return _VALUES
 
 
+def _spectral_transform(t, args, kwargs, frame) -> Decision:
+    return _EXACT if frame.name == "istft" or t.dim() <= 1 else _VALUES
+
+
 def _complex_part(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of a complex tensor's memory: its real or imaginary part, or view_as_real of it."""
     b = t._base
@@ -1087,9 +1091,9 @@ _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_l
      "input through a division by a function of it", "exact: p(1-p), a variance, a norm or x^2 + y^2 divides",
      lambda *a: _EXACT)
 _add("stft istft", "the window (and istft the sum of its squares over the frames, which it divides by)",
-     "exact: one window given to stft and istft is read by both, twice (a rounding shared by both reads biased the "
-     "gradient before them: 9x what noise leaves in 256 seeds at 2 bits), and istft divides by it",
-     lambda *a: _EXACT)
+     "stft's one-dimensional saves (the window) exact, its others values; istft's exact: one window given to stft and "
+     "istft is read by both, twice (a rounding shared by both reads biased the gradient before them: 9x what noise "
+     "leaves in 256 seeds at 2 bits), and istft divides by it", _spectral_transform)
 _add("local_response_norm", "input and a divisor computed inside the call", "exact: its divisor is not visible apart",
      lambda *a: _EXACT)
 _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners) as positions",
