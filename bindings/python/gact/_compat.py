@@ -56,6 +56,18 @@ except ImportError:  # pragma: no cover
     _forward_ad = None
 
 
+_graph = getattr(torch.autograd, "graph", None)
+
+
+def mutation_allowed() -> bool:
+    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active: the program may then change a
+    saved tensor in place before backward, and backward must read it as it was when saved (torch clones it on its
+    first change; gact's hooks, the innermost, keep torch's from seeing the saves). A blob holds the values of its
+    save already: it is decoded without the version check, never served by the program's (changed) tensor; a tensor
+    gact would keep as it is is kept as a copy; nothing waits to be encoded later."""
+    return _graph is not None and getattr(_graph, "_allow_mutation_on_saved_tensors_enabled", False) is True
+
+
 def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (dual tensors may flow through the ops)."""
     return _forward_ad is not None and getattr(_forward_ad, "_current_level", -1) >= 0

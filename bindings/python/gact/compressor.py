@@ -231,16 +231,7 @@ def _held_storage(t: torch.Tensor) -> Any:
     return _storage_ref(t._cdata) if _storage_ref is not None else None
 
 
-_graph = getattr(torch.autograd, "graph", None)
-
-
-def _mutation_allowed() -> bool:
-    """Whether ``torch.autograd.graph.allow_mutation_on_saved_tensors()`` is active: the program may then change a
-    saved tensor in place before backward, and backward must read it as it was when saved (torch clones it on its
-    first change; gact's hooks, the innermost, keep torch's from seeing the saves). A blob holds the values of its
-    save already: it is decoded without the version check, never served by the program's (changed) tensor; a tensor
-    gact would keep as it is is kept as a copy; nothing waits to be encoded later."""
-    return _graph is not None and getattr(_graph, "_allow_mutation_on_saved_tensors_enabled", False) is True
+_mutation_allowed = _compat.mutation_allowed
 
 
 def _watch(t: torch.Tensor) -> Any:

@@ -435,20 +435,21 @@ def _window(idx: torch.Tensor, args, kwargs, nd: int) -> dict | None:
             "pad": pad, "dilation": dil}
 
 
-_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _view_of(t: torch.Tensor, x: Any) -> bool:
     """Whether `t` is `x` or a view of all of it (the same storage start and element count)."""
     if t is x:
         return True
+    if not isinstance(x, torch.Tensor):
+        return False
     # (a torch.func transform's wrapped tensor has no storage of its own to compare: inside vmap a mul of a
     # batched and a plain tensor raised "Cannot access data pointer")
-    # (nor a sparse tensor's: it has no data pointer; nor a Tensor subclass standing for a computation, whose every
-    # attribute is its own __torch_function__: SDPA's CausalBias raised NotImplementedError at x.numel())
-    return isinstance(x, torch.Tensor) and type(x) in _DENSE_TYPES and t.numel() == x.numel() and t.dtype == x.dtype and \
-        x.layout is torch.strided and t.layout is torch.strided and \
-        not _compat.is_functorch_wrapped(x) and not _compat.is_functorch_wrapped(t) and t.data_ptr() == x.data_ptr()
+    # (nor a sparse tensor's: it has no data pointer)
+    try:
+        return t.numel() == x.numel() and t.dtype == x.dtype and x.layout is torch.strided and \
+            t.layout is torch.strided and not _compat.is_functorch_wrapped(x) and \
+            not _compat.is_functorch_wrapped(t) and t.data_ptr() == x.data_ptr()
+    except NotImplementedError:  # (nor a Tensor subclass standing for a computation: SDPA's CausalBias, _dense)
+        return False
 
 
 def _loss_input_shape(t, args, kwargs, frame) -> Decision:
@@ -504,7 +505,7 @@ def _attention(t, args, kwargs, frame) -> Decision:
     mask = _arg(args, kwargs, 3, "attn_mask")
     # (the mask, or autocast's copy of it in the call's dtype: a float32 ALiBi bias under bfloat16 autocast; not a
     # Tensor subclass standing for one, torch.nn.attention.bias.CausalBias, which holds no values)
-    if isinstance(mask, torch.Tensor) and type(mask) in _DENSE_TYPES and (_view_of(t, mask) or cast_copy_of(t, mask)):
+    if isinstance(mask, torch.Tensor) and _dense(mask) and (_view_of(t, mask) or cast_copy_of(t, mask)):
         return _EXACT
     if not t.requires_grad and t.grad_fn is None and t.dim() >= 3 and \
             not any(_view_of(t, a) for a in list(args) + list(kwargs.values())):
@@ -1216,15 +1217,7 @@ class Frame:
         the plain tensors beneath them, which no test of which operand a save is can match."""
         w = self._wrapped
         if w is None:
-            w = False
-            for a in (*self.args, *self.kwargs.values()) if self.kwargs else self.args:
-                if isinstance(a, torch.Tensor):
-                    w = _compat.is_functorch_wrapped(a)
-                elif type(a) in (list, tuple):
-                    w = any(isinstance(x, torch.Tensor) and _compat.is_functorch_wrapped(x) for x in a)
-                if w:
-                    break
-            self._wrapped = w
+            w = self._wrapped = any(_compat.is_functorch_wrapped(a) for a in _tensor_args(self))
         return w
 
     @property
@@ -1611,11 +1604,9 @@ def _derivative_over_ones(backward_out: Callable, backward: Callable) -> Callabl
     that a stride-0 gradient slows (gelu's takes 3x as long, against a fill of ones). Under
     allow_mutation_on_saved_tensors() by the functional form (``backward``): torch's dispatch mode of that context
     reads every out= argument as ``out``, and raised KeyError at gelu_backward's ``grad_input``."""
-    graph = getattr(torch.autograd, "graph", None)
-
     def derivative(x, *extra):
         d = torch.ones_like(x)
-        if getattr(graph, "_allow_mutation_on_saved_tensors_enabled", False) is True:
+        if _compat.mutation_allowed():
             return backward(d, x, *extra)
         return backward_out(d, x, *extra, grad_input=d)
     return derivative
@@ -1933,14 +1924,17 @@ def _operands(frame: Frame) -> list:
     ops = frame.operands
     if ops is not None:  # (the call's arguments, their layouts and wrappers do not change while it runs)
         return ops
-    out = []
+    ops = frame.operands = [a for a in _tensor_args(frame) if _dense(a)]
+    return ops
+
+
+def _tensor_args(frame: Frame):
+    """The tensors a call was given, directly or in a list or tuple argument."""
     for a in (*frame.args, *frame.kwargs.values()) if frame.kwargs else frame.args:
         if isinstance(a, torch.Tensor):
-            out.append(a)
+            yield a
         elif type(a) in (list, tuple):
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
-    ops = frame.operands = [a for a in out if _dense(a)]
-    return ops
+            yield from (x for x in a if isinstance(x, torch.Tensor))
 
 
 def _dense(a: torch.Tensor) -> bool:
