@@ -653,6 +653,8 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
     other = b if _view_of(t, a) else a if _view_of(t, b) else None
     if isinstance(other, torch.Tensor) and other.numel() >= 8 * t.numel():
         return _EXACT
+    if isinstance(other, torch.Tensor) and _complex_part(t) and _view_of(t, other):
+        return _EXACT  # (X.real * X.real: a spectrum's squared magnitude, as X.real ** 2 is in _pow)
     if isinstance(other, torch.Tensor) and other.requires_grad and _per_row(other, t):  # (requiring grad: s's gradient reads a)
         # (s's gradient, sum(g·a) over each row, reads a; through a hand-written RMSNorm's rsqrt it reaches the row
         # scaled by 1/rms³: a small row must not take a large one's rounding step. Normalized per row)
@@ -1151,7 +1153,8 @@ _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod
      "(integers)", _flex_attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact; the other factor of one requiring grad with one value per "
-     "row normalized per row (h * rsqrt(mean(h²)))", _broadcast_factor)
+     "row normalized per row (h * rsqrt(mean(h²))); a complex tensor's part times itself exact (as its x²)",
+     _broadcast_factor)
 _add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through a division",
      "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_ square square_", "base through p x^(p-1); log(base)",
