@@ -489,6 +489,34 @@ def test_gelu_under_allow_mutation_on_saved_tensors():
     comp.close()
 
 
+def test_with_comp_inside_a_function_given_to_grad_steps_aside():
+    """torch.func.grad (functorch's under 1.13), vjp and vmap(grad) turn saved-tensor hooks off for their extent: a
+    `with comp:` inside the function given to them raised torch's "saved tensor hooks" error. The block steps aside
+    there (the transform's saves are autograd's own, as they are for gact's hooks entered around the transform): the
+    gradients are the plain ones, and the Compressor stores as before afterwards."""
+    grad, vmap = _func_transforms()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    x, t = torch.randn(16, 64), torch.randn(16, 64)
+    w = m[0].weight.detach().clone()
+    comp = gact.Compressor(m, bits=4, seed=1, min_bytes=0)
+
+    def loss(weight, xx, tt, with_comp):
+        with comp if with_comp else contextlib.nullcontext():
+            h = F.gelu(F.linear(xx, weight, m[0].bias))
+            return (m[2](h) - tt).square().mean()
+
+    assert torch.equal(grad(loss)(w, x, t, True), grad(loss)(w, x, t, False))
+    per_sample = vmap(grad(lambda wt, a, b, c: loss(wt, a[None], b[None], c)), in_dims=(None, 0, 0, None))
+    assert torch.equal(per_sample(w, x, t, True), per_sample(w, x, t, False))
+    with comp:
+        out = m(x).square().mean()
+    out.backward()
+    comp.step()
+    assert comp.stats()["store"]["bytes_stored"] > 0
+    comp.close()
+
+
 def test_bits_auto_trains_a_float64_model():
     """The policy's gradient-norm hook asked vector_norm for float32 of a float64 gradient, which it refuses: every
     float64 model with a Linear or Conv layer raised inside loss.backward() under bits="auto"."""

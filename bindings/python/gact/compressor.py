@@ -232,6 +232,8 @@ def _held_storage(t: torch.Tensor) -> Any:
 
 
 _mutation_allowed = _compat.mutation_allowed
+#: whether saved-tensor hooks may be pushed now (torch.func's grad-like transforms turn them off for their extent)
+_hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
 
 
 def _watch(t: torch.Tensor) -> Any:
@@ -866,6 +868,15 @@ class Compressor:
         depth = getattr(local, "depth", 0)
         if depth == 0:
             self._check_open()
+        entries = getattr(local, "entries", None)
+        if entries is None:
+            entries = local.entries = []  # (per `with`, innermost last: whether it stepped aside)
+        if _hooks_enabled is not None and not _hooks_enabled():
+            # inside torch.func.grad, vjp, jacrev or hessian, which turn saved-tensor hooks off for their extent (and
+            # then save what autograd saves, as gact's own hooks entered outside them do): the block steps aside
+            # where torch raised its "saved tensor hooks" error
+            entries.append(True)
+            return self
         _compat.track_saved_hooks()  # (once: torch.func's transforms then find gact's hooks out of their way)
         _saved.track_function_saves()  # (once: a custom autograd.Function's saves are told apart)
         if depth == 0:
@@ -892,6 +903,7 @@ class Compressor:
                 local.ctx = (hooks, tracker, before)
                 local.tracker = tracker
                 local.depth = depth + 1
+                entries.append(False)
             except BaseException:
                 # (a Ctrl-C, or an error, before the block is entered: `with` then calls no __exit__, and the hooks and
                 # the tracker would stay on this thread for good)
@@ -914,6 +926,7 @@ class Compressor:
             hooks.__enter__()
             local.nested = getattr(local, "nested", None) or []
             local.nested.append(hooks)
+            entries.append(False)
         local.depth = depth + 1
         return self
 
@@ -928,6 +941,9 @@ class Compressor:
 
     def __exit__(self, *exc: Any) -> None:
         local = self._local
+        entries = getattr(local, "entries", None)
+        if entries and entries.pop():
+            return  # (a block that stepped aside: see __enter__)
         depth = getattr(local, "depth", 0)
         if depth == 0:
             raise RuntimeError("gact.Compressor: __exit__ without a matching __enter__ on this thread")
