@@ -691,6 +691,9 @@ class Compressor:
         # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
         # a later call that reads one for its own gradient gets a blob of its own
         self._results: dict[tuple, Any] = {}
+        # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
+        self._qk_exact: set[str] = set()
+        self._qk_sigmas: list[tuple] = []
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
@@ -1011,6 +1014,8 @@ class Compressor:
                           "gact cannot tell which op saved them there. Compress the eager parts, or run the model "
                           "without torch.compile to compress all of it.", RuntimeWarning, stacklevel=2)
         leaks = _C.store_end_step(self._owner)
+        if self._qk_sigmas:
+            self._read_qk()
         self._step += 1
         self._step_open = False
         if self._policy is not None and hasattr(self._policy, "on_step"):
@@ -1253,6 +1258,11 @@ class Compressor:
             d, kind = _saved._QUADRATIC, _saved.VALUES
         elif kind == _saved.NORMALIZED:
             d, kind = _saved._VALUES, _saved.VALUES
+        if d.qk:  # (an attention's q or k: kept exact where its rounding would move the scores too far, _measure_qk)
+            if key in self._qk_exact:
+                return self._keep(t, "exact")
+            if frame is not None and self._step % _saved.ATTENTION_CHECK_EVERY == 0:
+                self._measure_qk(t, key, d.qk, frame)
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
         if d.rows:
@@ -1261,6 +1271,39 @@ class Compressor:
         return self._store(t, key, d, group=group)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
+
+    def _measure_qk(self, t: torch.Tensor, key: str, role: int, frame: Any) -> None:
+        """Record an attention call's q or k (``role`` 1, 2, or 3 for both) for saved.attention_sigma: once the call
+        has both, the bound on its scores' rounding goes to the step's list, read at step() (one read for the step,
+        not a sync per call on a GPU); above saved.ATTENTION_SIGMA_MAX the call's q and k keys are kept exact from
+        then on."""
+        try:
+            with torch.no_grad():
+                x = t.detach()
+                stats = (x.abs().amax().float(), torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax())
+        except RuntimeError:  # (no memory for the row norms: not measured)
+            return
+        seen = frame.qk if frame.qk is not None else {}
+        frame.qk = seen
+        for r in (1, 2):
+            if role & r:
+                seen[r] = (key, stats)
+        if 1 in seen and 2 in seen:
+            (kq, sq), (kk, sk) = seen.pop(1), seen.pop(2)
+            self._qk_sigmas.append((kq, kk, _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t))))
+
+    def _read_qk(self) -> None:
+        """Decide the measured attention calls' q and k (see _measure_qk): one read per device."""
+        entries, self._qk_sigmas = self._qk_sigmas, []
+        by_device: dict = {}
+        for e in entries:
+            by_device.setdefault(e[2].device, []).append(e)
+        for group in by_device.values():
+            for (kq, kk, _), sigma in zip(group, torch.stack([e[2] for e in group]).cpu().tolist()):
+                if not sigma <= _saved.ATTENTION_SIGMA_MAX:  # (NaN too: exact)
+                    self._qk_exact.update((kq, kk))
+                else:
+                    self._qk_exact.difference_update((kq, kk))
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded

@@ -75,6 +75,9 @@ class Decision(NamedTuple):
     # spans rows of different scales would give a small row the rounding step of a large one, divided by its own
     # small norm (F.normalize over rows whose norms span 1000x: one seed's gradient 1.0x its norm off at 8 bits)
     rows: int = 0
+    # values: an attention call's query (1), key (2) or both (3), whose backward rebuilds the weights as
+    # exp(q kᵀ·scale − lse): the Compressor measures how far their rounding can move the scores (attention_sigma)
+    qk: int = 0
 
 
 _VALUES = Decision(VALUES)
@@ -94,7 +97,16 @@ _ATTENTION_VALUES = Decision(VALUES, min_bits=2)
 #: by about half the variance of the rounding error of its scores: a bias, not noise, growing with the scores'
 #: scale); at 8 bits its variance is 1/256 of 4 bits'
 ATTENTION_QK_MIN_BITS = 8
-_ATTENTION_QK = Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS)
+_ATTENTION_QK = (None, Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS, qk=1),
+                 Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS, qk=2),
+                 Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS, qk=3))
+#: ... and even at 8 bits that bias grows with the scores: peaked heads (a row-centred score spread of 12, 22) had 17 %
+#: and 31 % of the gradient off at 8 bits on the fused path, with a bias of about 4 % (the math path: 3.5 %). Where the
+#: bound attention_sigma puts on the rounding's standard deviation in a score is above ATTENTION_SIGMA_MAX (a bias of
+#: at most sigma²/2, 0.13 %), the Compressor keeps that call's q and k exact from the next step on; it measures at step
+#: 0 and every ATTENTION_CHECK_EVERY steps after (one read of the bounds a step: on a GPU, no sync per call)
+ATTENTION_SIGMA_MAX = 0.05
+ATTENTION_CHECK_EVERY = 64
 #: a result its backward reads through a square (tanh: 1 - y², sigmoid: y(1 - y)), and the recurrent calls whose
 #: gates are such results: E[1 - ŷ²] = 1 - y² - Var(ŷ), a bias as large as the rounding's variance. At 2 bits the
 #: 256-seed mean of a tanh MLP's first-layer gradient stayed 0.13 of its norm from fp32 (0.034 if unbiased), a
@@ -512,8 +524,9 @@ def _attention(t, args, kwargs, frame) -> Decision:
         return _EXACT
     mha = frame is not None and frame.name == "multi_head_attention_forward"
     q, k = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key")
-    if not mha and (_given_as(t, q) or _given_as(t, k)):
-        return _ATTENTION_QK  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
+    role = (1 if not mha and _given_as(t, q) else 0) | (2 if not mha and _given_as(t, k) else 0)
+    if role:
+        return _ATTENTION_QK[role]  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
     if _attention_map(t, args, kwargs, mha):
         return _QUADRATIC
     if mha:
@@ -523,7 +536,7 @@ def _attention(t, args, kwargs, frame) -> Decision:
         # q and k are the first two: at their floor; v and the output at the run's bits)
         if t.dim() == 4 and t.requires_grad:
             frame.count += 1
-            return _ATTENTION_QK if frame.count <= 2 else _ATTENTION_VALUES
+            return _ATTENTION_QK[frame.count] if frame.count <= 2 else _ATTENTION_VALUES
     return _ATTENTION_VALUES
 
 
@@ -537,14 +550,33 @@ def _flex_attention(t, args, kwargs, frame) -> Decision:
     if not _is_float(t):
         return _VALUES
     q, k, v = _arg(args, kwargs, 0, "query"), _arg(args, kwargs, 1, "key"), _arg(args, kwargs, 2, "value")
-    if _given_as(t, q) or _given_as(t, k):
-        return _ATTENTION_QK
+    role = (1 if _given_as(t, q) else 0) | (2 if _given_as(t, k) else 0)
+    if role:
+        return _ATTENTION_QK[role]
     if _given_as(t, v):
         return _ATTENTION_VALUES
     if frame is not None and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and t.dim() == q.dim() \
             and tuple(t.shape) == (*q.shape[:-1], v.shape[-1]) and not any(_view_of(t, a) for a in _operands(frame)):
         return _ATTENTION_VALUES  # (the output)
     return _EXACT
+
+
+def attention_sigma(q_stats: tuple, k_stats: tuple, scale: float) -> torch.Tensor:
+    """A bound on the standard deviation that rounding q and k at ATTENTION_QK_MIN_BITS adds to a score q·k·scale, from
+    each one's (largest magnitude, largest row norm) as 0-dimensional tensors: a value's rounding error has a variance
+    of at most step²/4, its group's step is at most 2·largest/(2^b − 1), so the error of q_i·k_j is at most
+    scale·(step_q/2)·|k_j| and scale·(step_k/2)·|q_i| in standard deviation, independent. On the tensors' device."""
+    (aq, nq), (ak, nk) = q_stats, k_stats
+    half_step = 1.0 / ((1 << ATTENTION_QK_MIN_BITS) - 1)
+    return scale * half_step * torch.sqrt((aq * nk).square() + (ak * nq).square())
+
+
+def attention_scale(frame: Frame, t: torch.Tensor) -> float:
+    """The scale an attention call multiplies its scores by: its ``scale`` argument, or 1/sqrt(head size)."""
+    index = {"scaled_dot_product_attention": 6, "flex_attention": 5}.get(frame.name, -1)
+    scale = _arg(frame.args, frame.kwargs, index, "scale") if index >= 0 else frame.kwargs.get("scale")
+    return float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else \
+        1.0 / math.sqrt(max(t.shape[-1], 1))
 
 
 def _given_as(t: torch.Tensor, a: Any) -> bool:
@@ -1144,11 +1176,14 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "_efficient_attention_forward _flash_attention_forward",
      "q, k, v, output; log-sum-exp through exp; the mask; the math path's probabilities", "q and k at >= 8 bits (fused kernels recompute "
      "exp(q kᵀ·scale − lse): a bias that grows with the scores; in multi-head attention's fused path v and the "
-     f"output too), v and output at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
+     "output too), and exact from the next step where their rounding could move a score by more than "
+     f"{ATTENTION_SIGMA_MAX} (peaked heads: measured at step 0 and every {ATTENTION_CHECK_EVERY} steps); v and output "
+     "at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
      f"{QUADRATIC_MIN_BITS} bits (a softmax's); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod and mask_mod read",
-     "q and k at >= 8 bits (the backward recomputes the scores through score_mod and exp(score − lse)), v and output "
+     "q and k at >= 8 bits (the backward recomputes the scores through score_mod and exp(score − lse)), exact from the "
+     "next step where their rounding could move a score too far (as scaled_dot_product_attention's), v and output "
      "at >= 2 bits; the log-sum-exp and every other float it saves (score_mod's tensors) exact; block-mask indices kept "
      "(integers)", _flex_attention)
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
@@ -1198,7 +1233,7 @@ class Frame:
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
     __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
-                 "_wrapped")
+                 "_wrapped", "qk")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -1213,6 +1248,7 @@ class Frame:
         self.views: tuple | None = None  # _views(self), once a stored save asked
         self._name: str | None = None
         self._wrapped: bool | None = None
+        self.qk: dict | None = None  # an attention call's q and k measured so far: {role: (key, statistics)}
 
     @property
     def wrapped(self) -> bool:
