@@ -694,6 +694,7 @@ class Compressor:
         # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
         self._qk_exact: set[str] = set()
         self._qk_sigmas: list[tuple] = []
+        self._qk_next = 0  # the step that measures them next
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
@@ -780,6 +781,8 @@ class Compressor:
                              f"({type(self.model).__name__}); make another Compressor for another model")
         self.model = model
         self._install_module_hooks(model)
+        self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
+        self._qk_next = self._step
         if self._own_policy:
             old, self._policy = self._policy, self._make_auto_policy()
             self._policy.defer_first_sample()
@@ -1259,10 +1262,10 @@ class Compressor:
         elif kind == _saved.NORMALIZED:
             d, kind = _saved._VALUES, _saved.VALUES
         if d.qk:  # (an attention's q or k: kept exact where its rounding would move the scores too far, _measure_qk)
+            if frame is not None and self._step >= self._qk_next and len(self._qk_sigmas) < self.QK_MEASURED_MAX:
+                self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
             if key in self._qk_exact:
                 return self._keep(t, "exact")
-            if frame is not None and self._step % _saved.ATTENTION_CHECK_EVERY == 0:
-                self._measure_qk(t, key, d.qk, frame)
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
         if d.rows:
@@ -1280,7 +1283,8 @@ class Compressor:
         try:
             with torch.no_grad():
                 x = t.detach()
-                stats = (x.abs().amax().float(), torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax())
+                # (no full-size temporary; float64 too, which vector_norm's float32 dtype= refuses)
+                stats = (torch.maximum(x.amax(), x.amin().neg()).float(), torch.linalg.vector_norm(x, dim=-1).amax().float())
         except RuntimeError:  # (no memory for the row norms: not measured)
             return
         seen = frame.qk if frame.qk is not None else {}
@@ -1290,11 +1294,18 @@ class Compressor:
                 seen[r] = (key, stats)
         if 1 in seen and 2 in seen:
             (kq, sq), (kk, sk) = seen.pop(1), seen.pop(2)
-            self._qk_sigmas.append((kq, kk, _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t))))
+            sigma = _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t), shared=role == 3)
+            self._qk_sigmas.append((kq, kk, sigma))
+
+    #: attention calls measured in one step at most (_measure_qk): a program that never calls step() does not grow the
+    #: list without end
+    QK_MEASURED_MAX = 4096
 
     def _read_qk(self) -> None:
-        """Decide the measured attention calls' q and k (see _measure_qk): one read per device."""
+        """Decide the measured attention calls' q and k (see _measure_qk): one read per device; the next measurement
+        ATTENTION_CHECK_EVERY steps on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
+        self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
         by_device: dict = {}
         for e in entries:
             by_device.setdefault(e[2].device, []).append(e)

@@ -103,9 +103,11 @@ _ATTENTION_QK = (None, Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS, qk=1),
 #: ... and even at 8 bits that bias grows with the scores: peaked heads (a row-centred score spread of 12, 22) had 17 %
 #: and 31 % of the gradient off at 8 bits on the fused path, with a bias of about 4 % (the math path: 3.5 %). Where the
 #: bound attention_sigma puts on the rounding's standard deviation in a score is above ATTENTION_SIGMA_MAX (a bias of
-#: at most sigma²/2, 0.13 %), the Compressor keeps that call's q and k exact from the next step on; it measures at step
-#: 0 and every ATTENTION_CHECK_EVERY steps after (one read of the bounds a step: on a GPU, no sync per call)
-ATTENTION_SIGMA_MAX = 0.05
+#: at most sigma²/2, 0.5 %; the bound is 1.1-2x the deviation measured), the Compressor keeps that call's q and k exact
+#: from the next step on; it measures at step 0 and every ATTENTION_CHECK_EVERY steps after, kept keys too (one read of
+#: the bounds a step: on a GPU, no sync per call). Against the memory that costs: a layer whose bound is 0.095 (a score
+#: spread of 3) had 3.4 % of the gradient off at 8 bits against 1.5 % exact; at 0.042 (spread 1.35), 1.8 % against 1.2 %
+ATTENTION_SIGMA_MAX = 0.1
 ATTENTION_CHECK_EVERY = 64
 #: a result its backward reads through a square (tanh: 1 - y², sigmoid: y(1 - y)), and the recurrent calls whose
 #: gates are such results: E[1 - ŷ²] = 1 - y² - Var(ŷ), a bias as large as the rounding's variance. At 2 bits the
@@ -561,13 +563,14 @@ def _flex_attention(t, args, kwargs, frame) -> Decision:
     return _EXACT
 
 
-def attention_sigma(q_stats: tuple, k_stats: tuple, scale: float) -> torch.Tensor:
+def attention_sigma(q_stats: tuple, k_stats: tuple, scale: float, shared: bool = False) -> torch.Tensor:
     """A bound on the standard deviation that rounding q and k at ATTENTION_QK_MIN_BITS adds to a score q·k·scale, from
     each one's (largest magnitude, largest row norm) as 0-dimensional tensors: a value's rounding error has a variance
     of at most step²/4, its group's step is at most 2·largest/(2^b − 1), so the error of q_i·k_j is at most
-    scale·(step_q/2)·|k_j| and scale·(step_k/2)·|q_i| in standard deviation, independent. On the tensors' device."""
+    scale·(step_q/2)·|k_j| and scale·(step_k/2)·|q_i| in standard deviation, independent; ``shared`` (q is k: one
+    rounding, whose two terms add on the diagonal) √2 times that. On the tensors' device."""
     (aq, nq), (ak, nk) = q_stats, k_stats
-    half_step = 1.0 / ((1 << ATTENTION_QK_MIN_BITS) - 1)
+    half_step = (2.0 ** 0.5 if shared else 1.0) / ((1 << ATTENTION_QK_MIN_BITS) - 1)
     return scale * half_step * torch.sqrt((aq * nk).square() + (ak * nq).square())
 
 
@@ -1178,7 +1181,7 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "exp(q kᵀ·scale − lse): a bias that grows with the scores; in multi-head attention's fused path v and the "
      "output too), and exact from the next step where their rounding could move a score by more than "
      f"{ATTENTION_SIGMA_MAX} (peaked heads: measured at step 0 and every {ATTENTION_CHECK_EVERY} steps); v and output "
-     "at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
+     f"at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
      f"{QUADRATIC_MIN_BITS} bits (a softmax's); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod and mask_mod read",
