@@ -517,6 +517,26 @@ def test_with_comp_inside_a_function_given_to_grad_steps_aside():
     comp.close()
 
 
+def test_with_comp_under_a_programs_own_disabled_hooks_raises_its_message():
+    """Only a transform's switch-off is stepped aside: under the program's own
+    ``disable_saved_tensors_hooks("why")``, `with comp:` raises that message, as torch's own hooks do, and the
+    Compressor is left as it was (the next block stores)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    x = torch.randn(16, 64)
+    comp = gact.Compressor(m, bits=4, seed=1, min_bytes=0)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in this exporter"):
+        with pytest.raises(RuntimeError, match="no hooks in this exporter"):
+            with comp:
+                m(x)
+    with comp:
+        out = m(x).square().mean()
+    out.backward()
+    comp.step()
+    assert comp.stats()["store"]["bytes_stored"] > 0
+    comp.close()
+
+
 def test_bits_auto_trains_a_float64_model():
     """The policy's gradient-norm hook asked vector_norm for float32 of a float64 gradient, which it refuses: every
     float64 model with a Linear or Conv layer raised inside loss.backward() under bits="auto"."""

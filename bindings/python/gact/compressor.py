@@ -234,6 +234,19 @@ def _held_storage(t: torch.Tensor) -> Any:
 _mutation_allowed = _compat.mutation_allowed
 #: whether saved-tensor hooks may be pushed now (torch.func's grad-like transforms turn them off for their extent)
 _hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+_hooks_disabled_message = getattr(torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
+
+
+def _in_a_transform() -> bool:
+    """Whether saved-tensor hooks are off because a torch.func (functorch) transform turned them off for its extent:
+    its message says so ("... don't yet support saved tensor hooks"). Where a program's own
+    ``disable_saved_tensors_hooks("why")`` turned them off, raises its message, as pushing torch's own hooks does."""
+    if _hooks_enabled is None or _hooks_enabled():
+        return False
+    msg = _hooks_disabled_message() if _hooks_disabled_message is not None else None
+    if msg is None or "support saved tensor hooks" in msg:
+        return True
+    raise RuntimeError(msg)
 
 
 def _watch(t: torch.Tensor) -> Any:
@@ -877,7 +890,7 @@ class Compressor:
         entries = getattr(local, "entries", None)
         if entries is None:
             entries = local.entries = []  # (per `with`, innermost last: whether it stepped aside)
-        if _hooks_enabled is not None and not _hooks_enabled():
+        if _in_a_transform():
             # inside torch.func.grad, vjp, jacrev or hessian, which turn saved-tensor hooks off for their extent (and
             # then save what autograd saves, as gact's own hooks entered outside them do): the block steps aside
             # where torch raised its "saved tensor hooks" error
