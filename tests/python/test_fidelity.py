@@ -2635,12 +2635,16 @@ def test_a_mask_fill_in_a_saved_tensor_keeps_the_gradient(case, fill):
     assert (got - want).norm() < 0.05 * want.norm(), float((got - want).norm() / want.norm())
 
 
-def _window_attention(x, qkv, window, shift):
+def _window_attention(x, qkv, window, shift, nchw=False):
     """Swin v2's window attention over ``x`` (B, H, W, C), as torchvision writes it: the map padded with zeros to whole
-    windows, rolled, cut into windows, one linear layer for q, k and v (k without a bias), cosine attention."""
+    windows, rolled, cut into windows, one linear layer for q, k and v (k without a bias), cosine attention.
+    ``nchw``: padded as (B, C, H, W) and then permuted to (B, H, W, C), as convolutional code pads."""
     b, h, w, c = x.shape
     pad_b, pad_r = (window - h % window) % window, (window - w % window) % window
-    x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+    if nchw:
+        x = F.pad(x.permute(0, 3, 1, 2), (0, pad_r, 0, pad_b)).permute(0, 2, 3, 1)
+    else:
+        x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
     if shift:
         x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
     ph, pw = x.shape[1], x.shape[2]
@@ -2652,8 +2656,8 @@ def _window_attention(x, qkv, window, shift):
     return attn.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("shift", [0, 2])
-def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift):
+@pytest.mark.parametrize("shift,nchw", [(0, False), (2, False), (2, True)])
+def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift, nchw):
     """Swin v2 pads its map with zeros to whole windows and normalizes its keys, which have no bias: a padded row's key
     is zero, and F.normalize gives it the gradient g/eps (1e12 g), which the qkv layer's weight gradient multiplies
     with the padded input row, zero in fp32. Stored as values, those zeros took the rounding noise of the rows they
@@ -2668,7 +2672,7 @@ def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift)
         x = torch.randn(2, size, size, 24, generator=torch.Generator().manual_seed(1))
 
         def loss_of(m):
-            return _window_attention(m["embed"](x), m["qkv"], 8, shift).square().mean()
+            return _window_attention(m["embed"](x), m["qkv"], 8, shift, nchw).square().mean()
 
         ref = compute_grad(model, loss_of)
         comp = gact.Compressor(model, bits=8, seed=0, min_bytes=0)

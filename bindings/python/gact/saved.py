@@ -959,17 +959,22 @@ _REARRANGING = VIEW_NODES | {"CloneBackward0", "RollBackward0", "UnsqueezeBackwa
 def _padded_rows(t: torch.Tensor) -> bool:
     """Whether ``t`` is, up to moves and copies of its elements, the result of ``F.pad`` over dimensions before the
     last: whole rows of the pad's value (zeros) among the input's rows (Swin's window partition of a map padded to
-    whole windows). At most 8 nodes back."""
+    whole windows). A pad of the last dimension counts too where a permute or transpose comes after it: a map padded
+    in NCHW and then made NHWC has whole rows of zeros, which its pixels are. At most 8 nodes back."""
     g = t.grad_fn
+    moved = False  # (a permute or transpose on the way: the padded dimensions need not be the last one any more)
     for _ in range(8):
         if g is None:
             return False
         name = type(g).__name__
         if name == "ConstantPadNdBackward0":
             pad = getattr(g, "_saved_pad", None)
-            return pad is not None and len(pad) >= 4 and pad[0] == 0 and pad[1] == 0 and any(pad[2:])
+            if pad is None or len(pad) < 4:
+                return False
+            return any(pad) if moved else pad[0] == 0 and pad[1] == 0 and any(pad[2:])
         if name not in _REARRANGING:
             return False
+        moved = moved or name in ("PermuteBackward0", "TransposeBackward0", "TBackward0")
         nxt = g.next_functions
         g = nxt[0][0] if nxt else None
     return False
