@@ -18,7 +18,8 @@ def fragsim():
 
 
 def _peaks(fragsim, ops, design, page=2 * MIB, passes=1):
-    return fragsim.replay(ops, lambda: fragsim.DESIGNS[design](page), passes)
+    """Peak allocated, requested and reserved bytes."""
+    return fragsim.replay(ops, lambda: fragsim.DESIGNS[design](page), passes)[:3]
 
 
 # a 3 MiB, b 3 MiB, a freed (a 3 MiB hole at the bottom), c 4 MiB: the hole cannot take it
@@ -42,6 +43,30 @@ def test_expandable_grows_the_top_by_pages(fragsim):
 def test_ideal_unmap_gives_back_the_pages_of_the_hole_before_growing(fragsim):
     _, _, res = _peaks(fragsim, HOLE, "ideal-unmap")
     assert res == 8 * MIB  # page [0, 2) unmapped before c; b's pages [2, 6) and c's [6, 10)
+
+
+# a 4 MiB [0, 4), b 2 MiB [4, 6), a freed, c 6 MiB at the top [6, 12) (pages 0 and 1 unmapped first), b freed, d 3 MiB
+# into the free [0, 6): its pages 0 and 1 are mapped again, page 2 (b's, free now) is unmapped first
+REMAP = [("a", 1, 4 * MIB), ("a", 2, 2 * MIB), ("f", 1, 0), ("a", 3, 6 * MIB), ("f", 2, 0), ("a", 4, 3 * MIB),
+         ("f", 3, 0), ("f", 4, 0)]
+
+
+def test_ideal_unmap_unmaps_before_mapping_a_hole_again_and_counts_it(fragsim):
+    a = fragsim.DESIGNS["ideal-unmap"](2 * MIB)
+    assert fragsim.replay(REMAP, lambda: a, 1) == (9 * MIB, 9 * MIB, 10 * MIB, 6 * MIB)  # pages 0-1 and 2 unmapped
+    _, _, res = _peaks(fragsim, REMAP, "expandable1")
+    assert res == 12 * MIB  # nothing unmapped: pages 0-5
+
+
+def test_mapped_first_takes_mapped_room_over_a_tighter_unmapped_block(fragsim):
+    # a 5 MiB [0, 5), b 1 MiB [5, 6), c 4 MiB [6, 10), d 2 MiB [10, 12); c freed; e 8 MiB at the top unmaps c's pages
+    # 3 and 4; a freed; f 4 MiB: the best fit by address is c's old [6, 10) (pages 3-4 mapped again after pages 0-1
+    # are unmapped), mapped-first takes [0, 4), mapped already
+    ops = [("a", 1, 5 * MIB), ("a", 2, MIB), ("a", 3, 4 * MIB), ("a", 4, 2 * MIB), ("f", 3, 0), ("a", 5, 8 * MIB),
+           ("f", 1, 0), ("a", 6, 4 * MIB)]
+    for design, unmapped in (("ideal-unmap", 8 * MIB), ("mapped-first", 4 * MIB)):
+        a = fragsim.DESIGNS[design](2 * MIB)
+        assert fragsim.replay(ops, lambda: a, 1) == (16 * MIB, 16 * MIB, 16 * MIB, unmapped), design
 
 
 def test_a_request_that_fits_a_hole_reuses_it_in_every_design(fragsim):

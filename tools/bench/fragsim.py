@@ -13,12 +13,17 @@ caching allocator is, one stream; requests are rounded to 512 bytes.
                  --page bytes (CUDA's granularity is 2 MiB) mapped as the top of the range grows: no
                  segment is ever too small, a request that fits nowhere extends the free tail
     expandable1  the same with one range for every size
-    ideal-unmap  expandable1, and before the range grows every page no live block touches is unmapped
-                 (its physical memory reused at the top): the best a remapping design could do
+    ideal-unmap  expandable1, and before any page is mapped (at the top or in a hole) every page no live
+                 block touches is unmapped (its physical memory reused): the best a remapping design
+                 could do; "unmapped/pass" is what that costs in the last pass (MiB unmapped and
+                 mapped again elsewhere, a steady-state step's remapping)
+    mapped-first ideal-unmap, but a request goes to the best mapped free block that holds it where there is
+                 one (no remapping), and only otherwise to the best fit over free address space
 
     tools/gact-bench fragsim [--trace PATH] [--page BYTES] [--passes N]
 
-Measured on the committed ResNet-50 step (tools/bench/README.md): no design reaches 5 %.
+Measured on the committed ResNet-50 step (tools/bench/README.md): only ideal-unmap reaches 5 %, by remapping
+about a third of the step's peak every step.
 """
 
 import argparse
@@ -127,11 +132,13 @@ class Expandable:
     """One growing Range per pool (or one for all), physical pages mapped as its top grows; with `unmap`,
     before a growth every mapped page no live block touches is given back."""
 
-    def __init__(self, page, split_small=True, unmap=False, small=1 * MIB):
+    def __init__(self, page, split_small=True, unmap=False, small=1 * MIB, mapped_first=False):
         self.page, self.unmap, self.small = page, unmap, small
+        self.mapped_first = mapped_first
         self.split_small = split_small
         self.ranges = {True: Range(0), False: Range(1 << 50)}
         self.mapped = {True: set(), False: set()}
+        self.unmapped = 0  # pages unmapped so far
 
     @property
     def reserved(self):
@@ -143,7 +150,13 @@ class Expandable:
     def allocate(self, n):
         pool = self.split_small and n <= self.small
         r, mapped = self.ranges[pool], self.mapped[pool]
-        i = r.best_fit(n)
+        i = None
+        if self.mapped_first:
+            for k, b in enumerate(r.blocks):
+                if b[2] and b[1] >= n and (i is None or b[1] < r.blocks[i][1]) and set(self.pages(b[0], n)) <= mapped:
+                    i = k
+        if i is None:
+            i = r.best_fit(n)
         if i is None:  # extend the free tail, or start a new block at the top
             if r.blocks and r.blocks[-1][2]:
                 r.blocks[-1][1] = n
@@ -152,12 +165,13 @@ class Expandable:
                 top = r.blocks[-1][0] + r.blocks[-1][1] if r.blocks else r.base
                 r.blocks.append([top, n, True])
                 i = len(r.blocks) - 1
-            if self.unmap and not set(self.pages(r.blocks[i][0], n)) <= mapped:
-                live = set()
-                for b in r.blocks:
-                    if not b[2]:
-                        live.update(self.pages(b[0], b[1]))
-                mapped &= live
+        if self.unmap and not set(self.pages(r.blocks[i][0], n)) <= mapped:
+            live = set()
+            for b in r.blocks:
+                if not b[2]:
+                    live.update(self.pages(b[0], b[1]))
+            self.unmapped += len(mapped - live)
+            mapped &= live
         addr, size = r.take(i, n)
         mapped.update(self.pages(addr, size))  # (a block in an unmapped hole is mapped again)
         return (pool, addr), size
@@ -168,13 +182,16 @@ class Expandable:
 
 
 def replay(ops, make, passes):
-    """Peak allocated, peak requested and peak reserved bytes of `passes` replays through one allocator;
-    blocks live at the end of a pass are freed before the next (as gact-bench-alloc does)."""
+    """Peak allocated, peak requested and peak reserved bytes of `passes` replays through one allocator, and the
+    bytes unmapped in the last pass; blocks live at the end of a pass are freed before the next (as
+    gact-bench-alloc does)."""
     a = make()
     live = {}
     allocated = requested = 0
     peak_alloc = peak_req = peak_res = 0
+    unmapped = 0
     for _ in range(passes):
+        unmapped = -getattr(a, "unmapped", 0)
         for op, i, n in ops:
             if op == "a":
                 where, size = a.allocate(round512(max(n, 1)))
@@ -194,7 +211,8 @@ def replay(ops, make, passes):
             allocated -= size
             requested -= n
         live.clear()
-    return peak_alloc, peak_req, peak_res
+        unmapped = (unmapped + getattr(a, "unmapped", 0)) * getattr(a, "page", 0)
+    return peak_alloc, peak_req, peak_res, unmapped
 
 
 DESIGNS = {
@@ -202,6 +220,7 @@ DESIGNS = {
     "expandable": lambda page: Expandable(page),
     "expandable1": lambda page: Expandable(page, split_small=False),
     "ideal-unmap": lambda page: Expandable(page, split_small=False, unmap=True),
+    "mapped-first": lambda page: Expandable(page, split_small=False, unmap=True, mapped_first=True),
 }
 
 
@@ -223,10 +242,11 @@ def main(argv=None):
     ops = read_trace(args.trace)
     print(f"{os.path.basename(args.trace)}: {sum(1 for o in ops if o[0] == 'a')} allocations, "
           f"{args.passes} passes, page {args.page / MIB:g} MiB")
-    print(f"{'design':<12} {'allocated':>10} {'reserved':>10} {'1-alloc/res':>12} {'1-req/res':>10}")
+    print(f"{'design':<12} {'allocated':>10} {'reserved':>10} {'1-alloc/res':>12} {'1-req/res':>10} {'unmapped/pass':>14}")
     for name in names:
-        pa, pq, pr = replay(ops, lambda: DESIGNS[name](args.page), args.passes)
-        print(f"{name:<12} {pa / MIB:9.1f}M {pr / MIB:9.1f}M {100 * (1 - pa / pr):11.1f}% {100 * (1 - pq / pr):9.1f}%")
+        pa, pq, pr, um = replay(ops, lambda: DESIGNS[name](args.page), args.passes)
+        print(f"{name:<12} {pa / MIB:9.1f}M {pr / MIB:9.1f}M {100 * (1 - pa / pr):11.1f}% {100 * (1 - pq / pr):9.1f}% "
+              f"{um / MIB:13.1f}M")
     return 0
 
 
