@@ -2684,6 +2684,55 @@ def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift,
     assert whole < 0.05 and padded < max(3 * whole, 0.01), (whole, padded)
 
 
+_TB = (torch.rand(64, 24, generator=torch.Generator().manual_seed(5)) > 0.5).float()
+_Y = torch.randint(0, 24, (64,), generator=torch.Generator().manual_seed(6))
+_NOISE = torch.randn(64, 24, generator=torch.Generator().manual_seed(7))
+#: losses whose gradient divides by a saturating activation's result (or an elementwise function of it): 1/p
+_DIVIDED_RESULTS = {
+    "bce": (lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20), _TB), True),
+    "bce_clamped": (lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20).clamp(1e-7, 1 - 1e-7), _TB), False),
+    "bce_by_hand": (lambda o: -(_TB * torch.log(torch.sigmoid(o * 20) + 1e-8)
+                                + (1 - _TB) * torch.log(1 - torch.sigmoid(o * 20) + 1e-8)).mean(), False),
+    "softmax_log_eps": (lambda o: F.nll_loss(torch.log(torch.softmax(o * 10, -1) + 1e-8), _Y), False),
+    "softmax_clamp_log": (lambda o: F.nll_loss(torch.softmax(o * 10, -1).clamp(min=1e-8).log(), _Y), False),
+    "softmax_by_hand": (lambda o: F.nll_loss(torch.log((lambda e: e / e.sum(-1, keepdim=True))(
+        torch.exp(o * 10 - (o * 10).amax(-1, keepdim=True).detach())) + 1e-8), _Y), False),
+    "tanh_squash": (lambda o: (lambda a: (-0.2 * torch.log(1 - a.pow(2) + 1e-6).sum(-1) - a.sum(-1)).mean())(
+        torch.tanh(o * 10 + 0.5 * _NOISE)), True),
+}
+
+
+@pytest.mark.parametrize("name", list(_DIVIDED_RESULTS))
+def test_a_saturated_result_a_later_read_divides_by_is_read_exact(name):
+    """A loss that divides by a saturating activation's result or takes its log (BCE on a sigmoid, log(softmax + eps),
+    SAC's log(1 - tanh(u)² + eps)) keeps that read exact, and its gradient 1/p multiplies the activation's own read of
+    p (p̂(1 − p̂), p̂, 1 − â²), whose rounding it amplified without bound: a saturated sigmoid's 1.0 decoded as
+    0.99999994 under BCE's 1/max(p(1 − p), 1e-12) gave 784x the gradient's norm at 8 bits, log(softmax + eps) 0.9, SAC's
+    squash 2.8. Those reads are served exact: at once where the tensor is still held (BCE's input is the sigmoid's
+    result; the squashed action is the program's), from the next step where it is gone (log(p + eps) freed p)."""
+    loss_of, at_once = _DIVIDED_RESULTS[name]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 24))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
+
+    def grad(comp):
+        net.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = loss_of(net(x))  # (nothing of the forward held past it)
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+
+    ref = grad(None)
+    comp = gact.Compressor(net, bits=8, seed=1)
+    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
+    comp.close()
+    assert max(errs[1:]) < 0.05, errs
+    if at_once:
+        assert errs[0] < 0.05, errs
+
+
 class _PeakedAttention(nn.Module):
     """One self-attention layer through scaled_dot_product_attention, its q/k/v projection scaled by ``mult`` (the
     scores' spread grows as mult²: peaked heads, as trained models have)."""

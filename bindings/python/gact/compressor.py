@@ -216,6 +216,10 @@ try:  # a tensor's storage held weakly (torch_cpu.cpp): a saved view is made aga
     from _gact_torch import storage_ref as _storage_ref
 except ImportError:
     _storage_ref = None
+try:  # autograd nodes by address (torch_graph.cpp; absent without autograd's headers: no _exact_read then)
+    from _gact_torch import graph_ancestors as _graph_ancestors, graph_node as _graph_node
+except ImportError:
+    _graph_ancestors = _graph_node = None
 
 
 _len_modes = getattr(torch._C, "_len_torch_function_stack", None)
@@ -704,8 +708,13 @@ class Compressor:
         # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
         # a later call that reads one for its own gradient gets a blob of its own
         self._results: dict[tuple, Any] = {}
+        # this step's stored saves by the autograd node of the tensor saved (id: [weak _Packed]), for _exact_read
+        self._by_node: dict[int, list] = {}
         # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
         self._qk_exact: set[str] = set()
+        # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
+        # kept exact from the next step on
+        self._divided_exact: set[str] = set()
         self._qk_sigmas: list[tuple] = []
         self._qk_next = 0  # the step that measures them next
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
@@ -795,6 +804,7 @@ class Compressor:
         self.model = model
         self._install_module_hooks(model)
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
+        self._divided_exact.clear()
         self._qk_next = self._step
         if self._own_policy:
             old, self._policy = self._policy, self._make_auto_policy()
@@ -1001,6 +1011,7 @@ class Compressor:
         self._key_counts = {}
         self._input_ptrs = set()
         self._results = {}
+        self._by_node = {}
         self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
@@ -1234,6 +1245,8 @@ class Compressor:
             # saves after it must not move with it
             if t.dtype in _KEYED_DTYPES:
                 self._next_key(s)
+            if self._by_node and t.grad_fn is not None:  # (empty without _gact_torch's graph calls)
+                self._exact_read(t)
             return self._keep(t, "exact")
         dtype = t.dtype
         if dtype not in _KEYED_DTYPES and kind != _saved.INDICES:
@@ -1246,6 +1259,8 @@ class Compressor:
         n = t.numel()
         if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
+        if key in self._divided_exact and t.grad_fn is not None:
+            return self._keep(t, "exact")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):
             return self._keep(t, "input")
@@ -1287,6 +1302,38 @@ class Compressor:
         return self._store(t, key, d, group=group)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
+
+    def _exact_read(self, t: torch.Tensor) -> None:
+        """``t`` is kept exact for a reader that divides by it or takes its log (log's input, binary_cross_entropy's, a
+        denominator): the stored saves of what ``t`` is an elementwise function of, up to EXACT_READ_DEPTH nodes back,
+        are served from their exact tensors from now on, and their blobs released. The reader's gradient is 1/t; theirs
+        multiplies it with their own read (a sigmoid's p̂(1 − p̂), softmax's p̂, tanh's 1 − â² and the power's 2â
+        under log(1 − a² + eps)), whose rounding that division amplifies without bound where t is small: a
+        saturated sigmoid under BCE decoded 1.0 as 0.99999994, and BCE's 1/max(p(1 − p), 1e-12) made the gradient
+        784x its norm at 8 bits. Where ``t`` is such a tensor itself (BCE's input is the sigmoid's result), the exact
+        memory is held anyway; otherwise, where the tensor is still alive (the program's), it is kept. Where it is gone
+        (softmax's result under log(p + eps) was freed once the sum was made), its blob serves this step; from the next
+        step on, a save of its key is kept exact (one step's error, while the pattern is learned: at initialization,
+        where outputs are rarely saturated)."""
+        by_node = self._by_node
+        for node in _graph_ancestors(t._cdata, _saved.ELEMENTWISE_NODES, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES):
+            for r in by_node.get(node, ()):
+                q = r()
+                if q is None or not q.handle or q.alias is not None or q.ref is None:
+                    continue
+                if len(self._divided_exact) < self.QK_MEASURED_MAX:
+                    self._divided_exact.add(q.key)
+                src = q.ref()
+                if src is None or src._version != q.version or src.data_ptr() != q.ptr or \
+                        _graph_node(src._cdata) != node:
+                    continue
+                q.alias = src.detach()
+                _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
+                q.release()
+
+    #: how far back _exact_read looks: elementwise nodes, and nodes in all
+    EXACT_READ_DEPTH = 4
+    EXACT_READ_NODES = 16
 
     def _measure_qk(self, t: torch.Tensor, key: str, role: int, frame: Any) -> None:
         """Record an attention call's q or k (``role`` 1, 2, or 3 for both) for saved.attention_sigma: once the call
@@ -1468,6 +1515,11 @@ class Compressor:
             except TypeError:
                 _C.store_forget(h)
             else:
+                if keep is None and _graph_node is not None and t.grad_fn is not None:
+                    by_node = self._by_node
+                    if len(by_node) >= _saved.RESULTS_MAX:  # (a program that never ends a step: the record starts again)
+                        by_node.clear()
+                    by_node.setdefault(_graph_node(t._cdata), []).append(weakref.ref(p))
                 b = t._base
                 if b is not None and keep is None and _storage_ref is not None:
                     # (the base's storage itself, held weakly, not its address: `b.data = x` then `b.data = y` can put

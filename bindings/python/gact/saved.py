@@ -951,6 +951,16 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     return through_copies(g, target)[0] is target
 
 
+#: elementwise nodes and views, through which a read kept exact is an elementwise function of its ancestors
+#: (Compressor._exact_read): arithmetic, powers, clamps, the activations whose backward reads their result
+ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackward0 SubBackward1 RsubBackward0
+    RsubBackward1 MulBackward0 MulBackward1 DivBackward0 DivBackward1 NegBackward0 PowBackward0 PowBackward1
+    PowBackward2 ClampBackward0 ClampBackward1 ClampMinBackward0 ClampMinBackward1 ClampMaxBackward0 ClampMaxBackward1
+    AbsBackward0 SqrtBackward0 RsqrtBackward0 ReciprocalBackward0 ExpBackward0 Exp2Backward0 SigmoidBackward0
+    TanhBackward0 SoftmaxBackward0 CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1
+    UnsqueezeBackward0 WhereBackward0 MaskedFillBackward0 MaskedFillBackward1""".split())
+
+
 #: nodes that only move, copy or cast a tensor's elements (a window partition: roll, view, permute, reshape's copy)
 _REARRANGING = VIEW_NODES | {"CloneBackward0", "RollBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
                              "SqueezeBackward1", "ToCopyBackward0"}
