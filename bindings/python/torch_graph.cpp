@@ -136,14 +136,20 @@ std::uintptr_t graph_node(std::uintptr_t impl) {
   return reinterpret_cast<std::uintptr_t>(tensor_at(impl).grad_fn().get());
 }
 
-/// The addresses of the tensor's grad_fn and of the nodes behind it reached through nodes named in `through`
-/// (breadth first, `depth` edges at most, `max_nodes` nodes in all): what an elementwise function of the tensor's
-/// ancestors passes (gact/compressor.py: _exact_read).
-std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, std::set<std::string> const& through, int depth,
-                                            int max_nodes) {
+/// graph_configure_ancestors's names: the elementwise nodes (gact/saved.py ELEMENTWISE_NODES).
+std::set<std::string> g_elementwise;
+
+void graph_configure_ancestors(std::set<std::string> elementwise) { g_elementwise = std::move(elementwise); }
+
+/// The addresses of the elementwise nodes (graph_configure_ancestors) that the tensor is made by: its grad_fn where
+/// elementwise, and the elementwise nodes reached from it through elementwise nodes only (breadth first, `depth`
+/// edges at most, `max_nodes` nodes in all). The tensor is an elementwise function of what those nodes read
+/// (gact/compressor.py: _exact_read).
+std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
+  std::set<std::string> const& elementwise = g_elementwise;
   std::vector<std::uintptr_t> out;
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
-  if (!start) return out;
+  if (!start || elementwise.count(start->name()) == 0) return out;
   std::set<Node*> seen{start.get()};
   std::vector<std::shared_ptr<Node>> frontier{start};
   std::vector<std::shared_ptr<Node>> next;
@@ -151,9 +157,9 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, std::set<std::s
   for (int level = 0; level < depth && !frontier.empty(); ++level) {
     next.clear();
     for (std::shared_ptr<Node> const& node : frontier) {
-      if (through.count(node->name()) == 0) continue;
       for (torch::autograd::Edge const& e : node->next_edges()) {
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
+        if (elementwise.count(e.function->name()) == 0) continue;
         if (seen.insert(e.function.get()).second) {
           out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
           next.push_back(e.function);
@@ -170,10 +176,11 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, std::set<std::s
 void register_graph(py::module_& m) {
   m.def("graph_node", &graph_node, py::arg("tensor"),
         "The address of the autograd node of the tensor at TensorImpl address `tensor` (0 without one).");
-  m.def("graph_ancestors", &graph_ancestors, py::arg("tensor"), py::arg("through"), py::arg("depth"),
-        py::arg("max_nodes"),
-        "The addresses of the tensor's grad_fn and of the nodes reached from it through nodes named in `through`, "
-        "within `depth` edges and `max_nodes` nodes.");
+  m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"),
+        "The names of the elementwise nodes graph_ancestors walks (gact/saved.py's ELEMENTWISE_NODES), once.");
+  m.def("graph_ancestors", &graph_ancestors, py::arg("tensor"), py::arg("depth"), py::arg("max_nodes"),
+        "The addresses of the elementwise nodes the tensor at TensorImpl address `tensor` is made by: its grad_fn, "
+        "and those reached from it through elementwise nodes, within `depth` edges and `max_nodes` nodes.");
   m.def("graph_configure", &graph_configure, py::arg("view_names"), py::arg("square_sums"),
         "The names of the view nodes a chain follows and of the sums of squares a reduced operand's walk does not "
         "pass (gact/saved.py's VIEW_NODES and _SQUARE_SUMS), once before any graph_reaches.");

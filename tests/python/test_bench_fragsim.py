@@ -56,6 +56,10 @@ def test_ideal_unmap_unmaps_before_mapping_a_hole_again_and_counts_it(fragsim):
     assert fragsim.replay(REMAP, lambda: a, 1) == (9 * MIB, 9 * MIB, 10 * MIB, 6 * MIB)  # pages 0-1 and 2 unmapped
     _, _, res = _peaks(fragsim, REMAP, "expandable1")
     assert res == 12 * MIB  # nothing unmapped: pages 0-5
+    # d of 6 MiB instead: it needs page 2 (b's, free) too, which stays mapped for it: only pages 0-1 were unmapped
+    ops = [op if op[1] != 4 else ("a", 4, 6 * MIB) for op in REMAP]
+    a = fragsim.DESIGNS["ideal-unmap"](2 * MIB)
+    assert fragsim.replay(ops, lambda: a, 1)[3] == 4 * MIB
 
 
 def test_mapped_first_takes_mapped_room_over_a_tighter_unmapped_block(fragsim):

@@ -2641,8 +2641,8 @@ def _window_attention(x, qkv, window, shift, nchw=False):
     ``nchw``: padded as (B, C, H, W) and then permuted to (B, H, W, C), as convolutional code pads."""
     b, h, w, c = x.shape
     pad_b, pad_r = (window - h % window) % window, (window - w % window) % window
-    if nchw:
-        x = F.pad(x.permute(0, 3, 1, 2), (0, pad_r, 0, pad_b)).permute(0, 2, 3, 1)
+    if nchw:  # (a pad of W alone, where H needs none, as such code writes it)
+        x = F.pad(x.permute(0, 3, 1, 2), (0, pad_r) if pad_b == 0 else (0, pad_r, 0, pad_b)).permute(0, 2, 3, 1)
     else:
         x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
     if shift:
@@ -2656,8 +2656,8 @@ def _window_attention(x, qkv, window, shift, nchw=False):
     return attn.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("shift,nchw", [(0, False), (2, False), (2, True)])
-def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift, nchw):
+@pytest.mark.parametrize("shift,nchw,tall", [(0, False, False), (2, False, False), (2, True, False), (0, True, True)])
+def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift, nchw, tall):
     """Swin v2 pads its map with zeros to whole windows and normalizes its keys, which have no bias: a padded row's key
     is zero, and F.normalize gives it the gradient g/eps (1e12 g), which the qkv layer's weight gradient multiplies
     with the padded input row, zero in fp32. Stored as values, those zeros took the rounding noise of the rows they
@@ -2669,7 +2669,8 @@ def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift,
     model = nn.ModuleDict({"embed": nn.Linear(24, 24), "qkv": nn.Linear(24, 72)})
 
     def error(size):
-        x = torch.randn(2, size, size, 24, generator=torch.Generator().manual_seed(1))
+        # (tall: 16 rows, only the width padded)
+        x = torch.randn(2, 16 if tall else size, size, 24, generator=torch.Generator().manual_seed(1))
 
         def loss_of(m):
             return _window_attention(m["embed"](x), m["qkv"], 8, shift, nchw).square().mean()
@@ -2689,28 +2690,26 @@ _Y = torch.randint(0, 24, (64,), generator=torch.Generator().manual_seed(6))
 _NOISE = torch.randn(64, 24, generator=torch.Generator().manual_seed(7))
 #: losses whose gradient divides by a saturating activation's result (or an elementwise function of it): 1/p
 _DIVIDED_RESULTS = {
-    "bce": (lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20), _TB), True),
-    "bce_clamped": (lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20).clamp(1e-7, 1 - 1e-7), _TB), False),
-    "bce_by_hand": (lambda o: -(_TB * torch.log(torch.sigmoid(o * 20) + 1e-8)
-                                + (1 - _TB) * torch.log(1 - torch.sigmoid(o * 20) + 1e-8)).mean(), False),
-    "softmax_log_eps": (lambda o: F.nll_loss(torch.log(torch.softmax(o * 10, -1) + 1e-8), _Y), False),
-    "softmax_clamp_log": (lambda o: F.nll_loss(torch.softmax(o * 10, -1).clamp(min=1e-8).log(), _Y), False),
-    "softmax_by_hand": (lambda o: F.nll_loss(torch.log((lambda e: e / e.sum(-1, keepdim=True))(
-        torch.exp(o * 10 - (o * 10).amax(-1, keepdim=True).detach())) + 1e-8), _Y), False),
-    "tanh_squash": (lambda o: (lambda a: (-0.2 * torch.log(1 - a.pow(2) + 1e-6).sum(-1) - a.sum(-1)).mean())(
-        torch.tanh(o * 10 + 0.5 * _NOISE)), True),
+    "bce": lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20), _TB),
+    "bce_clamped": lambda o: F.binary_cross_entropy(torch.sigmoid(o * 20).clamp(1e-7, 1 - 1e-7), _TB),
+    "bce_by_hand": lambda o: -(_TB * torch.log(torch.sigmoid(o * 20) + 1e-8)
+                               + (1 - _TB) * torch.log(1 - torch.sigmoid(o * 20) + 1e-8)).mean(),
+    "softmax_log_eps": lambda o: F.nll_loss(torch.log(torch.softmax(o * 10, -1) + 1e-8), _Y),
+    "softmax_clamp_log": lambda o: F.nll_loss(torch.softmax(o * 10, -1).clamp(min=1e-8).log(), _Y),
+    "softmax_by_hand": lambda o: F.nll_loss(torch.log((lambda e: e / e.sum(-1, keepdim=True))(
+        torch.exp(o * 10 - (o * 10).amax(-1, keepdim=True).detach())) + 1e-8), _Y),
+    "tanh_squash": lambda o: (lambda a: (-0.2 * torch.log(1 - a.pow(2) + 1e-6).sum(-1) - a.sum(-1)).mean())(
+        torch.tanh(o * 10 + 0.5 * _NOISE)),
 }
-
-
 @pytest.mark.parametrize("name", list(_DIVIDED_RESULTS))
 def test_a_saturated_result_a_later_read_divides_by_is_read_exact(name):
     """A loss that divides by a saturating activation's result or takes its log (BCE on a sigmoid, log(softmax + eps),
     SAC's log(1 - tanh(u)² + eps)) keeps that read exact, and its gradient 1/p multiplies the activation's own read of
     p (p̂(1 − p̂), p̂, 1 − â²), whose rounding it amplified without bound: a saturated sigmoid's 1.0 decoded as
     0.99999994 under BCE's 1/max(p(1 − p), 1e-12) gave 784x the gradient's norm at 8 bits, log(softmax + eps) 0.9, SAC's
-    squash 2.8. Those reads are served exact: at once where the tensor is still held (BCE's input is the sigmoid's
-    result; the squashed action is the program's), from the next step where it is gone (log(p + eps) freed p)."""
-    loss_of, at_once = _DIVIDED_RESULTS[name]
+    squash 2.8. Those reads are served exact, in the first step too: where the program no longer holds the tensor
+    (log(p + eps) frees p once the sum is made) gact holds a saturating activation's result for a few stores."""
+    loss_of = _DIVIDED_RESULTS[name]
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 24))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
@@ -2728,9 +2727,143 @@ def test_a_saturated_result_a_later_read_divides_by_is_read_exact(name):
     comp = gact.Compressor(net, bits=8, seed=1)
     errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
     comp.close()
+    assert max(errs) < 0.05, errs
+
+
+_YV = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
+
+
+def _mixture_by_hand(pl, mu, ls):
+    sig = ls.clamp(-4, 3).exp()
+    dens = torch.exp(-0.5 * ((_YV[:, :128] - mu) / sig) ** 2) / sig / math.sqrt(2 * math.pi)
+    return -torch.log((torch.softmax(pl, -1) * dens).sum(-1) + 1e-10).mean()
+
+
+#: losses whose gradient is divided by an elementwise function of stored reads that no tensor alive holds as stored
+#: (an activation stored as its derivative, a sum of products, the square of a difference over its own variance); h is
+#: a layer's output of 64 x 512
+_DIVIDED_LATER = {
+    "softplus_scale": lambda h: (lambda mu, sc: ((_YV - mu) ** 2 / sc + sc.log()).mean())(
+        h[:, :256] * 10, F.softplus(h[:, 256:] * 10) + 1e-4),
+    "log_one_plus_elu": lambda h: -torch.log(1 + F.elu(h * 10) + 1e-8).mean(),
+    "mixture_by_hand": lambda h: _mixture_by_hand(h[:, :128] * 3, h[:, 128:256] * 3, h[:, 256:384] * 3),
+    "gaussian_nll": lambda h: (lambda mu, lv: (0.5 * (((mu + (0.5 * lv).exp() * _YV).detach() + 0.1 - mu) ** 2
+                                                     / lv.exp() + lv)).mean())(h[:, :256] * 3, (h[:, 256:] * 3).clamp(-10, 4)),
+    "normal_log_prob": lambda h: (lambda d: -d.log_prob(d.loc + d.scale * _YV).mean())(
+        torch.distributions.Normal(h[:, :256] * 3, (h[:, 256:] * 3).clamp(-5, 2).exp())),
+}
+
+
+@pytest.mark.parametrize("name", list(_DIVIDED_LATER))
+def test_reads_a_division_amplifies_are_exact_from_the_next_step(name):
+    """The same class of loss where what was stored is no longer there when the dividing call runs: softplus's stored
+    derivative under log(softplus(s) + eps) or x / (softplus(s) + eps), log(1 + elu(h)), a mixture density written
+    without logsumexp (log of a sum of products of exp, softmax and a division), and a dividend over a divisor of its
+    own per element (a Gaussian NLL's (y - mu)² / var, Normal.log_prob's). At 8 bits these gave 0.4 to 9x the
+    gradient's norm at every step; the saves that the division amplifies are kept exact from the next step (the first
+    carries the rounding: README, Known limits)."""
+    loss_of = _DIVIDED_LATER[name]
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 512)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+
+    def grad(comp):
+        lin.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = loss_of(lin(x))
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        return torch.cat([p.grad.reshape(-1) for p in lin.parameters()])
+
+    ref = grad(None)
+    comp = gact.Compressor(lin, bits=8, seed=1)
+    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
+    comp.close()
     assert max(errs[1:]) < 0.05, errs
-    if at_once:
-        assert errs[0] < 0.05, errs
+
+
+def test_a_gradient_penalty_keeps_its_activations_stored():
+    """A backward with create_graph=True keeps what it saves exact, and those saves read the forward's stored
+    activations: they are no call that divides, so the forward's saves stay stored at the next steps (a first version
+    of the exact reads above kept every one of them exact from step 1: 9x the bytes)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    x = torch.randn(128, 64, requires_grad=True)
+    comp = gact.Compressor(m, bits=4, seed=1)
+    encoded = []  # (bytes encoded, bytes kept exact) so far
+    for _ in range(3):
+        with comp:
+            out = m(x)
+            g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = out.mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+            loss.backward()
+        comp.step()
+        st = comp.stats()["store"]
+        encoded.append((st["bytes_encoded"], st["skipped"]["exact"]["bytes"]))
+    comp.close()
+    per_step = [encoded[0]] + [(b[0] - a[0], b[1] - a[1]) for a, b in zip(encoded, encoded[1:])]
+    assert per_step[0][0] > 0 and per_step[1] == per_step[0] and per_step[2] == per_step[0], per_step
+
+
+def test_an_alias_at_the_exact_read_checks_the_storage():
+    """A stored save served from its tensor at the exact read: that tensor must still use the storage it was saved from
+    (``a.data = other`` then ``a.data = b`` can put b at the freed address with the same version; torch's own saves
+    keep the old storage), as unpack checks. Served from b, the weight's gradient was 12.6 % off."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(32, 64), nn.Linear(64, 64)
+    params = [*lin1.parameters(), *lin2.parameters()]
+    x = torch.randn(64, 32)
+
+    def grad(comp, swap):
+        for p in params:
+            p.grad = None
+        with comp if comp is not None else contextlib.nullcontext():
+            a = torch.sigmoid(lin1(x))  # (stored for the sigmoid and for lin2)
+            out = lin2(a)
+            if swap:
+                a.data = torch.zeros(1)  # (the old storage freed: only `a` held it)
+                a.data = torch.full((64, 64), 0.5)  # (likely at the old address)
+            loss = out.square().mean() + torch.log(a + 1).sum() * 0  # (log's exact input walks back to a's saves)
+        loss.backward()
+        return lin1.weight.grad.clone()
+
+    ref = grad(None, False)
+    comp = gact.Compressor(None, bits=8, seed=1, min_bytes=0)
+    got = grad(comp, True)
+    comp.close()
+    assert (got - ref).norm() < 0.01 * ref.norm(), float((got - ref).norm() / ref.norm())
+
+
+def test_a_result_divided_by_after_its_hold_is_read_exact_from_the_next_step():
+    """Where the read that divides comes later than gact holds the result (more stores in between: here a branch of
+    six layers), the first step's gradient carries the rounding; the saves of that key are exact from the next."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 24))
+    side = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
+    params = [*net.parameters(), *side.parameters()]
+
+    def loss_of():
+        p_eps = torch.softmax(net(x) * 10, -1) + 1e-8  # (the softmax's result itself is freed here)
+        other = side(x).square().mean()
+        return F.nll_loss(torch.log(p_eps), _Y) + other
+
+    def grad(comp):
+        for q in params:
+            q.grad = None
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = loss_of()
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        return torch.cat([q.grad.reshape(-1) for q in params])
+
+    ref = grad(None)
+    comp = gact.Compressor(None, bits=8, seed=1)
+    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
+    comp.close()
+    assert errs[0] > 0.1 and max(errs[1:]) < 0.05, errs  # (the first: the case this test is about)
 
 
 class _PeakedAttention(nn.Module):

@@ -165,8 +165,9 @@ class Expandable:
                 top = r.blocks[-1][0] + r.blocks[-1][1] if r.blocks else r.base
                 r.blocks.append([top, n, True])
                 i = len(r.blocks) - 1
-        if self.unmap and not set(self.pages(r.blocks[i][0], n)) <= mapped:
-            live = set()
+        needed = set(self.pages(r.blocks[i][0], n))
+        if self.unmap and not needed <= mapped:
+            live = needed  # (the block's own pages stay: it is about to use them)
             for b in r.blocks:
                 if not b[2]:
                     live.update(self.pages(b[0], b[1]))

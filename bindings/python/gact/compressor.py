@@ -708,8 +708,10 @@ class Compressor:
         # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
         # a later call that reads one for its own gradient gets a blob of its own
         self._results: dict[tuple, Any] = {}
-        # this step's stored saves by the autograd node of the tensor saved (id: [weak _Packed]), for _exact_read
+        # this step's stored saves by the autograd node of the tensor saved (address: [weak _Packed]), for _exact_read
         self._by_node: dict[int, list] = {}
+        # the last stored results of SATURATING_NODES, held for HOLD_STORES more stores (_hold)
+        self._holds: list = []
         # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
         self._qk_exact: set[str] = set()
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
@@ -922,7 +924,7 @@ class Compressor:
             before = getattr(local, "tracker", None)
             modes = _mode_depth()
             try:
-                tracker = _saved.OpTracker(self._flush, self._on_alias)
+                tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
                 tracker.substitutes = self._substitutes()
                 tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
                 entered = tracker
@@ -981,6 +983,7 @@ class Compressor:
             local.nested.pop().__exit__(*exc)
         if depth == 1:
             self._stack().clear()
+            self._holds = []
             if self._deferred:
                 self._resolve_deferred()
             hooks, tracker, before = local.ctx
@@ -1012,6 +1015,7 @@ class Compressor:
         self._input_ptrs = set()
         self._results = {}
         self._by_node = {}
+        self._holds = []
         self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
@@ -1245,7 +1249,7 @@ class Compressor:
             # saves after it must not move with it
             if t.dtype in _KEYED_DTYPES:
                 self._next_key(s)
-            if self._by_node and t.grad_fn is not None:  # (empty without _gact_torch's graph calls)
+            if self._by_node and _saved.divides_by(t, frame):  # (empty without _gact_torch's graph calls)
                 self._exact_read(t)
             return self._keep(t, "exact")
         dtype = t.dtype
@@ -1303,37 +1307,82 @@ class Compressor:
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
 
-    def _exact_read(self, t: torch.Tensor) -> None:
-        """``t`` is kept exact for a reader that divides by it or takes its log (log's input, binary_cross_entropy's, a
-        denominator): the stored saves of what ``t`` is an elementwise function of, up to EXACT_READ_DEPTH nodes back,
-        are served from their exact tensors from now on, and their blobs released. The reader's gradient is 1/t; theirs
-        multiplies it with their own read (a sigmoid's p̂(1 − p̂), softmax's p̂, tanh's 1 − â² and the power's 2â
-        under log(1 − a² + eps)), whose rounding that division amplifies without bound where t is small: a
-        saturated sigmoid under BCE decoded 1.0 as 0.99999994, and BCE's 1/max(p(1 − p), 1e-12) made the gradient
-        784x its norm at 8 bits. Where ``t`` is such a tensor itself (BCE's input is the sigmoid's result), the exact
-        memory is held anyway; otherwise, where the tensor is still alive (the program's), it is kept. Where it is gone
-        (softmax's result under log(p + eps) was freed once the sum was made), its blob serves this step; from the next
-        step on, a save of its key is kept exact (one step's error, while the pattern is learned: at initialization,
-        where outputs are rarely saturated)."""
+    def _list_stored(self, p: _Packed, t: torch.Tensor | None) -> None:
+        """List the stored ``p`` in its call's frame, for _on_result; ``t``: the tensor whose values it stores (None:
+        it stores something else, an activation's derivative, a log-probability's exp), which a saturating
+        activation's result is held for a while (_hold)."""
+        tracker = getattr(self._local, "tracker", None)
+        frame = tracker.stack[-1] if tracker is not None and tracker.stack else None
+        if frame is None:
+            return
+        if frame.stored is None:
+            frame.stored = []
+        frame.stored.append((weakref.ref(p), t is not None))
+        if t is not None:
+            self._hold(t)
+
+    def _on_result(self, frame: Any, out: Any) -> None:
+        """A call that stored saves returned ``out``: its saves are listed under the autograd node that made them
+        (out's grad_fn), which _exact_read finds by walking back from a read kept exact."""
+        stored, frame.stored = frame.stored, None
         by_node = self._by_node
-        for node in _graph_ancestors(t._cdata, _saved.ELEMENTWISE_NODES, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES):
-            for r in by_node.get(node, ()):
+        if len(by_node) >= _saved.RESULTS_MAX:  # (a program that never ends a step: the record starts again)
+            by_node.clear()
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if type(o) is torch.Tensor and o.grad_fn is not None:
+                by_node.setdefault(_graph_node(o._cdata), []).extend(stored)
+                return  # (a call's outputs share its node)
+
+    def _exact_read(self, t: torch.Tensor) -> None:
+        """``t`` is kept exact for a call that divides by it or takes its log (saved.divides_by: log's input,
+        binary_cross_entropy's, a divisor): the saves made by the elementwise calls (and sums) ``t`` was computed
+        through, up to EXACT_READ_DEPTH nodes back (saved.ELEMENTWISE_NODES), are served exact. The call's gradient
+        is 1/t, and theirs multiplies it with their own reads (a sigmoid's p̂(1 − p̂), softmax's p̂, tanh's 1 − â² and
+        the power's 2â under log(1 − a² + eps), softplus's stored derivative under log(softplus(s) + eps), a product's
+        factors under log(sum(p * q))), whose rounding that division amplifies without bound where t is small: a
+        saturated sigmoid under BCE decoded 1.0 as 0.99999994, and BCE's 1/max(p(1 − p), 1e-12) made the gradient
+        784x its norm at 8 bits. A save whose tensor is still there (BCE's input is the sigmoid's result; a
+        saturating activation's result is held for a few stores, _hold) is served from it at once, and its blob
+        released; the key of every such save is kept exact from the next step on (where the tensor was gone, or
+        what was stored is a derivative: that step's gradient carries the rounding)."""
+        by_node = self._by_node
+        for node in _graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES):
+            for r, values in by_node.get(node, ()):
                 q = r()
-                if q is None or not q.handle or q.alias is not None or q.ref is None:
+                if q is None or not q.handle or q.alias is not None:
                     continue
                 if len(self._divided_exact) < self.QK_MEASURED_MAX:
                     self._divided_exact.add(q.key)
-                src = q.ref()
+                # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can
+                # put another storage at its address, as _Packed.unpack checks)
+                src = q.ref() if values and q.ref is not None else None
                 if src is None or src._version != q.version or src.data_ptr() != q.ptr or \
-                        _graph_node(src._cdata) != node:
+                        (q.sref is not None and not q.sref.same(src._cdata)):
                     continue
                 q.alias = src.detach()
                 _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
                 q.release()
 
     #: how far back _exact_read looks: elementwise nodes, and nodes in all
-    EXACT_READ_DEPTH = 4
-    EXACT_READ_NODES = 16
+    EXACT_READ_DEPTH = 8
+    EXACT_READ_NODES = 32
+    #: how many more stores a saturating activation's result is held for (_hold)
+    HOLD_STORES = 4
+    SATURATING_NODES = frozenset({"SigmoidBackward0", "SoftmaxBackward0", "TanhBackward0", "ExpBackward0"})
+
+    def _hold(self, t: torch.Tensor) -> None:
+        """Hold a stored tensor that a saturating activation made (sigmoid, softmax, tanh, exp) for the next
+        HOLD_STORES stores, and let go of the ones held that long: a loss right after it that divides by an
+        elementwise function of it (log(softmax(z) + eps), which frees the softmax's result once the sum is made)
+        finds it still there (_exact_read), in the step it first runs, not only from the next. What plain torch
+        holds anyway (the activation saved its result); let go at the forward's end (the first unpack, the end of
+        the `with` block, step())."""
+        holds = self._holds
+        if holds:  # (each entry counts the stores it has left: HOLD_STORES entries at most)
+            holds[:] = [(k - 1, x) for k, x in holds if k > 1]
+        g = t.grad_fn
+        if g is not None and type(g).__name__ in self.SATURATING_NODES:
+            holds.append((self.HOLD_STORES, t))
 
     def _measure_qk(self, t: torch.Tensor, key: str, role: int, frame: Any) -> None:
         """Record an attention call's q or k (``role`` 1, 2, or 3 for both) for saved.attention_sigma: once the call
@@ -1515,11 +1564,8 @@ class Compressor:
             except TypeError:
                 _C.store_forget(h)
             else:
-                if keep is None and _graph_node is not None and t.grad_fn is not None:
-                    by_node = self._by_node
-                    if len(by_node) >= _saved.RESULTS_MAX:  # (a program that never ends a step: the record starts again)
-                        by_node.clear()
-                    by_node.setdefault(_graph_node(t._cdata), []).append(weakref.ref(p))
+                if _graph_node is not None:
+                    self._list_stored(p, t if keep is None else None)
                 b = t._base
                 if b is not None and keep is None and _storage_ref is not None:
                     # (the base's storage itself, held weakly, not its address: `b.data = x` then `b.data = y` can put
@@ -1873,6 +1919,8 @@ class Compressor:
         self._step_open = False
 
     def _unpack(self, obj: Any) -> Any:
+        if self._holds:
+            self._holds = []  # (a backward: the forward's holds go)
         if self._deferred:
             self._resolve_deferred()
         unpack = getattr(type(obj), "unpack", None)
@@ -1894,7 +1942,7 @@ class Compressor:
         _compat.track_saved_hooks()
         _saved.track_function_saves()
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush, self._on_alias)
+        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
         tracker.substitutes = self._substitutes()
         tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()
@@ -1937,7 +1985,7 @@ class Compressor:
         if getattr(self, "_global_pop", None) is None or getattr(self._local, "tracker", None) is not None:
             return
         pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush, self._on_alias)
+        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
         tracker.substitutes = self._substitutes()
         tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()

@@ -761,8 +761,14 @@ def _divisor(t, args, kwargs, frame) -> Decision:
         return _EXACT
     a = _arg(args, kwargs, 0, "input")
     if isinstance(other, torch.Tensor) and other.requires_grad and isinstance(a, torch.Tensor) and _view_of(t, a) and \
-            _is_float(t) and _per_row(other, a):
-        return Decision(VALUES, rows=a.shape[-1])
+            _is_float(t):
+        if _per_row(other, a):
+            return Decision(VALUES, rows=a.shape[-1])
+        if other.numel() == a.numel():
+            # a divisor of its own per element (a Normal's variance in log_prob, -(x - loc)² / (2 var)): the dividend's
+            # rounding enters the divisor's gradient as δa / b², where a small b_i has a small a_i, whose group step
+            # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step)
+            return _EXACT
     return _VALUES
 
 
@@ -951,14 +957,45 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     return through_copies(g, target)[0] is target
 
 
-#: elementwise nodes and views, through which a read kept exact is an elementwise function of its ancestors
-#: (Compressor._exact_read): arithmetic, powers, clamps, the activations whose backward reads their result
+#: elementwise nodes and views (with sums over them), through which a read kept exact for a call that divides by it is
+#: a function of what they read (Compressor._exact_read): arithmetic, powers, clamps, the activations (torch's, and
+#: gact's stand-ins that store their derivative), sums
 ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackward0 SubBackward1 RsubBackward0
     RsubBackward1 MulBackward0 MulBackward1 DivBackward0 DivBackward1 NegBackward0 PowBackward0 PowBackward1
     PowBackward2 ClampBackward0 ClampBackward1 ClampMinBackward0 ClampMinBackward1 ClampMaxBackward0 ClampMaxBackward1
-    AbsBackward0 SqrtBackward0 RsqrtBackward0 ReciprocalBackward0 ExpBackward0 Exp2Backward0 SigmoidBackward0
-    TanhBackward0 SoftmaxBackward0 CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1
-    UnsqueezeBackward0 WhereBackward0 MaskedFillBackward0 MaskedFillBackward1""".split())
+    AbsBackward0 SqrtBackward0 RsqrtBackward0 ReciprocalBackward0 ExpBackward0 Exp2Backward0 Expm1Backward0
+    SigmoidBackward0 TanhBackward0 SoftmaxBackward0 SoftplusBackward0 EluBackward0 EluBackward1 CeluBackward0
+    SeluBackward0 ErfBackward0 ErfcBackward0 SiluBackward0 GeluBackward0 GeluBackward1 MishBackward0
+    HardtanhBackward0 HardsigmoidBackward0 HardswishBackward0 LeakyReluBackward0 LogSigmoidBackward0
+    ActivationFunctionBackward _HardsigmoidFunctionBackward SumBackward0 SumBackward1 MeanBackward0 MeanBackward1
+    CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 WhereBackward0
+    MaskedFillBackward0 MaskedFillBackward1""".split())
+
+#: calls whose backward divides by a saved operand, or by a function of it that vanishes where it does (log, a
+#: denominator, a square root, BCE's p(1 - p)): the operand they keep exact is where _exact_read starts
+DIVIDING_CALLS = frozenset("""log log_ log2 log2_ log10 log10_ log1p log1p_ xlogy xlogy_ special_xlogy reciprocal
+    reciprocal_ rsqrt rsqrt_ sqrt sqrt_ pow pow_ __pow__ __ipow__ float_power binary_cross_entropy poisson_nll_loss logit
+    logit_ atanh atanh_ arctanh div div_ __truediv__ __itruediv__ __rtruediv__ true_divide divide""".split())
+
+
+def divides_by(t: torch.Tensor, frame: Frame | None) -> bool:
+    """Whether the call saving ``t`` (kept exact) divides by it or takes its log (DIVIDING_CALLS), or divides it by a
+    divisor of its own per element (a variance): the gradient that flows back through ``t`` is then divided by it, or
+    by that divisor (``__rtruediv__``'s argument 0 is its divisor)."""
+    if frame is None:
+        return False
+    name = frame.name
+    if name not in DIVIDING_CALLS:
+        return False
+    if name in _DIVISIONS:  # (only the divisor, argument 1, is divided by)
+        b = _arg(frame.args, frame.kwargs, 1, "other")
+        if _view_of(t, b):
+            return True
+        return isinstance(b, torch.Tensor) and b.requires_grad and b.numel() == t.numel() and \
+            _view_of(t, _arg(frame.args, frame.kwargs, 0, "input"))
+    if name == "__rtruediv__":
+        return _view_of(t, _arg(frame.args, frame.kwargs, 0, "input"))
+    return True
 
 
 #: nodes that only move, copy or cast a tensor's elements (a window partition: roll, view, permute, reshape's copy)
@@ -979,9 +1016,9 @@ def _padded_rows(t: torch.Tensor) -> bool:
         name = type(g).__name__
         if name == "ConstantPadNdBackward0":
             pad = getattr(g, "_saved_pad", None)
-            if pad is None or len(pad) < 4:
+            if pad is None:
                 return False
-            return any(pad) if moved else pad[0] == 0 and pad[1] == 0 and any(pad[2:])
+            return any(pad) if moved else len(pad) >= 4 and pad[0] == 0 and pad[1] == 0 and any(pad[2:])
         if name not in _REARRANGING:
             return False
         moved = moved or name in ("PermuteBackward0", "TransposeBackward0", "TBackward0")
@@ -1127,7 +1164,8 @@ _add("grad backward", "anything the double backward reads",
      lambda *a: _EXACT)
 _add("div div_ divide divide_ true_divide true_divide_", "the divisor; the dividend for the divisor's gradient",
      "the divisor exact (d/db of a/b = -a/b^2); the dividend as values, normalized per row over a divisor of one value "
-     "per row (e / e.sum(-1, keepdim=True))", _divisor)
+     "per row (e / e.sum(-1, keepdim=True)), exact over a divisor of its size that requires grad (a variance)",
+     _divisor)
 _add("normalize", "input twice; its norm through a division",
      "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64); "
      "the norm (one value per row) exact (all exact at an order other than 2)", _normalize)
@@ -1251,7 +1289,7 @@ class Frame:
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
     __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
-                 "_wrapped", "qk")
+                 "_wrapped", "qk", "stored")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -1267,6 +1305,7 @@ class Frame:
         self._name: str | None = None
         self._wrapped: bool | None = None
         self.qk: dict | None = None  # an attention call's q and k measured so far: {role: (key, statistics)}
+        self.stored: list | None = None  # the call's stored saves, as the Compressor's _store listed them
 
     @property
     def wrapped(self) -> bool:
@@ -1322,10 +1361,13 @@ class OpTracker(TorchFunctionMode):
     knows which op saves its tensor. ``on_exit(frame)`` runs when a call with pending saves returns."""
 
     def __init__(self, on_exit: Callable[[Frame], None],
-                 on_alias: Callable[[torch.Tensor], None] | None = None) -> None:
+                 on_alias: Callable[[torch.Tensor], None] | None = None,
+                 on_result: Callable[[Frame, Any], None] | None = None) -> None:
         super().__init__()
         self.stack: list[Frame] = []
         self._on_exit = on_exit
+        # on_result(frame, result): a call that stored saves (frame.stored) returned ``result``
+        self._on_result = on_result
         # on_alias(t): `t.data` was taken, an alias whose in-place writes move no version counter of t's
         self._on_alias = on_alias
         # {function: stand-in} run in its place (the frame still names the function), or None; the policy's
@@ -1360,7 +1402,10 @@ class OpTracker(TorchFunctionMode):
                          (_compat.gact_hooks_on_top() and not self._too_small(args, frame.kwargs))) \
                         and not _compat.forward_ad_active():
                     func = sub
-            return func(*args, **frame.kwargs)
+            out = func(*args, **frame.kwargs)
+            if frame.stored and self._on_result is not None:
+                self._on_result(frame, out)
+            return out
         finally:
             try:
                 stack.pop()
@@ -2234,6 +2279,12 @@ except ImportError:
     _graph_reaches = None
 else:
     _graph_configure(set(VIEW_NODES), set(_SQUARE_SUMS))
+    try:
+        from _gact_torch import graph_configure_ancestors as _graph_configure_ancestors
+    except ImportError:
+        pass
+    else:
+        _graph_configure_ancestors(set(ELEMENTWISE_NODES))
 
 
 def _reaches_to(operands: list, targets: list = (), leaf: torch.Tensor | None = None, reduced: list | None = None,
