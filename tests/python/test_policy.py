@@ -430,6 +430,120 @@ def test_ranks_decide_alike_with_their_own_batches(tmp_path):
     assert a0["check"]["variance_auto"] == a1["check"]["variance_auto"], (a0["check"], a1["check"])
 
 
+class _SkippedOnRankZero(torch.nn.Module):
+    """A block that rank 0 skips (stochastic depth, an early exit, an expert that got no tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU())
+        self.b = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU())
+        self.o = torch.nn.Linear(256, 10)
+
+    def forward(self, x, skip):
+        h = self.a(x)
+        return self.o(h if skip else h + self.b(h))
+
+
+def _skipped_block_worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = _SkippedOnRankZero()
+    comp = gact.Compressor(m, bits="auto", budget=2)
+    out = {"error": None}
+    try:
+        for _ in range(3):
+            x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+            with comp:
+                loss = torch.nn.functional.cross_entropy(m(x, rank == 0), y)
+            loss.backward()
+            comp.step()
+        out["keys"] = sorted(comp.policy.stats()["tensors"])
+    except Exception as e:  # (said in the test's assertion)
+        out["error"] = f"{type(e).__name__}: {e}"
+    comp.close()
+    torch.save(out, f"{out_dir}/s{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
+    dist.destroy_process_group()
+
+
+def test_a_block_one_rank_skips_does_not_stop_the_others_decision(tmp_path):
+    """A key only some ranks saw: the means over the ranks held it, and a rank that never saw it raised
+    "unknown tensor key 'b.0:0' (observe it first)" at its first step() (the other rank then died on the lost
+    connection). Each rank now decides for its own tensors, with every rank's means for them."""
+    import socket
+
+    import evalkit
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    evalkit.spawn_ranks(_skipped_block_worker, (2, port, str(tmp_path)), [tmp_path / f"s{r}.pt" for r in range(2)])
+    s0, s1 = torch.load(tmp_path / "s0.pt"), torch.load(tmp_path / "s1.pt")
+    assert s0["error"] is None and s1["error"] is None, (s0, s1)
+    assert not any(k.startswith("b.") for k in s0["keys"]) and any(k.startswith("b.") for k in s1["keys"]), (s0, s1)
+
+
+class _Branches(torch.nn.Module):
+    """A model whose keyword arguments pick the computation (a branch, a scale), and that records its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU())
+        self.b = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU()) for _ in range(2))
+        self.o = torch.nn.Linear(256, 10)
+        self.calls = []
+
+    def forward(self, x, branch=0, scale=1.0):
+        self.calls.append((branch, scale))
+        return self.o(self.b[branch](self.a(x) * scale))
+
+
+@pytest.mark.skipif(not gact._compat.HAS_HOOK_KWARGS, reason="torch 1.13's forward hooks are not given kwargs")
+def test_the_probe_replays_the_forwards_keyword_arguments():
+    """`model(x, branch=1, scale=30.)`: the probe replayed `model(x)`, another computation, and estimated the tensors of a
+    branch the step never ran (those it did run: unestimated), without a word. The call's keyword arguments are
+    kept and replayed with its rows cut like the positional ones."""
+    torch.manual_seed(0)
+    m = _Branches()
+    comp = gact.Compressor(m, bits="auto", budget=2)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    with comp:
+        loss = torch.nn.functional.cross_entropy(m(x, branch=1, scale=30.0), y)
+    loss.backward()
+    comp.step()
+    comp.close()
+    assert len(m.calls) > 1 and set(m.calls) == {(1, 30.0)}, m.calls
+    tensors = comp.policy.stats()["tensors"]
+    assert tensors and all(v["C"] is not None for v in tensors.values()), tensors
+
+
+def test_a_parallel_wrapper_gives_the_compressor_its_module():
+    """`Compressor(DataParallel(m))` (DistributedDataParallel alike): the policy's probe replayed the wrapper's forward,
+    and under DDP that prepared a gradient reduction the probe never finished (the next forward raised "Expected to
+    have finished reduction in the prior iteration" on every rank). The Compressor takes the module inside, whose
+    keys then carry no "module." prefix, in the constructor and in set_model."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    wrapped = torch.nn.DataParallel(m)
+    comp = gact.Compressor(wrapped, bits="auto", budget=2)
+    assert comp.model is m
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(2):
+        with comp:
+            loss = torch.nn.functional.cross_entropy(wrapped(x), y)
+        loss.backward()
+        comp.step()
+    keys = comp.policy.stats()["tensors"]
+    comp.close()
+    assert keys and not any(k.startswith("module.") for k in keys), keys
+    later = gact.Compressor(None, bits=4)
+    later.set_model(wrapped)
+    assert later.model is m
+    later.close()
+
+
 def test_probe_runs_on_a_transformer_without_falling_back():
     """Regression: the replayed loss saves the recorded output gradient outside the model
     ("<none>:0", no grad); it must be left out of the probe, not fail it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import weakref
 from typing import Any
@@ -32,6 +33,9 @@ HAS_PLUGGABLE_ALLOCATOR = hasattr(torch.cuda, "memory") and hasattr(torch.cuda.m
 HAS_GLOBAL_MODULE_HOOKS = hasattr(torch.nn.modules.module, "register_module_forward_pre_hook") and hasattr(
     torch.nn.modules.module, "register_module_forward_hook"
 )
+#: whether a forward hook can be given the call's keyword arguments (torch 2.x's with_kwargs)
+HAS_HOOK_KWARGS = HAS_GLOBAL_MODULE_HOOKS and "with_kwargs" in inspect.signature(
+    torch.nn.modules.module.register_module_forward_hook).parameters
 
 
 def _never_compiling() -> bool:
@@ -351,6 +355,15 @@ def _wrap_saved_hooks(ag: Any, graph: Any, torch_push: Any, torch_pop: Any, torc
     graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
 
+def unwrap_parallel(model: Any) -> Any:
+    """The module inside a DistributedDataParallel or DataParallel wrapper (``model`` itself otherwise): what a
+    Compressor keys, hooks and probes. Through the wrapper, the policy's probe replayed DDP's forward, which prepares a
+    gradient reduction that the probe's double backward never finished: the next forward raised DDP's "Expected to
+    have finished reduction in the prior iteration" on every rank."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
 def weak_hook(obj: Any, func: Any, *bound: Any) -> Any:
     """A hook calling ``func(obj, *bound, *args)`` while ``obj`` lives and doing nothing after: a
     model's hooks then do not keep a Compressor (or its policy) alive."""
@@ -380,6 +393,7 @@ class _ModuleHooks:
     def __init__(self) -> None:
         self.pre: dict[int, tuple] = {}
         self.post: dict[int, tuple] = {}
+        self.post_kw: dict[int, tuple] = {}  # forward hooks given the call's keyword arguments too (HAS_HOOK_KWARGS)
         self._refs: dict[int, Any] = {}  # id -> weak reference to the module, whose callback drops its hooks
         self._handles: list = []  # what takes the two global hooks out again, while they are installed
         # the keys torch gave the two hooks when first installed, and the hook objects themselves: installed again under
@@ -392,11 +406,15 @@ class _ModuleHooks:
         # are each read whole)
         self._lock = threading.RLock()
 
-    def add(self, module: Any, fn: Any, pre: bool) -> Any:
+    def add(self, module: Any, fn: Any, pre: bool, with_kwargs: bool = False) -> Any:
+        """``fn(module, inputs)`` before ``module``'s calls (pre), or ``fn(module, inputs, output)`` after them,
+        ``fn(module, inputs, output, kwargs)`` with ``with_kwargs`` (kwargs None where torch cannot give them)."""
         if not HAS_GLOBAL_MODULE_HOOKS:  # (an old torch: the module's own hooks)
-            return module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
+            if pre:
+                return module.register_forward_pre_hook(fn)
+            return module.register_forward_hook((lambda m, i, o: fn(m, i, o, None)) if with_kwargs else fn)
         key = id(module)
-        table = self.pre if pre else self.post
+        table = self.pre if pre else self.post_kw if with_kwargs else self.post
         with self._lock:
             if key not in self._refs:
                 self._refs[key] = weakref.ref(module, lambda _r, key=key: self._drop(key))
@@ -409,13 +427,19 @@ class _ModuleHooks:
         from torch.nn.modules import module as _m
         dicts = (getattr(_m, "_global_forward_pre_hooks", None), getattr(_m, "_global_forward_hooks", None))
         keys = self._keys
+        kw = getattr(_m, "_global_forward_hooks_with_kwargs", None) if HAS_HOOK_KWARGS else None
         if keys is not None and all(isinstance(d, dict) for d in dicts) and keys[0] not in dicts[0] and \
-                keys[1] not in dicts[1]:
+                keys[1] not in dicts[1] and (not HAS_HOOK_KWARGS or isinstance(kw, dict)):
             for d, k, fn in zip(dicts, keys, self._fns):
                 d[k] = fn
             self._handles = [functools.partial(d.pop, k, None) for d, k in zip(dicts, keys)]
+            if kw is not None:
+                kw[keys[1]] = True
+                self._handles.append(functools.partial(kw.pop, keys[1], None))
             return
-        handles = [_m.register_module_forward_pre_hook(self._fns[0]), _m.register_module_forward_hook(self._fns[1])]
+        post = _m.register_module_forward_hook(self._fns[1], with_kwargs=True) if HAS_HOOK_KWARGS else \
+            _m.register_module_forward_hook(self._fns[1])
+        handles = [_m.register_module_forward_pre_hook(self._fns[0]), post]
         self._keys = tuple(h.id for h in handles)
         self._handles = [h.remove for h in handles]
 
@@ -432,7 +456,7 @@ class _ModuleHooks:
                 table[key] = fns
             else:
                 del table[key]
-                if key not in self.pre and key not in self.post:
+                if key not in self.pre and key not in self.post and key not in self.post_kw:
                     self._refs.pop(key, None)
             self._uninstall_if_empty()
 
@@ -440,11 +464,12 @@ class _ModuleHooks:
         with self._lock:
             self.pre.pop(key, None)
             self.post.pop(key, None)
+            self.post_kw.pop(key, None)
             self._refs.pop(key, None)
             self._uninstall_if_empty()
 
     def _uninstall_if_empty(self) -> None:
-        if not self.pre and not self.post and self._handles:
+        if not self.pre and not self.post and not self.post_kw and self._handles:
             handles, self._handles = self._handles, []
             for remove in handles:
                 remove()
@@ -455,11 +480,16 @@ class _ModuleHooks:
             for fn in fns:
                 fn(module, inputs)
 
-    def _run_post(self, module: Any, inputs: Any, output: Any) -> None:
+    def _run_post(self, module: Any, inputs: Any, *rest: Any) -> None:
+        kwargs, output = rest if len(rest) == 2 else (None, rest[0])  # (installed with_kwargs: kwargs first)
         fns = self.post.get(id(module))
         if fns is not None:
             for fn in fns:
                 fn(module, inputs, output)
+        fns = self.post_kw.get(id(module))
+        if fns is not None:
+            for fn in fns:
+                fn(module, inputs, output, kwargs)
 
 
 class _HookHandle:
@@ -524,10 +554,11 @@ def register_forward_pre_hook(module: Any, fn: Any) -> _HookHandle:
     return _MODULE_HOOKS.add(module, fn, True)
 
 
-def register_forward_hook(module: Any, fn: Any) -> _HookHandle:
+def register_forward_hook(module: Any, fn: Any, with_kwargs: bool = False) -> _HookHandle:
     """``module.register_forward_hook(fn)`` without touching the module (see _ModuleHooks); fn's return
-    value is ignored."""
-    return _MODULE_HOOKS.add(module, fn, False)
+    value is ignored. ``with_kwargs``: fn(module, inputs, output, kwargs), kwargs the call's keyword arguments (None
+    where this torch cannot give them: 1.13)."""
+    return _MODULE_HOOKS.add(module, fn, False, with_kwargs)
 
 
 def remove_handles(handles: list) -> None:

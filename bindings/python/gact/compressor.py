@@ -593,7 +593,7 @@ class Compressor:
         opts = _options()
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"gact.Compressor: model must be a torch.nn.Module or None, not {type(model).__name__}")
-        self.model = model
+        model = self.model = _compat.unwrap_parallel(model)  # (DistributedDataParallel's, DataParallel's module)
 
         if bits is None:
             bits = opts["bits"]
@@ -803,7 +803,7 @@ class Compressor:
         if self.model is not None:
             raise ValueError(f"gact.Compressor.set_model: this Compressor has a model already "
                              f"({type(self.model).__name__}); make another Compressor for another model")
-        self.model = model
+        model = self.model = _compat.unwrap_parallel(model)
         self._install_module_hooks(model)
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
         self._divided_exact.clear()

@@ -270,7 +270,7 @@ class AutoPolicy:
                 self._hooks.append(_compat.register_forward_hook(m, hook))
         if estimator in ("probe", "reference") and compressor.model is not None:
             hook = _compat.weak_hook(self, AutoPolicy._capture_replay)
-            self._hooks.append(_compat.register_forward_hook(compressor.model, hook))
+            self._hooks.append(_compat.register_forward_hook(compressor.model, hook, with_kwargs=True))
             for m in compressor.model.modules():
                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
                     self._hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, AutoPolicy._norm_hook)))
@@ -366,7 +366,13 @@ class AutoPolicy:
             est = self._probe_or_fallback()
         else:
             est = self._reference_estimates()
-        est = self._finite(_allreduce_mean(est))
+        gathered = _allreduce_mean(est)
+        if gathered is not est:
+            # (keys another rank saw and this one did not, a block that stochastic depth skipped here, an expert that got
+            # no tokens: this rank's decision covers its own tensors, with every rank's mean for them)
+            known = self.controller.stats()["tensors"]
+            gathered = {k: v for k, v in gathered.items() if k in known}
+        est = self._finite(gathered)
         for k in sorted(est):
             if isinstance(est[k], (list, tuple)):  # the probe: the variance at 1, 2, 4, 8 bits
                 self.controller.add_estimate_widths(k, list(est[k]))
@@ -771,9 +777,10 @@ class AutoPolicy:
         self._probe_disabled = True
         return self._online_estimates()
 
-    def _capture_replay(self, _model: torch.nn.Module, args: tuple, output: Any) -> None:
-        """The sampled step's first forward call: its first probe_samples samples of every input
-        and, in backward, of every output's gradient; the probe's default closure replays them."""
+    def _capture_replay(self, _model: torch.nn.Module, args: tuple, output: Any, kwargs: dict | None = None) -> None:
+        """The sampled step's first forward call: its first probe_samples samples of every input, positional and
+        keyword (``kwargs``; None on torch 1.13, whose hooks are not given them: README), and, in backward, of every
+        output's gradient; the probe's default closure replays them."""
         if not self._sampling or self._replay is not None or self._comp._depth == 0:
             return
         if self._override is not None or self._comp._probe is not None:
@@ -783,14 +790,15 @@ class AutoPolicy:
             # the probe cannot replay a compiled model without recompiling it for every pass)
             self._compiled = True
             return
-        tensors = [a for a in _compat.flatten(args) if isinstance(a, torch.Tensor) and a.dim() >= 1]
+        call = (tuple(args), dict(kwargs or {}))  # (replayed as model(*call[0], **call[1]))
+        tensors = [a for a in _compat.flatten(call) if isinstance(a, torch.Tensor) and a.dim() >= 1]
         outs = [o for o in _compat.flatten(output) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not tensors or not outs:
             return
         n = tensors[0].shape[0]
         # every output has the batch's rows; and no input is a structure whose tensors' rows are not the batch's
         # alone (a PackedSequence's data and its batch sizes: replayed whole)
-        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs) and not _has_packed_sequence(args)
+        rows = not any(o.dim() == 0 or o.shape[0] != n for o in outs) and not _has_packed_sequence(call)
         k = min(n, self.probe_samples) if rows else n
         sliced: set[int] = set()  # id() of the kept tensors that are rows of the batch (cut again per pass)
 
@@ -800,7 +808,7 @@ class AutoPolicy:
                 sliced.add(id(c))
             return c
 
-        rec = {"args": _map_tensors(args, cut), "n": n, "k": k, "rows": rows, "sliced": sliced,
+        rec = {"args": _map_tensors(call, cut), "n": n, "k": k, "rows": rows, "sliced": sliced,
                "grads": [None] * len(outs), "count": len(outs)}
         for i, o in enumerate(outs):
             def grad_hook(g: torch.Tensor | None, i: int = i) -> None:
@@ -828,7 +836,8 @@ class AutoPolicy:
         def replay() -> torch.Tensor:
             # Σ out·δ has the sampled step's output gradient δ as its own: the parameter gradients
             # are the step's, on its kept samples (noise in a saved tensor does not change δ).
-            outs = [o for o in _compat.flatten(model(*args)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            outs = [o for o in _compat.flatten(model(*args[0], **args[1])) if isinstance(o, torch.Tensor) and
+                    o.requires_grad]
             if len(outs) != rec["count"]:
                 raise RuntimeError("the replayed forward returned other outputs than the sampled step")
             return sum((o[: hi - lo] * g).sum() if o.dim() >= 1 else (o * g).sum()
@@ -899,10 +908,11 @@ class AutoPolicy:
                 for m, _ in modes:
                     m.training = False
                 with torch.no_grad(), _frozen_state(model):
-                    full = [o for o in _compat.flatten(model(*rec["args"])) if isinstance(o, torch.Tensor)]
+                    a, kw = rec["args"]
+                    full = [o for o in _compat.flatten(model(*a, **kw)) if isinstance(o, torch.Tensor)]
                     for lo in (0, k - 1):
-                        one = _kept_rows(rec, lo, lo + 1)
-                        alone = [o for o in _compat.flatten(model(*one)) if isinstance(o, torch.Tensor)]
+                        a, kw = _kept_rows(rec, lo, lo + 1)
+                        alone = [o for o in _compat.flatten(model(*a, **kw)) if isinstance(o, torch.Tensor)]
                         ok = ok and len(full) == len(alone) and all(
                             a.dim() >= 1 and a.shape[0] == k and a[lo:lo + 1].shape == b.shape
                             and torch.allclose(a[lo:lo + 1].float(), b.float(), rtol=1e-3,
@@ -1398,7 +1408,8 @@ def _has_packed_sequence(obj: Any) -> bool:
 
 
 def _kept_rows(rec: dict, lo: int, hi: int) -> Any:
-    """The replay's arguments with rows ``lo:hi`` of each tensor kept as rows of the batch (the others whole)."""
+    """The replay's arguments, (positional, keyword), with rows ``lo:hi`` of each tensor kept as rows of the batch (the
+    others whole)."""
     return _map_tensors(rec["args"], lambda t: t[lo:hi] if id(t) in rec["sliced"] else t)
 
 

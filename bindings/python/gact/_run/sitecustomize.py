@@ -248,6 +248,7 @@ def _adopt_first_trained_module(torch, comp, note):
     import threading
 
     import _gact
+    from gact import _compat
 
     local = threading.local()
     handles = []
@@ -259,8 +260,7 @@ def _adopt_first_trained_module(torch, comp, note):
         local.depth = getattr(local, "depth", 1) - 1
         if local.depth != 0 or comp.model is not None or not torch.is_grad_enabled():
             return
-        wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-        model = m.module if isinstance(m, wrappers) else m
+        model = _compat.unwrap_parallel(m)
         if not any(p.requires_grad for p in model.parameters()):
             return
         for h in handles:
