@@ -2685,6 +2685,25 @@ def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift,
     assert whole < 0.05 and padded < max(3 * whole, 0.01), (whole, padded)
 
 
+def _errors_by_step(model, loss_of, steps=3):
+    """One Compressor at 8 bits over ``steps`` steps of ``loss_of()`` (nothing of the forward held past it): each
+    step's gradient error relative to fp32's norm."""
+    def grad(comp):
+        model.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = loss_of()
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    ref = grad(None)
+    comp = gact.Compressor(model, bits=8, seed=1)
+    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(steps)]
+    comp.close()
+    return errs
+
+
 _TB = (torch.rand(64, 24, generator=torch.Generator().manual_seed(5)) > 0.5).float()
 _Y = torch.randint(0, 24, (64,), generator=torch.Generator().manual_seed(6))
 _NOISE = torch.randn(64, 24, generator=torch.Generator().manual_seed(7))
@@ -2713,20 +2732,7 @@ def test_a_saturated_result_a_later_read_divides_by_is_read_exact(name):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 24))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
-
-    def grad(comp):
-        net.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = loss_of(net(x))  # (nothing of the forward held past it)
-        loss.backward()
-        if comp is not None:
-            comp.step()
-        return torch.cat([p.grad.reshape(-1) for p in net.parameters()])
-
-    ref = grad(None)
-    comp = gact.Compressor(net, bits=8, seed=1)
-    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
-    comp.close()
+    errs = _errors_by_step(net, lambda: loss_of(net(x)))
     assert max(errs) < 0.05, errs
 
 
@@ -2766,20 +2772,7 @@ def test_reads_a_division_amplifies_are_exact_from_the_next_step(name):
     torch.manual_seed(1)
     lin = nn.Linear(64, 512)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
-
-    def grad(comp):
-        lin.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = loss_of(lin(x))
-        loss.backward()
-        if comp is not None:
-            comp.step()
-        return torch.cat([p.grad.reshape(-1) for p in lin.parameters()])
-
-    ref = grad(None)
-    comp = gact.Compressor(lin, bits=8, seed=1)
-    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
-    comp.close()
+    errs = _errors_by_step(lin, lambda: loss_of(lin(x)))
     assert max(errs[1:]) < 0.05, errs
 
 
@@ -2842,27 +2835,13 @@ def test_a_result_divided_by_after_its_hold_is_read_exact_from_the_next_step():
     net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 24))
     side = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6)])
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
-    params = [*net.parameters(), *side.parameters()]
 
     def loss_of():
         p_eps = torch.softmax(net(x) * 10, -1) + 1e-8  # (the softmax's result itself is freed here)
         other = side(x).square().mean()
         return F.nll_loss(torch.log(p_eps), _Y) + other
 
-    def grad(comp):
-        for q in params:
-            q.grad = None
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = loss_of()
-        loss.backward()
-        if comp is not None:
-            comp.step()
-        return torch.cat([q.grad.reshape(-1) for q in params])
-
-    ref = grad(None)
-    comp = gact.Compressor(None, bits=8, seed=1)
-    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(3)]
-    comp.close()
+    errs = _errors_by_step(nn.ModuleList([net, side]), loss_of)
     assert errs[0] > 0.1 and max(errs[1:]) < 0.05, errs  # (the first: the case this test is about)
 
 

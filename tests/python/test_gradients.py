@@ -509,12 +509,7 @@ def test_with_comp_inside_a_function_given_to_grad_steps_aside():
     assert torch.equal(grad(loss)(w, x, t, True), grad(loss)(w, x, t, False))
     per_sample = vmap(grad(lambda wt, a, b, c: loss(wt, a[None], b[None], c)), in_dims=(None, 0, 0, None))
     assert torch.equal(per_sample(w, x, t, True), per_sample(w, x, t, False))
-    with comp:
-        out = m(x).square().mean()
-    out.backward()
-    comp.step()
-    assert comp.stats()["store"]["bytes_stored"] > 0
-    comp.close()
+    _assert_stores_after(comp, m, x)
 
 
 def test_with_comp_under_a_programs_own_disabled_hooks_raises_its_message():
@@ -529,6 +524,11 @@ def test_with_comp_under_a_programs_own_disabled_hooks_raises_its_message():
         with pytest.raises(RuntimeError, match="no hooks in this exporter"):
             with comp:
                 m(x)
+    _assert_stores_after(comp, m, x)
+
+
+def _assert_stores_after(comp, m, x):
+    """The Compressor, after what a test did with it, stores a plain step's activations; closed."""
     with comp:
         out = m(x).square().mean()
     out.backward()
