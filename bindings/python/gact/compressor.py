@@ -1318,8 +1318,8 @@ class Compressor:
         if frame.stored is None:
             frame.stored = []
         frame.stored.append((weakref.ref(p), t is not None))
-        if t is not None:
-            self._hold(t)
+        if self._holds or (t is not None and frame.name in self.SATURATING_CALLS):
+            self._hold(t if frame.name in self.SATURATING_CALLS else None)
 
     def _on_result(self, frame: Any, out: Any) -> None:
         """A call that stored saves returned ``out``: its saves are listed under the autograd node that made them
@@ -1368,11 +1368,13 @@ class Compressor:
     EXACT_READ_NODES = 32
     #: how many more stores a saturating activation's result is held for (_hold)
     HOLD_STORES = 4
-    SATURATING_NODES = frozenset({"SigmoidBackward0", "SoftmaxBackward0", "TanhBackward0", "ExpBackward0"})
+    #: the calls whose result a loss may divide by where it saturates (their own save of it is held)
+    SATURATING_CALLS = frozenset("sigmoid sigmoid_ expit special_expit softmax _softmax special_softmax tanh tanh_ exp "
+                                 "exp_".split())
 
-    def _hold(self, t: torch.Tensor) -> None:
-        """Hold a stored tensor that a saturating activation made (sigmoid, softmax, tanh, exp) for the next
-        HOLD_STORES stores, and let go of the ones held that long: a loss right after it that divides by an
+    def _hold(self, t: torch.Tensor | None) -> None:
+        """Hold ``t``, a tensor a saturating activation's call (SATURATING_CALLS) stored, for the next HOLD_STORES
+        stores (None: a store that only ages the holds), and let go of the ones held that long: a loss right after it that divides by an
         elementwise function of it (log(softmax(z) + eps), which frees the softmax's result once the sum is made)
         finds it still there (_exact_read), in the step it first runs, not only from the next. What plain torch
         holds anyway (the activation saved its result); let go at the forward's end (the first unpack, the end of
@@ -1380,8 +1382,7 @@ class Compressor:
         holds = self._holds
         if holds:  # (each entry counts the stores it has left: HOLD_STORES entries at most)
             holds[:] = [(k - 1, x) for k, x in holds if k > 1]
-        g = t.grad_fn
-        if g is not None and type(g).__name__ in self.SATURATING_NODES:
+        if t is not None:
             holds.append((self.HOLD_STORES, t))
 
     def _measure_qk(self, t: torch.Tensor, key: str, role: int, frame: Any) -> None:
