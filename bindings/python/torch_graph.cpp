@@ -141,12 +141,19 @@ std::set<std::string> g_elementwise;
 
 void graph_configure_ancestors(std::set<std::string> elementwise) { g_elementwise = std::move(elementwise); }
 
+/// Whether `name` is a sum or a mean (SumBackward0, MeanBackward1, ...).
+bool is_reduction(std::string const& name) {
+  return name.rfind("SumBackward", 0) == 0 || name.rfind("MeanBackward", 0) == 0;
+}
+
 /// The addresses of the elementwise nodes (graph_configure_ancestors) that the tensor is made by: its grad_fn where
 /// elementwise, and the elementwise nodes reached from it through elementwise nodes only (breadth first, `depth`
 /// edges at most, `max_nodes` nodes in all). The tensor is an elementwise function of what those nodes read
-/// (gact/compressor.py: _exact_read).
+/// (gact/compressor.py: _exact_read). A sum's or mean's square (graph_configure's square sums: a norm, a
+/// variance) is not passed: each square is a share of the sum, which its rounding cannot make small.
 std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
   std::set<std::string> const& elementwise = g_elementwise;
+  std::set<std::string> const& square_sums = g_square_sums;
   std::vector<std::uintptr_t> out;
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
   if (!start || elementwise.count(start->name()) == 0) return out;
@@ -157,9 +164,11 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
   for (int level = 0; level < depth && !frontier.empty(); ++level) {
     next.clear();
     for (std::shared_ptr<Node> const& node : frontier) {
+      bool const reduction = is_reduction(node->name());
       for (torch::autograd::Edge const& e : node->next_edges()) {
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
-        if (elementwise.count(e.function->name()) == 0) continue;
+        std::string const name = e.function->name();
+        if (elementwise.count(name) == 0 || (reduction && square_sums.count(name) != 0)) continue;
         if (seen.insert(e.function.get()).second) {
           out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
           next.push_back(e.function);

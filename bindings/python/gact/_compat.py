@@ -355,13 +355,13 @@ def _wrap_saved_hooks(ag: Any, graph: Any, torch_push: Any, torch_pop: Any, torc
     graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
 
 
-def unwrap_parallel(model: Any) -> Any:
-    """The module inside a DistributedDataParallel or DataParallel wrapper (``model`` itself otherwise): what a
-    Compressor keys, hooks and probes. Through the wrapper, the policy's probe replayed DDP's forward, which prepares a
-    gradient reduction that the probe's double backward never finished: the next forward raised DDP's "Expected to
-    have finished reduction in the prior iteration" on every rank."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+def unwrap_ddp(model: Any) -> Any:
+    """The module inside a DistributedDataParallel wrapper (``model`` itself otherwise): what a Compressor keys, hooks
+    and probes. Through the wrapper, the policy's probe replayed DDP's forward, which prepares a gradient reduction
+    that the probe's double backward never finished: the next forward raised DDP's "Expected to have finished
+    reduction in the prior iteration" on every rank. (Not DataParallel's: on several GPUs it runs replicas of its
+    module, whose hooks are not the module's; its own forward replays fine.)"""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def weak_hook(obj: Any, func: Any, *bound: Any) -> Any:
@@ -442,6 +442,8 @@ class _ModuleHooks:
         handles = [_m.register_module_forward_pre_hook(self._fns[0]), post]
         self._keys = tuple(h.id for h in handles)
         self._handles = [h.remove for h in handles]
+        if kw is not None:  # (torch's handle leaves its with_kwargs entry)
+            self._handles.append(functools.partial(kw.pop, post.id, None))
 
     def remove(self, table: dict, key: int, fn: Any) -> None:
         with self._lock:

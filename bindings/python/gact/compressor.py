@@ -593,7 +593,7 @@ class Compressor:
         opts = _options()
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"gact.Compressor: model must be a torch.nn.Module or None, not {type(model).__name__}")
-        model = self.model = _compat.unwrap_parallel(model)  # (DistributedDataParallel's, DataParallel's module)
+        model = self.model = _compat.unwrap_ddp(model)  # (DistributedDataParallel's module)
 
         if bits is None:
             bits = opts["bits"]
@@ -710,8 +710,8 @@ class Compressor:
         self._results: dict[tuple, Any] = {}
         # this step's stored saves by the autograd node of the tensor saved (address: [weak _Packed]), for _exact_read
         self._by_node: dict[int, list] = {}
-        # the last stored results of SATURATING_NODES, held for HOLD_STORES more stores (_hold)
-        self._holds: list = []
+        # per thread (by ident), the last stored results of SATURATING_CALLS, held for HOLD_STORES more stores (_hold)
+        self._holds: dict[int, list] = {}
         # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
         self._qk_exact: set[str] = set()
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
@@ -803,7 +803,7 @@ class Compressor:
         if self.model is not None:
             raise ValueError(f"gact.Compressor.set_model: this Compressor has a model already "
                              f"({type(self.model).__name__}); make another Compressor for another model")
-        model = self.model = _compat.unwrap_parallel(model)
+        model = self.model = _compat.unwrap_ddp(model)
         self._install_module_hooks(model)
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
         self._divided_exact.clear()
@@ -983,7 +983,7 @@ class Compressor:
             local.nested.pop().__exit__(*exc)
         if depth == 1:
             self._stack().clear()
-            self._holds = []
+            self._holds.pop(threading.get_ident(), None)
             if self._deferred:
                 self._resolve_deferred()
             hooks, tracker, before = local.ctx
@@ -1015,7 +1015,7 @@ class Compressor:
         self._input_ptrs = set()
         self._results = {}
         self._by_node = {}
-        self._holds = []
+        self._holds = {}
         self._live = []  # weak references to this step's _Packed (abort_step)
         _C.store_begin_step(self._step, self._owner)
         self._step_open = True
@@ -1318,8 +1318,9 @@ class Compressor:
         if frame.stored is None:
             frame.stored = []
         frame.stored.append((weakref.ref(p), t is not None))
-        if self._holds or (t is not None and frame.name in self.SATURATING_CALLS):
-            self._hold(t if frame.name in self.SATURATING_CALLS else None)
+        held = t is not None and frame.name in self.SATURATING_CALLS
+        if held or self._holds:
+            self._hold(t if held else None)
 
     def _on_result(self, frame: Any, out: Any) -> None:
         """A call that stored saves returned ``out``: its saves are listed under the autograd node that made them
@@ -1377,13 +1378,19 @@ class Compressor:
         stores (None: a store that only ages the holds), and let go of the ones held that long: a loss right after it that divides by an
         elementwise function of it (log(softmax(z) + eps), which frees the softmax's result once the sum is made)
         finds it still there (_exact_read), in the step it first runs, not only from the next. What plain torch
-        holds anyway (the activation saved its result); let go at the forward's end (the first unpack, the end of
-        the `with` block, step())."""
-        holds = self._holds
-        if holds:  # (each entry counts the stores it has left: HOLD_STORES entries at most)
-            holds[:] = [(k - 1, x) for k, x in holds if k > 1]
+        holds anyway (the activation saved its result), with the graph behind it; let go at the forward's end (the
+        first unpack, on any thread; the end of the thread's `with` block; the next step). Per thread: another
+        thread's stores (DataParallel's replicas) do not age them."""
+        tid = threading.get_ident()
+        holds = self._holds.get(tid)
+        if holds:  # (each entry counts this thread's stores it has left: HOLD_STORES entries at most)
+            holds = [(k - 1, x) for k, x in holds if k > 1]
         if t is not None:
-            holds.append((self.HOLD_STORES, t))
+            holds = (holds or []) + [(self.HOLD_STORES, t)]
+        if holds:
+            self._holds[tid] = holds
+        else:
+            self._holds.pop(tid, None)
 
     def _measure_qk(self, t: torch.Tensor, key: str, role: int, frame: Any) -> None:
         """Record an attention call's q or k (``role`` 1, 2, or 3 for both) for saved.attention_sigma: once the call
@@ -1921,7 +1928,7 @@ class Compressor:
 
     def _unpack(self, obj: Any) -> Any:
         if self._holds:
-            self._holds = []  # (a backward: the forward's holds go)
+            self._holds = {}  # (a backward: the forward's holds go, every thread's)
         if self._deferred:
             self._resolve_deferred()
         unpack = getattr(type(obj), "unpack", None)

@@ -62,8 +62,8 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     few samples can be given instead: ``comp.step(closure)`` or
     ``estimator=gact.policy.Probe(closure)``. Chosen by default, the probe falls back to
     the online estimator, with a RuntimeWarning that says why, when it cannot run (a
-    model called with keyword arguments only, an op autograd cannot differentiate
-    twice). Outputs no gradient reached (a recurrent model's last hidden state, returned
+    model given no tensor among its arguments, or under torch 1.13 called with keyword
+    arguments only, an op autograd cannot differentiate twice). Outputs no gradient reached (a recurrent model's last hidden state, returned
     beside its output and detached for the next batch) take no part in the replay. The
     estimators' extra forward passes leave batch-norm statistics as they were.
 
@@ -749,8 +749,8 @@ class AutoPolicy:
         if closure is None:
             why = ("estimator='probe' needs a closure that returns the loss of one forward pass on a small "
                    "batch (pass it to comp.step(closure) or estimator=gact.policy.Probe(closure)); the sampled "
-                   "step could not be replayed: the model was called with keyword arguments only, with no "
-                   "tensor input, or no output gradient reached it")
+                   "step could not be replayed: no tensor was among the model's arguments (keyword arguments "
+                   "count only under torch 2.x), or no output gradient reached it")
             if not self._default_estimator:
                 raise RuntimeError(f"gact.Compressor: {why}")
             return self._fall_back(why)
@@ -1779,7 +1779,8 @@ def _allreduce_max(n: int) -> int:
 
 def _allreduce_mean(est: dict[str, Any]) -> dict[str, Any]:
     """With torch.distributed initialized: the per-key mean over the ranks that saw the key,
-    identical on every rank (keys sorted), so that every rank solves the same problem. A value is
+    identical on every rank (keys sorted), so that ranks that saved the same tensors solve the same
+    problem (a rank then keeps the keys it saw itself: AutoPolicy._estimate). A value is
     a number or a list of numbers (the variance at each width), averaged element by element."""
     gathered = _gather(est)
     if gathered is None:

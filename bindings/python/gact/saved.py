@@ -764,12 +764,26 @@ def _divisor(t, args, kwargs, frame) -> Decision:
             _is_float(t):
         if _per_row(other, a):
             return Decision(VALUES, rows=a.shape[-1])
-        if other.numel() == a.numel():
+        if other.numel() == a.numel() and _below_one(other):
             # a divisor of its own per element (a Normal's variance in log_prob, -(x - loc)² / (2 var)): the dividend's
             # rounding enters the divisor's gradient as δa / b², where a small b_i has a small a_i, whose group step
-            # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step)
+            # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step). Not where
+            # every |b| >= 1 (a swish by hand, h / (1 + exp(-h))): nothing is amplified there
             return _EXACT
     return _VALUES
+
+
+def _below_one(b: torch.Tensor, above: bool = False) -> bool:
+    """Whether some |b| < 1 (a divisor that amplifies what is divided by it); ``above``: some |b| > 1. On a GPU, where
+    reading it back would wait for the device, or where it cannot be read: assumed."""
+    if b.device.type != "cpu":
+        return True
+    try:
+        with torch.no_grad():
+            m = b.detach().abs()
+            return bool(m.amax() > 1) if above else bool(m.amin() < 1)
+    except RuntimeError:
+        return True
 
 
 #: where a norm-like call takes its order: (position, keyword); calls not listed have none (a 2-norm)
@@ -981,7 +995,8 @@ DIVIDING_CALLS = frozenset("""log log_ log2 log2_ log10 log10_ log1p log1p_ xlog
 def divides_by(t: torch.Tensor, frame: Frame | None) -> bool:
     """Whether the call saving ``t`` (kept exact) divides by it or takes its log (DIVIDING_CALLS), or divides it by a
     divisor of its own per element (a variance): the gradient that flows back through ``t`` is then divided by it, or
-    by that divisor (``__rtruediv__``'s argument 0 is its divisor)."""
+    by that divisor (``__rtruediv__``'s argument 0 is its divisor). Only where that amplifies: some |t| below 1 (a
+    reciprocal's or rsqrt's saved result above 1); on a GPU, assumed (_below_one)."""
     if frame is None:
         return False
     name = frame.name
@@ -990,12 +1005,19 @@ def divides_by(t: torch.Tensor, frame: Frame | None) -> bool:
     if name in _DIVISIONS:  # (only the divisor, argument 1, is divided by)
         b = _arg(frame.args, frame.kwargs, 1, "other")
         if _view_of(t, b):
-            return True
+            return _below_one(t)
+        # (the dividend: kept exact by _divisor only over a divisor of its size below 1 somewhere)
         return isinstance(b, torch.Tensor) and b.requires_grad and b.numel() == t.numel() and \
             _view_of(t, _arg(frame.args, frame.kwargs, 0, "input"))
     if name == "__rtruediv__":
-        return _view_of(t, _arg(frame.args, frame.kwargs, 0, "input"))
-    return True
+        return _view_of(t, _arg(frame.args, frame.kwargs, 0, "input")) and _below_one(t)
+    if name in _RESULT_SAVED:
+        return _below_one(t, above=True)
+    return _below_one(t)
+
+
+#: dividing calls that save their result, which is large where they amplify (1/x, 1/sqrt(x))
+_RESULT_SAVED = frozenset("reciprocal reciprocal_ rsqrt rsqrt_".split())
 
 
 #: nodes that only move, copy or cast a tensor's elements (a window partition: roll, view, permute, reshape's copy)
@@ -1164,7 +1186,8 @@ _add("grad backward", "anything the double backward reads",
      lambda *a: _EXACT)
 _add("div div_ divide divide_ true_divide true_divide_", "the divisor; the dividend for the divisor's gradient",
      "the divisor exact (d/db of a/b = -a/b^2); the dividend as values, normalized per row over a divisor of one value "
-     "per row (e / e.sum(-1, keepdim=True)), exact over a divisor of its size that requires grad (a variance)",
+     "per row (e / e.sum(-1, keepdim=True)), exact over a divisor of its size that requires grad and is below 1 "
+     "somewhere (a variance; on a GPU, any such divisor)",
      _divisor)
 _add("normalize", "input twice; its norm through a division",
      "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64); "

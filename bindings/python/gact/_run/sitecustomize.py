@@ -260,7 +260,7 @@ def _adopt_first_trained_module(torch, comp, note):
         local.depth = getattr(local, "depth", 1) - 1
         if local.depth != 0 or comp.model is not None or not torch.is_grad_enabled():
             return
-        model = _compat.unwrap_parallel(m)
+        model = m.module if isinstance(m, torch.nn.DataParallel) else _compat.unwrap_ddp(m)
         if not any(p.requires_grad for p in model.parameters()):
             return
         for h in handles:
