@@ -708,7 +708,8 @@ class Compressor:
         # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
         # a later call that reads one for its own gradient gets a blob of its own
         self._results: dict[tuple, Any] = {}
-        # this step's stored saves by the autograd node of the tensor saved (address: [weak _Packed]), for _exact_read
+        # this step's stored saves by the autograd node of the call that stored them (its address: [(weak _Packed,
+        # whether it stores the tensor's values)]), for _exact_read
         self._by_node: dict[int, list] = {}
         # per thread (by ident), the last stored results of SATURATING_CALLS, held for HOLD_STORES more stores (_hold)
         self._holds: dict[int, list] = {}
@@ -1375,12 +1376,12 @@ class Compressor:
 
     def _hold(self, t: torch.Tensor | None) -> None:
         """Hold ``t``, a tensor a saturating activation's call (SATURATING_CALLS) stored, for the next HOLD_STORES
-        stores (None: a store that only ages the holds), and let go of the ones held that long: a loss right after it that divides by an
-        elementwise function of it (log(softmax(z) + eps), which frees the softmax's result once the sum is made)
-        finds it still there (_exact_read), in the step it first runs, not only from the next. What plain torch
-        holds anyway (the activation saved its result), with the graph behind it; let go at the forward's end (the
-        first unpack, on any thread; the end of the thread's `with` block; the next step). Per thread: another
-        thread's stores (DataParallel's replicas) do not age them."""
+        stores (None: a store that only ages the holds), and let go of the ones held that long: a loss right after
+        it that divides by an elementwise function of it (log(softmax(z) + eps), which frees the softmax's result
+        once the sum is made) finds it still there (_exact_read), in the step it first runs, not only from the
+        next. What plain torch holds anyway (the activation saved its result), with the graph behind it; let go at
+        the forward's end (the first unpack, on any thread; the end of the thread's `with` block; the next step).
+        Per thread: another thread's stores (DataParallel's replicas) do not age them."""
         tid = threading.get_ident()
         holds = self._holds.get(tid)
         if holds:  # (each entry counts this thread's stores it has left: HOLD_STORES entries at most)

@@ -63,8 +63,9 @@ Estimators (policy/README.md, "Sensitivity estimators"):
     ``estimator=gact.policy.Probe(closure)``. Chosen by default, the probe falls back to
     the online estimator, with a RuntimeWarning that says why, when it cannot run (a
     model given no tensor among its arguments, or under torch 1.13 called with keyword
-    arguments only, an op autograd cannot differentiate twice). Outputs no gradient reached (a recurrent model's last hidden state, returned
-    beside its output and detached for the next batch) take no part in the replay. The
+    arguments only, an op autograd cannot differentiate twice). Outputs no gradient
+    reached (a recurrent model's last hidden state, returned beside its output and
+    detached for the next batch) take no part in the replay. The
     estimators' extra forward passes leave batch-norm statistics as they were.
 
 ``"reference"``
