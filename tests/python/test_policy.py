@@ -446,34 +446,43 @@ class _SkippedOnRankZero(torch.nn.Module):
         return self.o(h if skip else h + self.b(h))
 
 
-def _skipped_block_worker(rank, world, port, out_dir):
+def _auto_steps_worker(rank, world, port, out_dir, case):
+    """Three bits="auto" training steps on each of two gloo ranks: "skip", a block rank 0 skips; "ddp", the Compressor
+    given a DistributedDataParallel wrapper. Saves {error, keys, inner (the Compressor took the module inside)}."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    m = _SkippedOnRankZero()
-    comp = gact.Compressor(m, bits="auto", budget=2)
-    out = {"error": None}
+    if case == "skip":
+        m = _SkippedOnRankZero()
+        model, forward = m, lambda x: m(x, rank == 0)
+    else:
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        model = forward = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    comp = gact.Compressor(model, bits="auto", budget=2)
+    out = {"inner": comp.model is m, "error": None}
     try:
-        for _ in range(3):
-            x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+        for i in range(3):
+            torch.manual_seed(10 * i + rank)
+            x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
             with comp:
-                loss = torch.nn.functional.cross_entropy(m(x, rank == 0), y)
+                loss = torch.nn.functional.cross_entropy(forward(x), y)
             loss.backward()
+            opt.step()
+            opt.zero_grad()
             comp.step()
         out["keys"] = sorted(comp.policy.stats()["tensors"])
-    except Exception as e:  # (said in the test's assertion)
+    except Exception as e:  # (said in the tests' assertions)
         out["error"] = f"{type(e).__name__}: {e}"
     comp.close()
-    torch.save(out, f"{out_dir}/s{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
+    torch.save(out, f"{out_dir}/{case}{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
     dist.destroy_process_group()
 
 
-def test_a_block_one_rank_skips_does_not_stop_the_others_decision(tmp_path):
-    """A key only some ranks saw: the means over the ranks held it, and a rank that never saw it raised
-    "unknown tensor key 'b.0:0' (observe it first)" at its first step() (the other rank then died on the lost
-    connection). Each rank now decides for its own tensors, with every rank's means for them."""
+def _auto_steps_on_two_ranks(tmp_path, case):
+    """_auto_steps_worker's results, rank 0's and rank 1's."""
     import socket
 
     import evalkit
@@ -481,8 +490,16 @@ def test_a_block_one_rank_skips_does_not_stop_the_others_decision(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    evalkit.spawn_ranks(_skipped_block_worker, (2, port, str(tmp_path)), [tmp_path / f"s{r}.pt" for r in range(2)])
-    s0, s1 = torch.load(tmp_path / "s0.pt"), torch.load(tmp_path / "s1.pt")
+    files = [tmp_path / f"{case}{r}.pt" for r in range(2)]
+    evalkit.spawn_ranks(_auto_steps_worker, (2, port, str(tmp_path), case), files)
+    return [torch.load(f) for f in files]
+
+
+def test_a_block_one_rank_skips_does_not_stop_the_others_decision(tmp_path):
+    """A key only some ranks saw: the means over the ranks held it, and a rank that never saw it raised
+    "unknown tensor key 'b.0:0' (observe it first)" at its first step() (the other rank then died on the lost
+    connection). Each rank now decides for its own tensors, with every rank's means for them."""
+    s0, s1 = _auto_steps_on_two_ranks(tmp_path, "skip")
     assert s0["error"] is None and s1["error"] is None, (s0, s1)
     assert not any(k.startswith("b.") for k in s0["keys"]) and any(k.startswith("b.") for k in s1["keys"]), (s0, s1)
 
@@ -521,49 +538,11 @@ def test_the_probe_replays_the_forwards_keyword_arguments():
     assert tensors and all(v["C"] is not None for v in tensors.values()), tensors
 
 
-def _ddp_wrapper_worker(rank, world, port, out_dir):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    ddp = torch.nn.parallel.DistributedDataParallel(m)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    comp = gact.Compressor(ddp, bits="auto", budget=2)
-    out = {"inner": comp.model is m, "error": None}
-    try:
-        for i in range(3):
-            torch.manual_seed(10 * i + rank)
-            x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-            with comp:
-                loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            comp.step()
-        out["keys"] = sorted(comp.policy.stats()["tensors"])
-    except Exception as e:  # (said in the test's assertion)
-        out["error"] = f"{type(e).__name__}: {e}"
-    comp.close()
-    torch.save(out, f"{out_dir}/d{rank}.pt")  # before the teardown, which can hang (evalkit.spawn_ranks)
-    dist.destroy_process_group()
-
-
 def test_a_ddp_wrapper_gives_the_compressor_its_module(tmp_path):
     """`Compressor(ddp_model, bits="auto")`: the policy's probe replayed DDP's forward, which prepared a gradient
     reduction the probe never finished: the next forward raised "Expected to have finished reduction in the prior
     iteration" on every rank. The Compressor takes the module inside, whose keys carry no "module." prefix."""
-    import socket
-
-    import evalkit
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    evalkit.spawn_ranks(_ddp_wrapper_worker, (2, port, str(tmp_path)), [tmp_path / f"d{r}.pt" for r in range(2)])
-    for r in range(2):
-        d = torch.load(tmp_path / f"d{r}.pt")
+    for d in _auto_steps_on_two_ranks(tmp_path, "ddp"):
         assert d["error"] is None and d["inner"], d
         assert d["keys"] and not any(k.startswith("module.") for k in d["keys"]), d
 
