@@ -2688,18 +2688,9 @@ def test_rows_a_pad_added_stay_zero_for_the_gradient_that_multiplies_them(shift,
 def _errors_by_step(model, loss_of, steps=3):
     """One Compressor at 8 bits over ``steps`` steps of ``loss_of()`` (nothing of the forward held past it): each
     step's gradient error relative to fp32's norm."""
-    def grad(comp):
-        model.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = loss_of()
-        loss.backward()
-        if comp is not None:
-            comp.step()
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-
-    ref = grad(None)
+    ref = compute_grad(model, lambda _m: loss_of())
     comp = gact.Compressor(model, bits=8, seed=1)
-    errs = [float((grad(comp) - ref).norm() / ref.norm()) for _ in range(steps)]
+    errs = [float((compute_grad(model, lambda _m: loss_of(), comp) - ref).norm() / ref.norm()) for _ in range(steps)]
     comp.close()
     return errs
 

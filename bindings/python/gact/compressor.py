@@ -1353,7 +1353,7 @@ class Compressor:
                 q = r()
                 if q is None or not q.handle or q.alias is not None:
                     continue
-                if len(self._divided_exact) < self.QK_MEASURED_MAX:
+                if len(self._divided_exact) < self.DIVIDED_EXACT_MAX:
                     self._divided_exact.add(q.key)
                 # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can
                 # put another storage at its address, as _Packed.unpack checks)
@@ -1368,6 +1368,8 @@ class Compressor:
     #: how far back _exact_read looks: elementwise nodes, and nodes in all
     EXACT_READ_DEPTH = 8
     EXACT_READ_NODES = 32
+    #: keys _exact_read keeps exact at most (a program whose keys never repeat does not grow the set without end)
+    DIVIDED_EXACT_MAX = 4096
     #: how many more stores a saturating activation's result is held for (_hold)
     HOLD_STORES = 4
     #: the calls whose result a loss may divide by where it saturates (their own save of it is held)

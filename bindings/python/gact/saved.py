@@ -764,13 +764,20 @@ def _divisor(t, args, kwargs, frame) -> Decision:
             _is_float(t):
         if _per_row(other, a):
             return Decision(VALUES, rows=a.shape[-1])
-        if other.numel() == a.numel() and _below_one(other):
+        if _own_divisor(t, args, kwargs) and _below_one(other):
             # a divisor of its own per element (a Normal's variance in log_prob, -(x - loc)² / (2 var)): the dividend's
             # rounding enters the divisor's gradient as δa / b², where a small b_i has a small a_i, whose group step
             # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step). Not where
             # every |b| >= 1 (a swish by hand, h / (1 + exp(-h))): nothing is amplified there
             return _EXACT
     return _VALUES
+
+
+def _own_divisor(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``t`` is a division's dividend over a divisor of as many elements that requires grad."""
+    b = _arg(args, kwargs, 1, "other")
+    return isinstance(b, torch.Tensor) and b.requires_grad and b.numel() == t.numel() and \
+        _view_of(t, _arg(args, kwargs, 0, "input"))
 
 
 def _below_one(b: torch.Tensor, above: bool = False) -> bool:
@@ -1007,8 +1014,7 @@ def divides_by(t: torch.Tensor, frame: Frame | None) -> bool:
         if _view_of(t, b):
             return _below_one(t)
         # (the dividend: kept exact by _divisor only over a divisor of its size below 1 somewhere)
-        return isinstance(b, torch.Tensor) and b.requires_grad and b.numel() == t.numel() and \
-            _view_of(t, _arg(frame.args, frame.kwargs, 0, "input"))
+        return _own_divisor(t, frame.args, frame.kwargs)
     if name == "__rtruediv__":
         return _view_of(t, _arg(frame.args, frame.kwargs, 0, "input")) and _below_one(t)
     if name in _RESULT_SAVED:
