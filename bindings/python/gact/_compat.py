@@ -120,6 +120,8 @@ def held_bytes(t: torch.Tensor) -> int:
     if t.layout is not torch.strided:
         return _component_bytes(t)
     n = t.numel()
+    if t.is_nested:  # (a strided nested tensor, which a jagged one's attention makes inside: it has no sizes)
+        return n * t.element_size()
     if n == 0 or t.is_contiguous():
         return n * t.element_size()
     distinct = 1  # elements along the dimensions that move (a stride-0 dimension repeats them)

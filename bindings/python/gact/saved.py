@@ -1338,11 +1338,12 @@ class Frame:
 
     @property
     def wrapped(self) -> bool:
-        """Whether the call was given a tensor of a torch.func transform (vmap's batched tensors): autograd then saves
-        the plain tensors beneath them, which no test of which operand a save is can match."""
+        """Whether the call was given a tensor of a torch.func transform (vmap's batched tensors) or a nested tensor:
+        autograd then saves the plain tensors beneath them, which no test of which operand a save is can match, and a
+        nested tensor's sizes are no integers a rule could compare (an attention's key count)."""
         w = self._wrapped
         if w is None:
-            w = self._wrapped = any(_compat.is_functorch_wrapped(a) for a in _tensor_args(self))
+            w = self._wrapped = any(_compat.is_functorch_wrapped(a) or a.is_nested for a in _tensor_args(self))
         return w
 
     @property
@@ -2013,7 +2014,8 @@ def decide(t: torch.Tensor, frame: Frame | None) -> Decision:
         return _untracked_save(t)
     if frame.wrapped:
         # (torch 2.x's vmap leaves saved-tensor hooks on; a divisor, a power's base or a grid went by as values: kept as
-        # they are, as under torch 1.13's functorch.vmap, which turns the hooks off)
+        # they are, as under torch 1.13's functorch.vmap, which turns the hooks off; a nested tensor's call, whose saves
+        # are the dense buffers beneath its operands: kept as they are, as the nested tensors themselves are)
         return _EXACT
     name = frame.name
     row = TABLE.get(name)
