@@ -718,6 +718,7 @@ class Compressor:
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
         # kept exact from the next step on
         self._divided_exact: set[str] = set()
+        self._spectral_step = -1  # the last step that ran a spectral decomposition (_saved.SPECTRAL_CALLS)
         self._qk_sigmas: list[tuple] = []
         self._qk_next = 0  # the step that measures them next
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
@@ -1252,6 +1253,8 @@ class Compressor:
                 self._next_key(s)
             if self._by_node and _saved.divides_by(t, frame):  # (empty without _gact_torch's graph calls)
                 self._exact_read(t)
+            if frame is not None and frame.name in _saved.SPECTRAL_CALLS:
+                self._spectral_step = self._step  # (the reads of its outputs after it: _saved.near_spectral)
             return self._keep(t, "exact")
         dtype = t.dtype
         if dtype not in _KEYED_DTYPES and kind != _saved.INDICES:
@@ -1265,6 +1268,8 @@ class Compressor:
         if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
         if key in self._divided_exact and t.grad_fn is not None:
+            return self._keep(t, "exact")
+        if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):

@@ -978,6 +978,43 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     return through_copies(g, target)[0] is target
 
 
+#: the calls of spectral decompositions, whose backward divides by the gaps between their eigenvalues or singular values,
+#: and their autograd nodes (torch.lobpcg and the low-rank factorizations run one of these calls)
+SPECTRAL_CALLS = frozenset("linalg_eigh symeig linalg_eig eig svd linalg_svd".split())
+SPECTRAL_NODES = frozenset({"LinalgEighBackward0", "SymeigBackward0", "LinalgEigBackward0", "EigBackward0",
+                            "LinalgSvdBackward0", "SvdBackward0"})
+
+
+def near_spectral(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output of a spectral decomposition (eigenvectors, singular vectors, eigenvalues; up to views
+    and copies), or the result of a call given one (``V * r``, ``V @ diag(r) @ V.t()``). The backward of a matrix
+    function built from them (ZCA whitening: W = V diag(L^-1/2) Vᵀ) cancels terms divided by the eigenvalue gaps
+    exactly, between its reads of V; two reads of V rounded apart leave those terms, amplified by 1/gap (one seed at 8
+    bits: 0.26 of the gradient's norm at a smallest gap of 1.2e-3). A result two calls away (the whitened batch
+    hc @ W) is not: a rounding of it moves the matrix function's gradient as a whole, which that cancellation keeps
+    bounded."""
+    g = _past_rearranging(t.grad_fn)
+    if g is None:
+        return False
+    if type(g).__name__ in SPECTRAL_NODES:
+        return True
+    for n, _ in g.next_functions:
+        n = _past_rearranging(n)
+        if n is not None and type(n).__name__ in SPECTRAL_NODES:
+            return True
+    return False
+
+
+def _past_rearranging(g: Any) -> Any:
+    """The first node from ``g`` on that does more than move, copy or cast elements (_REARRANGING), at most 8 back."""
+    for _ in range(8):
+        if g is None or type(g).__name__ not in _REARRANGING:
+            return g
+        nxt = g.next_functions
+        g = nxt[0][0] if nxt else None
+    return None
+
+
 #: elementwise nodes and views (with sums over them), through which a read kept exact for a call that divides by it is
 #: a function of what they read (Compressor._exact_read): arithmetic, powers, clamps, the activations (torch's, and
 #: gact's stand-ins that store their derivative), sums
@@ -1185,7 +1222,9 @@ _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex 
      "geqrf ormqr linalg_householder_product orgqr inverse linalg_inv linalg_inv_ex linalg_tensorinv linalg_tensorsolve "
      "nuclear_norm",
      "the matrix, its factors", "exact: the backward solves with them or divides by eigenvalue gaps, so a rounded "
-     "matrix's error grows with its condition number (logdet of a random 16x16 SPD matrix: 20x the gradient)",
+     "matrix's error grows with its condition number (logdet of a random 16x16 SPD matrix: 20x the gradient); a "
+     "spectral decomposition's outputs, and the results of the calls given them, exact where later calls save them "
+     "(near_spectral: their gap divisions cancel between the reads of V)",
      lambda *a: _EXACT)
 _add("grad backward", "anything the double backward reads",
      "exact: saved by a backward with create_graph=True, whose next backward reads them in any way (an ELU's sign)",
