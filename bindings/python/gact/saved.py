@@ -1382,7 +1382,7 @@ class Frame:
         nested tensor's sizes are no integers a rule could compare (an attention's key count)."""
         w = self._wrapped
         if w is None:
-            w = self._wrapped = any(_compat.is_functorch_wrapped(a) or a.is_nested for a in _tensor_args(self))
+            w = self._wrapped = any(_compat.is_functorch_wrapped(a) or _nested(a) for a in _tensor_args(self))
         return w
 
     @property
@@ -2107,6 +2107,15 @@ def _tensor_args(frame: Frame):
             yield a
         elif type(a) in (list, tuple):
             yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _nested(a: torch.Tensor) -> bool:
+    """Whether ``a`` is a nested tensor (not a Tensor subclass standing for a computation, SDPA's CausalBias, whose
+    attributes raise NotImplementedError)."""
+    try:
+        return a.is_nested
+    except NotImplementedError:
+        return False
 
 
 def _dense(a: torch.Tensor) -> bool:
