@@ -22,10 +22,12 @@
 // call; grad_fn and output_nr are read through ATen's own accessors (the same that Python's
 // `Tensor.grad_fn` uses, which rebuild a view's node after an in-place change).
 #include <ATen/core/TensorBase.h>
+#include <c10/core/SymInt.h>
 #include <c10/core/TensorImpl.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -139,7 +141,60 @@ std::uintptr_t graph_node(std::uintptr_t impl) {
 /// graph_configure_ancestors's names: the elementwise nodes (gact/saved.py ELEMENTWISE_NODES).
 std::set<std::string> g_elementwise;
 
-void graph_configure_ancestors(std::set<std::string> elementwise) { g_elementwise = std::move(elementwise); }
+std::int64_t g_min_span = 0;
+
+void graph_configure_ancestors(std::set<std::string> elementwise, std::int64_t min_span) {
+  g_elementwise = std::move(elementwise);
+  g_min_span = min_span;
+}
+
+/// How many values the sum or mean `node` adds per element of its result: the product of its input's sizes over the
+/// dimensions it reduces (all of them without any); -1 where not known (a symbolic size, a full mean, another node).
+std::int64_t reduction_span(Node& node) {
+  namespace gen = torch::autograd::generated;
+  std::vector<c10::SymInt> const* sizes = nullptr;
+  std::vector<std::int64_t> const* dims = nullptr;  // (none: all of them)
+  if (auto* s1 = dynamic_cast<gen::SumBackward1*>(&node)) {
+    sizes = &s1->self_sym_sizes;
+    if (s1->dim.list) dims = &*s1->dim.list;
+  } else if (auto* m1 = dynamic_cast<gen::MeanBackward1*>(&node)) {
+    sizes = &m1->self_sym_sizes;
+    if (m1->dim.list) dims = &*m1->dim.list;
+  } else if (auto* s0 = dynamic_cast<gen::SumBackward0*>(&node)) {
+    sizes = &s0->self_sym_sizes;
+  } else {
+    return -1;
+  }
+  auto const rank = static_cast<std::int64_t>(sizes->size());
+  auto size_at = [&](std::int64_t d) -> std::int64_t {
+    if (rank == 0) return 1;
+    d = d < 0 ? d + rank : d;
+    if (d < 0 || d >= rank) return -1;
+    c10::SymInt const& s = (*sizes)[static_cast<std::size_t>(d)];
+    return s.is_symbolic() ? -1 : s.as_int_unchecked();
+  };
+  std::int64_t span = 1;
+  if (dims == nullptr || dims->empty()) {
+    for (std::int64_t d = 0; d < rank; ++d) {
+      std::int64_t const n = size_at(d);
+      if (n < 0) return -1;
+      span *= n;
+    }
+  } else {
+    for (std::int64_t const d : *dims) {
+      std::int64_t const n = size_at(d);
+      if (n < 0) return -1;
+      span *= n;
+    }
+  }
+  return span;
+}
+
+/// Whether the sum or mean `reduction` adds at least g_min_span values per element of its result (unknown: yes).
+bool spans_many(Node& reduction) {
+  std::int64_t const span = reduction_span(reduction);
+  return span < 0 || span >= g_min_span;
+}
 
 /// Whether `name` is a sum or a mean (SumBackward0, MeanBackward1, ...).
 bool is_reduction(std::string const& name) {
@@ -150,7 +205,9 @@ bool is_reduction(std::string const& name) {
 /// elementwise, and the elementwise nodes reached from it through elementwise nodes only (breadth first, `depth`
 /// edges at most, `max_nodes` nodes in all). The tensor is an elementwise function of what those nodes read
 /// (gact/compressor.py: _exact_read). A sum's or mean's square (graph_configure's square sums: a norm, a
-/// variance) is not passed: each square is a share of the sum, which its rounding cannot make small.
+/// variance) over at least `min_span` values per sum (graph_configure_ancestors) is not passed: each square is a share
+/// of the sum, which its rounding cannot make small. Over fewer (a distance over x and y, a 3-D offset) it is: their
+/// quantization groups span many such sums, and a small one takes the step of the largest.
 std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
   std::set<std::string> const& elementwise = g_elementwise;
   std::set<std::string> const& square_sums = g_square_sums;
@@ -168,7 +225,7 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
       for (torch::autograd::Edge const& e : node->next_edges()) {
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
         std::string const name = e.function->name();
-        if (elementwise.count(name) == 0 || (reduction && square_sums.count(name) != 0)) continue;
+        if (elementwise.count(name) == 0 || (reduction && square_sums.count(name) != 0 && spans_many(*node))) continue;
         if (seen.insert(e.function.get()).second) {
           out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
           next.push_back(e.function);
@@ -185,8 +242,9 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
 void register_graph(py::module_& m) {
   m.def("graph_node", &graph_node, py::arg("tensor"),
         "The address of the autograd node of the tensor at TensorImpl address `tensor` (0 without one).");
-  m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"),
-        "The names of the elementwise nodes graph_ancestors walks (gact/saved.py's ELEMENTWISE_NODES), once.");
+  m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"), py::arg("min_span"),
+        "The names of the elementwise nodes graph_ancestors walks (gact/saved.py's ELEMENTWISE_NODES), and the "
+        "fewest values a sum of squares adds per result for the walk to stop at it, once.");
   m.def("graph_ancestors", &graph_ancestors, py::arg("tensor"), py::arg("depth"), py::arg("max_nodes"),
         "The addresses of the elementwise nodes the tensor at TensorImpl address `tensor` is made by: its grad_fn, "
         "and those reached from it through elementwise nodes, within `depth` edges and `max_nodes` nodes.");

@@ -2352,6 +2352,13 @@ _SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "Norm
                           "StdBackward1", "VarMeanBackward0", "StdMeanBackward0"})
 
 
+#: the fewest values a sum of squares adds per result for Compressor._exact_read's walk to stop at it (a norm, a
+#: variance over a row of features); over fewer (a squared distance over x and y, a 3-D offset: DIoU's center term, a
+#: keypoint's NLL, 0.2-1 of the gradient's norm at 8 bits divided by a small per-element divisor) the walk goes on to
+#: the squares: their quantization groups span many such sums, and a small one takes the step of the largest
+SQUARE_SUM_MIN_SPAN = 16
+
+
 try:  # (the walk in C++: bindings/python/torch_graph.cpp; absent where _gact_torch was built without autograd's headers)
     from _gact_torch import graph_configure as _graph_configure, graph_reaches as _graph_reaches
 except ImportError:
@@ -2363,7 +2370,7 @@ else:
     except ImportError:
         pass
     else:
-        _graph_configure_ancestors(set(ELEMENTWISE_NODES))
+        _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN)
 
 
 def _reaches_to(operands: list, targets: list = (), leaf: torch.Tensor | None = None, reduced: list | None = None,
