@@ -1255,6 +1255,10 @@ class Compressor:
                 self._exact_read(t)
             if frame is not None and frame.name in _saved.SPECTRAL_CALLS:
                 self._spectral_step = self._step  # (the reads of its outputs after it: _saved.near_spectral)
+            elif self._by_node and frame is not None and frame.name in _saved.SELECTING_CALLS and not frame.selected:
+                frame.selected = True  # (min(dim) saves its indices; amin its input and result: one walk a call)
+                if _saved.selects_small(frame):
+                    self._exact_read(_saved._arg(frame.args, frame.kwargs, 0, "input"))
             return self._keep(t, "exact")
         dtype = t.dtype
         if dtype not in _KEYED_DTYPES and kind != _saved.INDICES:
