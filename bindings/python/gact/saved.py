@@ -1398,7 +1398,11 @@ class Frame:
         nested tensor's sizes are no integers a rule could compare (an attention's key count)."""
         w = self._wrapped
         if w is None:
-            w = self._wrapped = any(_compat.is_functorch_wrapped(a) or _nested(a) for a in _tensor_args(self))
+            try:
+                w = any(_compat.is_functorch_wrapped(a) or a.is_nested for a in _tensor_args(self))
+            except NotImplementedError:  # (SDPA's CausalBias: _nested)
+                w = any(_compat.is_functorch_wrapped(a) or _nested(a) for a in _tensor_args(self))
+            self._wrapped = w
         return w
 
     @property
