@@ -196,12 +196,9 @@ bool spans_many(Node& reduction) {
   return span < 0 || span >= g_min_span;
 }
 
-/// Whether `name` is a sum or a mean (SumBackward0, MeanBackward1, ...), or a sum over each group of a graph's edges
-/// (index_add, scatter_add, scatter_reduce: how many values each adds is not known here).
+/// Whether `name` is a sum or a mean (SumBackward0, MeanBackward1, ...).
 bool is_reduction(std::string const& name) {
-  return name.rfind("SumBackward", 0) == 0 || name.rfind("MeanBackward", 0) == 0 ||
-         name.rfind("IndexAddBackward", 0) == 0 || name.rfind("ScatterAddBackward", 0) == 0 ||
-         name.rfind("ScatterReduceBackward", 0) == 0;
+  return name.rfind("SumBackward", 0) == 0 || name.rfind("MeanBackward", 0) == 0;
 }
 
 /// The addresses of the elementwise nodes (graph_configure_ancestors) that the tensor is made by: its grad_fn where

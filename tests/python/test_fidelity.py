@@ -3212,35 +3212,3 @@ def test_a_chamfer_loss_reads_its_nearest_pairs_exact(form):
 
     errs = _errors_by_step(net, lambda: loss(net))
     assert max(errs[1:]) < 0.01, errs
-
-
-def test_a_graph_variance_under_a_square_root_reads_its_messages_exact():
-    """A PNA-style std aggregator written by hand: each node's variance E[m²] − E[m]² of its incoming messages (index_add
-    over the edges, divided by the degree) under sqrt(var + eps). At a node of one edge (a hydrogen) the two terms cancel
-    exactly in fp32 and sqrt's gradient is 1/(2√eps) = 158; with m (saved by m * m, behind the index_add) stored and
-    the mean's read exact, the rounding of m times 316 reached every such node: 0.35 of the gradient's norm at 8 bits at
-    every step here (0.08 in a two-layer PNA). The exact-read walk goes through a graph's sums over edges (index_add,
-    scatter_add, scatter_reduce): under 0.02."""
-    torch.manual_seed(0)
-    src, dst = [], []
-    for b in range(0, 20 * 20, 20):  # 20 molecules of 8 heavy atoms in a chain and 12 hydrogens, one edge each
-        for i in range(7):
-            src += [b + i, b + i + 1]
-            dst += [b + i + 1, b + i]
-        for h in range(12):
-            src += [b + h % 8, b + 8 + h]
-            dst += [b + 8 + h, b + h % 8]
-    src, dst, n = torch.tensor(src), torch.tensor(dst), 400
-    deg = torch.zeros(n).index_add_(0, dst, torch.ones(len(dst))).clamp(min=1)[:, None]
-    pre, post = nn.Linear(64, 32), nn.Linear(96, 4)
-    model = nn.ModuleList([pre, post])
-    x, y = torch.randn(n, 32), torch.randn(n, 4)
-
-    def loss(_m):
-        m = pre(torch.cat([x.index_select(0, dst), x.index_select(0, src)], -1))
-        mean = torch.zeros(n, 32).index_add_(0, dst, m) / deg
-        var = torch.zeros(n, 32).index_add_(0, dst, m * m) / deg - mean * mean
-        return F.mse_loss(post(torch.cat([x, mean, torch.sqrt(var + 1e-5)], -1)), y)
-
-    errs = _errors_by_step(model, lambda: loss(model))
-    assert max(errs) < 0.02, errs

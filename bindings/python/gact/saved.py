@@ -1027,9 +1027,7 @@ def _past_rearranging(g: Any) -> Any:
 
 #: elementwise nodes and views (with sums over them), through which a read kept exact for a call that divides by it is
 #: a function of what they read (Compressor._exact_read): arithmetic, powers, clamps, the activations (torch's, and
-#: gact's stand-ins that store their derivative), sums, and a graph's sums over each node's edges (index_add,
-#: scatter_add, scatter_reduce: a variance E[m²] − E[m]² of each node's messages under a square root, whose two
-#: terms cancel exactly at a node of one edge)
+#: gact's stand-ins that store their derivative), sums
 ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackward0 SubBackward1 RsubBackward0
     RsubBackward1 MulBackward0 MulBackward1 DivBackward0 DivBackward1 NegBackward0 PowBackward0 PowBackward1
     PowBackward2 ClampBackward0 ClampBackward1 ClampMinBackward0 ClampMinBackward1 ClampMaxBackward0 ClampMaxBackward1
@@ -1039,7 +1037,7 @@ ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackw
     HardtanhBackward0 HardsigmoidBackward0 HardswishBackward0 LeakyReluBackward0 LogSigmoidBackward0
     ActivationFunctionBackward _HardsigmoidFunctionBackward SumBackward0 SumBackward1 MeanBackward0 MeanBackward1
     CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 WhereBackward0
-    MaskedFillBackward0 MaskedFillBackward1 IndexAddBackward0 ScatterAddBackward0 ScatterReduceBackward0""".split())
+    MaskedFillBackward0 MaskedFillBackward1""".split())
 
 #: calls whose backward divides by a saved operand, or by a function of it that vanishes where it does (log, a
 #: denominator, a square root, BCE's p(1 - p)): the operand they keep exact is where _exact_read starts
