@@ -201,16 +201,25 @@ bool is_reduction(std::string const& name) {
   return name.rfind("SumBackward", 0) == 0 || name.rfind("MeanBackward", 0) == 0;
 }
 
+/// Whether the node `fn`, named `name`, squares what it reads: one of graph_configure's square sums (a power, a norm),
+/// or a product of a tensor with itself (x * x: both its edges lead to the same output of the same node).
+bool is_square(Node& fn, std::string const& name) {
+  if (g_square_sums.count(name) != 0) return true;
+  if (name != "MulBackward0") return false;
+  auto const& edges = fn.next_edges();
+  return edges.size() == 2 && edges[0].function && edges[0].function == edges[1].function &&
+         edges[0].input_nr == edges[1].input_nr;
+}
+
 /// The addresses of the elementwise nodes (graph_configure_ancestors) that the tensor is made by: its grad_fn where
 /// elementwise, and the elementwise nodes reached from it through elementwise nodes only (breadth first, `depth`
 /// edges at most, `max_nodes` nodes in all). The tensor is an elementwise function of what those nodes read
 /// (gact/compressor.py: _exact_read). A sum's or mean's square (graph_configure's square sums: a norm, a
-/// variance) over at least `min_span` values per sum (graph_configure_ancestors) is not passed: each square is a share
-/// of the sum, which its rounding cannot make small. Over fewer (a distance over x and y, a 3-D offset) it is: their
-/// quantization groups span many such sums, and a small one takes the step of the largest.
+/// variance; or x * x) over at least `min_span` values per sum (graph_configure_ancestors) is not passed: each square
+/// is a share of the sum, which its rounding cannot make small. Over fewer (a distance over x and y, a 3-D offset) it
+/// is: their quantization groups span many such sums, and a small one takes the step of the largest.
 std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
   std::set<std::string> const& elementwise = g_elementwise;
-  std::set<std::string> const& square_sums = g_square_sums;
   std::vector<std::uintptr_t> out;
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
   if (!start || elementwise.count(start->name()) == 0) return out;
@@ -225,7 +234,7 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
       for (torch::autograd::Edge const& e : node->next_edges()) {
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
         std::string const name = e.function->name();
-        if (elementwise.count(name) == 0 || (reduction && square_sums.count(name) != 0 && spans_many(*node))) continue;
+        if (elementwise.count(name) == 0 || (reduction && is_square(*e.function, name) && spans_many(*node))) continue;
         if (seen.insert(e.function.get()).second) {
           out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
           next.push_back(e.function);

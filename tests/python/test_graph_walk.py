@@ -230,14 +230,16 @@ def test_operands_indexed_by_memory_answer_as_each_compared():
     (lambda y: y.sum(-1), 2, True), (lambda y: y.mean(-1), 3, True), (lambda y: y.sum(-1, keepdim=True), 15, True),
     (lambda y: y.sum(-1), 16, False), (lambda y: y.mean(-1), 256, False), (lambda y: y.sum(), 2, False),
     (lambda y: y.sum((0, 1)), 2, False), (lambda y: y.sum(0), 2, True)])
-def test_exact_read_walk_stops_at_a_sum_of_squares_over_many_values(reduce, width, passes):
+@pytest.mark.parametrize("square", ["pow", "product"])
+def test_exact_read_walk_stops_at_a_sum_of_squares_over_many_values(reduce, width, passes, square):
     """graph_ancestors (Compressor._exact_read's walk) passes a sum's or mean's square only where the reduction adds
     fewer than SQUARE_SUM_MIN_SPAN values per result: a squared offset over x, y (z), whose quantization groups span
-    many offsets; not a norm's or a variance's over a row of features, nor a whole tensor's sum."""
+    many offsets; not a norm's or a variance's over a row of features, nor a whole tensor's sum. A square is a power or
+    a product of a tensor with itself (a hand-written LayerNorm's xc * xc)."""
     from _gact_torch import graph_ancestors, graph_node
     x = torch.randn(8, width, requires_grad=True)
     base = x * 2
-    y = base ** 2
+    y = base ** 2 if square == "pow" else base * base
     t = reduce(y) + 1  # (held: the walk reads t's graph by address)
     nodes = set(graph_ancestors(t._cdata, 8, 32))
     assert graph_node(y._cdata) in nodes or not passes
