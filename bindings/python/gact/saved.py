@@ -962,23 +962,29 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
     return through_copies(g, target)[0] is target
 
 
+#: tests: host tensors take the rules' device branch (what cannot be read back there is assumed)
+_DEVICE_RULES_ON_HOST = False
+
 #: calls that select the smallest values of their input (its minimum along a dimension or over all of it): the gradient
 #: reaches only those, through the saves the input was computed from (Compressor._exact_read)
 SELECTING_CALLS = frozenset("min amin".split())
 
 
 def selects_small(frame: "Frame") -> bool:
-    """Whether a SELECTING_CALLS call selects values small next to the rest of its input: a float input with a graph,
-    at least 0 (a distance) and with a smallest value under 1/16 of its largest (on a GPU, where reading that back would
-    wait for the device: any float input with a graph). Under a Chamfer loss, min over squared distances picks the
+    """Whether a SELECTING_CALLS call selects values small next to the rest of its input: a float input made as a
+    distance is (_distance_like), at least 0 and with a smallest value under 1/16 of its largest (on a GPU, where reading
+    that back would wait for the device: any such input). Under a Chamfer loss, min over squared distances picks the
     nearest pairs, 0.05 apart among differences up to 2: the saves of the differences, rounded in steps of the largest,
-    were 0.14 of the gradient's norm at 8 bits."""
+    were 0.14 of the gradient's norm at 8 bits. A minimum over features (a pooling over a residual stream, over a ReLU's
+    output) selects nothing small and is left alone."""
     x = _arg(frame.args, frame.kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not _is_float(x) or x.grad_fn is None or x.numel() == 0:
         return False
     if isinstance(_arg(frame.args, frame.kwargs, 1, "other"), torch.Tensor):
         return False  # (torch.min(a, b): elementwise, each pair's smaller one)
-    if x.device.type != "cpu":
+    if not _distance_like(x):
+        return False
+    if x.device.type != "cpu" or _DEVICE_RULES_ON_HOST:
         return True
     try:
         with torch.no_grad():
@@ -986,6 +992,41 @@ def selects_small(frame: "Frame") -> bool:
             return bool(lo >= 0) and bool(lo * 16 < hi)
     except RuntimeError:
         return True
+
+
+#: nodes that make a distance or a square (at least 0 by construction), and the nodes a distance is summed or shifted
+#: through (a squared distance as |a|² + |b|² − 2ab: adds, subtractions, sums, a scalar's product, views)
+_DISTANCE_NODES = frozenset({"PowBackward0", "PowBackward1", "CdistBackward0", "EuclideanDistBackward0", "NormBackward0",
+                             "NormBackward1", "NormBackward2", "NormBackward3", "LinalgVectorNormBackward0",
+                             "SqrtBackward0", "AbsBackward0"})
+_DISTANCE_THROUGH = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "SumBackward0",
+                               "SumBackward1", "MeanBackward0", "MeanBackward1", "MulBackward1", "ClampMinBackward0",
+                               "ClampBackward1"})
+
+
+def _distance_like(x: torch.Tensor) -> bool:
+    """Whether ``x`` is made as a distance is: by a power, a norm, cdist, a square root, an absolute value or a product
+    of a tensor with itself, through sums, additions, subtractions, a scalar's product and views (5 nodes back at most,
+    16 in all)."""
+    frontier, seen = [x.grad_fn], 0
+    for _ in range(5):
+        nxt = []
+        for g in frontier:
+            g = _past_rearranging(g)
+            if g is None or seen >= 16:
+                continue
+            seen += 1
+            name = type(g).__name__
+            if name in _DISTANCE_NODES:
+                return True
+            edges = g.next_functions
+            if name == "MulBackward0" and len(edges) == 2 and edges[0][0] is not None and \
+                    edges[0][0] is edges[1][0] and edges[0][1] == edges[1][1]:
+                return True  # (x * x)
+            if name in _DISTANCE_THROUGH:
+                nxt.extend(n for n, _ in edges)
+        frontier = nxt
+    return False
 
 
 #: the calls of spectral decompositions, whose backward divides by the gaps between their eigenvalues or singular values,
@@ -1000,14 +1041,17 @@ def near_spectral(t: torch.Tensor) -> bool:
     and copies), or the result of a call given one (``V * r``, ``V @ diag(r) @ V.t()``). The backward of a matrix
     function built from them (ZCA whitening: W = V diag(L^-1/2) Vᵀ) cancels terms divided by the eigenvalue gaps
     exactly, between its reads of V; two reads of V rounded apart leave those terms, amplified by 1/gap (one seed at 8
-    bits: 0.26 of the gradient's norm at a smallest gap of 1.2e-3). A result two calls away (the whitened batch
-    hc @ W) is not: a rounding of it moves the matrix function's gradient as a whole, which that cancellation keeps
-    bounded."""
+    bits: 0.26 of the gradient's norm at a smallest gap of 1.2e-3). Such a result counts where it is a vector or a
+    matrix no taller than wide (a matrix built from the factors), not a batch projected onto them (hc @ V, a PCA's),
+    nor a result two calls away (the whitened batch hc @ W): a rounding of those moves the matrix function's gradient
+    as a whole, which that cancellation keeps bounded."""
     g = _past_rearranging(t.grad_fn)
     if g is None:
         return False
     if type(g).__name__ in SPECTRAL_NODES:
         return True
+    if t.dim() >= 2 and t.shape[-2] > t.shape[-1]:
+        return False
     for n, _ in g.next_functions:
         n = _past_rearranging(n)
         if n is not None and type(n).__name__ in SPECTRAL_NODES:
@@ -1215,12 +1259,16 @@ _add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft
      "copysign's sign and segment_reduce's max lost at any width)", lambda *a: _EXACT)
 _EXACT_ROW = _exact_row("exact: the gradient jumps where the value crosses a threshold, a sign or another "
                         "tensor, so rounding would move elements across it (a bias, not noise)")
-for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn sign amax amin max min maximum " \
+for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn sign amax max maximum " \
           "minimum fmax fmin median nanmedian scatter_reduce scatter_reduce_ index_reduce index_reduce_ prod l1_loss " \
           "smooth_l1_loss huber_loss margin_ranking_loss hinge_embedding_loss multi_margin_loss " \
           "multilabel_margin_loss fmod fmod_ remainder remainder_ hardshrink " \
           "softshrink".split():
     TABLE[_n] = _EXACT_ROW
+_add("min amin", "its value through a discontinuous test; the values it selects",
+     "exact, as max's; a minimum over values at least 0 whose smallest is under 1/16 of the largest (a distance; on a "
+     "GPU, any) serves exact the saves it was computed through, from the next step (selects_small: the gradient reaches "
+     "only the nearest pairs, whose differences the rounding of the farthest swamps)", lambda *a: _EXACT)
 _add("matrix_exp linalg_matrix_exp", "the matrix through exp",
      "exact: the backward is the exponential of a block matrix that holds it, so a rounded matrix's error is "
      "exponentiated (at 2 bits the 512-seed mean stayed 0.18 of the gradient's norm off)", lambda *a: _EXACT)
@@ -1252,11 +1300,37 @@ _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std s
      "input as values (a 2-norm's over the last dimension normalized per row; cosine_similarity's too, read twice: >= 4 "
      "bits below 1 024 values per row, 8 below 64); the reduced result exact (all exact at an order other than 2, and "
      "for a matrix norm)", _reduction_result)
+#: the most coordinates a point has for cdist and pdist to keep their points exact (a position in 2-D, 3-D, or 4-D)
+POINT_DIMS_MAX = 4
+
+
+def _distance_points(t, args, kwargs, frame) -> Decision:
+    # cdist's and pdist's backward divides by the distances: those exact (cdist's are (..., r1, r2) for points
+    # (..., r1, m) and (..., r2, m); pdist's one row of pairs); the points and their copies exact where they are
+    # positions (m <= POINT_DIMS_MAX), whose distances can be a thousandth of their range, as values otherwise (a feature
+    # vector's distances are about as large as its range)
+    if not _is_float(t):
+        return _VALUES
+    if not _divides(args, kwargs, frame):
+        return _EXACT
+    x1 = _arg(args, kwargs, 0, "x1" if frame.name == "cdist" else "input")
+    if not isinstance(x1, torch.Tensor) or x1.dim() < 1:
+        return _EXACT
+    points = _EXACT if x1.shape[-1] <= POINT_DIMS_MAX else _VALUES
+    if frame.name == "pdist":
+        return _EXACT if t.dim() == 1 else points
+    x2 = _arg(args, kwargs, 1, "x2")
+    if not isinstance(x2, torch.Tensor) or x1.dim() < 2 or x2.dim() < 2:
+        return _EXACT
+    return _EXACT if t.dim() >= 2 and tuple(t.shape[-2:]) == (x1.shape[-2], x2.shape[-2]) else points
+
+
 _add("cdist pdist", "points through their differences; the distances through a division",
-     "exact: the backward divides each difference of two points by their distance, so the points' rounding, in steps "
-     "of their range, is amplified by range / distance (atoms 150 Å from the origin at 1.2 Å: 0.25 of the gradient's "
-     "norm at 8 bits, 6x the same molecule at the origin; points 0.05 from their targets under a Chamfer loss: 0.12)",
-     lambda *a: _EXACT)
+     f"the distances exact, and points of at most {POINT_DIMS_MAX} coordinates: the backward divides each difference "
+     "of two points by their distance, so a position's rounding, in steps of its range, is amplified by range / "
+     "distance (atoms 150 Å from the origin at 1.2 Å: 0.25 of the gradient's norm at 8 bits, 6x the same molecule at the "
+     "origin; points 0.05 from their targets under a Chamfer loss: 0.12); wider points (feature vectors) as values "
+     "(all exact at an order other than 2)", _distance_points)
 _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
      "triplet_margin_with_distance_loss atan2 atan2_ arctan2 arctan2_ logit logit_ special_logit renorm renorm_ "
      "lp_pool1d lp_pool2d lp_pool3d",
