@@ -173,19 +173,13 @@ std::int64_t reduction_span(Node& node) {
     c10::SymInt const& s = (*sizes)[static_cast<std::size_t>(d)];
     return s.is_symbolic() ? -1 : s.as_int_unchecked();
   };
+  bool const all = dims == nullptr || dims->empty();
+  std::int64_t const count = all ? rank : static_cast<std::int64_t>(dims->size());
   std::int64_t span = 1;
-  if (dims == nullptr || dims->empty()) {
-    for (std::int64_t d = 0; d < rank; ++d) {
-      std::int64_t const n = size_at(d);
-      if (n < 0) return -1;
-      span *= n;
-    }
-  } else {
-    for (std::int64_t const d : *dims) {
-      std::int64_t const n = size_at(d);
-      if (n < 0) return -1;
-      span *= n;
-    }
+  for (std::int64_t i = 0; i < count; ++i) {
+    std::int64_t const n = size_at(all ? i : (*dims)[static_cast<std::size_t>(i)]);
+    if (n < 0) return -1;
+    span *= n;
   }
   return span;
 }

@@ -994,11 +994,8 @@ def selects_small(frame: "Frame") -> bool:
         return True
 
 
-#: nodes that make a distance or a square (at least 0 by construction), and the nodes a distance is summed or shifted
-#: through (a squared distance as |a|² + |b|² − 2ab: adds, subtractions, sums, a scalar's product, views)
-_DISTANCE_NODES = frozenset({"PowBackward0", "PowBackward1", "CdistBackward0", "EuclideanDistBackward0", "NormBackward0",
-                             "NormBackward1", "NormBackward2", "NormBackward3", "LinalgVectorNormBackward0",
-                             "SqrtBackward0", "AbsBackward0"})
+#: the nodes a distance is summed or shifted through (a squared distance as |a|² + |b|² − 2ab: adds, subtractions, sums,
+#: a scalar's product, views); the nodes that make one are _DISTANCE_NODES, beside _SQUARE_SUMS below
 _DISTANCE_THROUGH = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "SumBackward0",
                                "SumBackward1", "MeanBackward0", "MeanBackward1", "MulBackward1", "ClampMinBackward0",
                                "ClampBackward1"})
@@ -1266,9 +1263,9 @@ for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn
           "softshrink".split():
     TABLE[_n] = _EXACT_ROW
 _add("min amin", "its value through a discontinuous test; the values it selects",
-     "exact, as max's; a minimum over values at least 0 whose smallest is under 1/16 of the largest (a distance; on a "
-     "GPU, any) serves exact the saves it was computed through, from the next step (selects_small: the gradient reaches "
-     "only the nearest pairs, whose differences the rounding of the farthest swamps)", lambda *a: _EXACT)
+     "exact, as max's; a minimum over a distance at least 0 whose smallest value is under 1/16 of its largest (on a "
+     "GPU, any distance) serves exact the saves it was computed through, from the next step (selects_small: the "
+     "gradient reaches only the nearest pairs, whose differences the rounding of the farthest swamps)", lambda *a: _EXACT)
 _add("matrix_exp linalg_matrix_exp", "the matrix through exp",
      "exact: the backward is the exponential of a block matrix that holds it, so a rounded matrix's error is "
      "exponentiated (at 2 bits the 512-seed mean stayed 0.18 of the gradient's norm off)", lambda *a: _EXACT)
@@ -2442,6 +2439,9 @@ def _reads_a_result(t: torch.Tensor, frame: Frame, results: dict | None) -> bool
 _SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "NormBackward1", "NormBackward2",
                           "NormBackward3", "LinalgVectorNormBackward0", "VarBackward0", "VarBackward1", "StdBackward0",
                           "StdBackward1", "VarMeanBackward0", "StdMeanBackward0"})
+#: nodes whose result is at least 0 by construction, as a distance is (saved._distance_like): the squares and norms
+#: above, a pairwise distance, a square root, an absolute value
+_DISTANCE_NODES = _SQUARE_SUMS | {"CdistBackward0", "EuclideanDistBackward0", "SqrtBackward0", "AbsBackward0"}
 
 
 #: the fewest values a sum of squares adds per result for Compressor._exact_read's walk to stop at it (a norm, a
