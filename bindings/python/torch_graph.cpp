@@ -143,9 +143,14 @@ std::set<std::string> g_elementwise;
 
 std::int64_t g_min_span = 0;
 
-void graph_configure_ancestors(std::set<std::string> elementwise, std::int64_t min_span) {
+/// graph_configure_ancestors's matrix products (gact/saved.py PRODUCT_NODES): what a walk with `products` ends at.
+std::set<std::string> g_products;
+
+void graph_configure_ancestors(std::set<std::string> elementwise, std::int64_t min_span,
+                               std::set<std::string> products) {
   g_elementwise = std::move(elementwise);
   g_min_span = min_span;
+  g_products = std::move(products);
 }
 
 /// How many values the sum or mean `node` adds per element of its result: the product of its input's sizes over the
@@ -212,15 +217,22 @@ bool is_square(Node& fn, std::string const& name) {
 /// variance; or x * x) over at least `min_span` values per sum (graph_configure_ancestors) is not passed: each square
 /// is a share of the sum, which its rounding cannot make small. Over fewer (a distance over x and y, a 3-D offset) it
 /// is: their quantization groups span many such sums, and a small one takes the step of the largest.
-std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
+/// With `products`, the walk returns instead the matrix products (graph_configure_ancestors) it reaches so, which it
+/// does not walk past: the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
+std::vector<std::uintptr_t> walk_ancestors(std::uintptr_t impl, int depth, int max_nodes, bool products) {
   std::set<std::string> const& elementwise = g_elementwise;
   std::vector<std::uintptr_t> out;
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
-  if (!start || elementwise.count(start->name()) == 0) return out;
+  if (!start) return out;
+  if (products && g_products.count(start->name()) != 0) {
+    out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
+    return out;
+  }
+  if (elementwise.count(start->name()) == 0) return out;
   std::set<Node*> seen{start.get()};
   std::vector<std::shared_ptr<Node>> frontier{start};
   std::vector<std::shared_ptr<Node>> next;
-  out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
+  if (!products) out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
   for (int level = 0; level < depth && !frontier.empty(); ++level) {
     next.clear();
     for (std::shared_ptr<Node> const& node : frontier) {
@@ -228,10 +240,16 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
       for (torch::autograd::Edge const& e : node->next_edges()) {
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
         std::string const name = e.function->name();
-        if (elementwise.count(name) == 0 || (reduction && is_square(*e.function, name) && spans_many(*node))) continue;
+        bool const product = products && g_products.count(name) != 0;
+        if (!product && (elementwise.count(name) == 0 ||
+                         (reduction && is_square(*e.function, name) && spans_many(*node)))) continue;
         if (seen.insert(e.function.get()).second) {
-          out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
-          next.push_back(e.function);
+          if (product) {
+            out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
+          } else {
+            if (!products) out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
+            next.push_back(e.function);
+          }
         }
       }
     }
@@ -240,17 +258,32 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
   return out;
 }
 
+std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
+  return walk_ancestors(impl, depth, max_nodes, false);
+}
+
+/// The addresses of the matrix products (graph_configure_ancestors) the tensor at `impl` is computed from through
+/// elementwise nodes (graph_ancestors's walk, which stops at them): its grad_fn where it is one.
+std::vector<std::uintptr_t> graph_products(std::uintptr_t impl, int depth, int max_nodes) {
+  return walk_ancestors(impl, depth, max_nodes, true);
+}
+
 }  // namespace
 
 void register_graph(py::module_& m) {
   m.def("graph_node", &graph_node, py::arg("tensor"),
         "The address of the autograd node of the tensor at TensorImpl address `tensor` (0 without one).");
   m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"), py::arg("min_span"),
-        "The names of the elementwise nodes graph_ancestors walks (gact/saved.py's ELEMENTWISE_NODES), and the "
-        "fewest values a sum of squares adds per result for the walk to stop at it, once.");
+        py::arg("products"),
+        "The names of the elementwise nodes graph_ancestors walks (gact/saved.py's ELEMENTWISE_NODES), the "
+        "fewest values a sum of squares adds per result for the walk to stop at it, and the matrix products a walk "
+        "with `products` ends at (PRODUCT_NODES), once.");
   m.def("graph_ancestors", &graph_ancestors, py::arg("tensor"), py::arg("depth"), py::arg("max_nodes"),
         "The addresses of the elementwise nodes the tensor at TensorImpl address `tensor` is made by: its grad_fn, "
         "and those reached from it through elementwise nodes, within `depth` edges and `max_nodes` nodes.");
+  m.def("graph_products", &graph_products, py::arg("tensor"), py::arg("depth"), py::arg("max_nodes"),
+        "The addresses of the matrix products (PRODUCT_NODES) the tensor at TensorImpl address `tensor` is computed "
+        "from through elementwise nodes, within `depth` edges and `max_nodes` nodes (not walked past).");
   m.def("graph_configure", &graph_configure, py::arg("view_names"), py::arg("square_sums"),
         "The names of the view nodes a chain follows and of the sums of squares a reduced operand's walk does not "
         "pass (gact/saved.py's VIEW_NODES and _SQUARE_SUMS), once before any graph_reaches.");

@@ -3267,3 +3267,85 @@ def test_a_batch_projected_onto_eigenvectors_stays_stored():
     exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
     comp.close()
     assert exact < 2 * 1024 * 32 * 4, exact  # (two steps: no batch-sized save among them)
+
+
+@pytest.mark.parametrize("form", ["normalize", "cosine_similarity"])
+def test_a_direction_of_few_values_is_read_exact(form):
+    """F.normalize over rows of 2 values (an angle's (sin, cos) from a head's small outputs, norms 4e-6 to 4e-3): such a
+    row has no scale of its own and shares its group with rows 1 000x larger, whose step exceeds it, and the backward
+    reads it twice: a bias (the 64-seed mean's error stayed 0.05 of the gradient's norm; one seed 0.13 at 8 and at 4
+    bits). Directions of fewer than 16 values are kept exact: what is left is the Linear and GELU inputs' rounding."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64))
+    with torch.no_grad():
+        net[-1].weight *= 0.01
+        net[-1].bias.zero_()
+    x, ang = torch.randn(256, 16), torch.rand(256, 32) * 6 - 3
+
+    def loss():
+        o = net(x).view(256, 32, 2)
+        if form == "normalize":
+            o = F.normalize(o, dim=-1)
+            return (torch.atan2(o[..., 0], o[..., 1]) - ang).pow(2).mean()
+        ref = torch.stack([ang.sin(), ang.cos()], -1)
+        return (1 - F.cosine_similarity(o, ref, dim=-1)).mean()
+
+    errs = _errors_by_step(net, loss, steps=2)
+    assert max(errs) < 0.02, errs
+
+
+class _WhitenedPair(nn.Module):
+    """W-MSE's whitening as its reference code writes it: a batch's covariance over 48 features and 56 samples
+    (torch.mm(T, T.t()) / (n - 1), a ridge of 1e-4), its Cholesky factor, the inverse square root by a triangular solve, applied
+    by a 1x1 convolution; then the normalized MSE of two views."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 48))
+
+    def whiten(self, h):
+        xn = (h - h.mean(0)).unsqueeze(-1).unsqueeze(-1)
+        t = xn.permute(1, 0, 2, 3).contiguous().view(48, -1)
+        cov = torch.mm(t, t.t()) / (t.shape[1] - 1) + 1e-4 * torch.eye(48)
+        eye = torch.eye(48)
+        w = torch.linalg.solve_triangular(torch.linalg.cholesky(cov), eye, upper=False)
+        return F.conv2d(xn, w.view(48, 48, 1, 1)).flatten(1)
+
+    def forward(self, a, b):
+        za, zb = F.normalize(self.whiten(self.net(a))), F.normalize(self.whiten(self.net(b)))
+        return 2 - 2 * (za * zb).sum(-1).mean()
+
+
+def test_a_covariance_under_a_factorization_is_read_exact():
+    """The backward of a Cholesky factor (an inverse, a solve) multiplies the gradient by the inverse twice: large along
+    the covariance's small directions, where the batch it was computed from (cov = T Tᵀ) is small, so the product with
+    T cancels there. Rounded, T is small there no more (0.14-0.18 of the gradient's norm at 8 bits, at every step). The operands of the products such a matrix is computed from are served exact from the next step, as the
+    divisions' reads are, and so is the batch read beside the factor's result (the convolution's input, for the
+    whitening matrix's gradient): 0.017 from step 1 (the first carries the rounding, 0.07)."""
+    torch.manual_seed(1)
+    x = torch.randn(56, 32)
+    a, b = x + 0.3 * torch.randn_like(x), x + 0.3 * torch.randn_like(x)
+    m = _WhitenedPair()
+    errs = _errors_by_step(m, lambda: m(a, b), steps=3)
+    assert max(errs[1:]) < 0.03, errs
+
+
+def test_a_factorization_of_parameters_keeps_the_batch_beside_it_stored():
+    """An orthogonal weight by the Cayley transform ((I + A/2)⁻¹ (I − A/2), a solve with a matrix made of parameters,
+    no product of activations): the batch a layer multiplies with it stays stored, as a computed weight's input is."""
+    torch.manual_seed(0)
+    skew = nn.Parameter(0.1 * torch.randn(64, 64))
+    lin = nn.Linear(64, 64)
+    x = torch.randn(512, 64)
+    comp = gact.Compressor(nn.ModuleList([lin]), bits=4, seed=1)
+    for _ in range(2):
+        with comp:
+            a = skew - skew.t()
+            eye = torch.eye(64)
+            w = torch.linalg.solve(eye + a / 2, eye - a / 2)
+            loss = (torch.tanh(lin(x)) @ w).square().mean()
+        loss.backward()
+        comp.step()
+    exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+    comp.close()
+    assert exact < 512 * 64 * 4, exact  # (two steps: the batch, 128 KiB, kept in neither)

@@ -93,10 +93,7 @@ LOG_SPACE_MIN_BITS = _saved.LOG_MIN_BITS
 # from the store's widest value on (codecs' k_store_max_magnitude, a mask's fill) the row keeps its own magnitude, which
 # the codec then refuses: the tensor is kept exact, as it is unnormalized
 _ROW_SCALE_MIN, _ROW_SCALE_MAX = 2.0 ** -100, float(_C.store_max_magnitude)
-# the fewest values a row normalized per row holds: its scale and shift take 4 bytes, 2 bits a value over 16 values (the
-# codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2) the statistics would
-# cost several times the codes
-_ROW_MIN = 16
+_ROW_MIN = _saved.ROW_MIN  # (the fewest values a row normalized per row holds)
 #: the scale of a row of zeros or of values at most 2^-100 stored normalized per row (_row_params): exact in the row
 #: statistics' bfloat16, its inverse a normal float, the row's normalized values within [-1, 1]; it decodes to its codes'
 #: values times 2^-100 at most, zero to any gradient a finite one multiplies
@@ -218,8 +215,9 @@ except ImportError:
     _storage_ref = None
 try:  # autograd nodes by address (torch_graph.cpp; absent without autograd's headers: no _exact_read then)
     from _gact_torch import graph_ancestors as _graph_ancestors, graph_node as _graph_node
+    from _gact_torch import graph_products as _graph_products
 except ImportError:
-    _graph_ancestors = _graph_node = None
+    _graph_ancestors = _graph_node = _graph_products = None
 
 
 _len_modes = getattr(torch._C, "_len_torch_function_stack", None)
@@ -719,6 +717,8 @@ class Compressor:
         # kept exact from the next step on
         self._divided_exact: set[str] = set()
         self._spectral_step = -1  # the last step that ran a spectral decomposition (_saved.SPECTRAL_CALLS)
+        # the last step that factored, inverted or solved with a product of activations (_saved.conditioned_matrix)
+        self._conditioned_step = -1
         self._qk_sigmas: list[tuple] = []
         self._qk_next = 0  # the step that measures them next
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
@@ -1259,6 +1259,11 @@ class Compressor:
                 frame.selected = True  # (min(dim) saves its indices; amin its input and result: one walk a call)
                 if _saved.selects_small(frame):
                     self._exact_read(_saved._arg(frame.args, frame.kwargs, 0, "input"))
+            if self._by_node and frame is not None and frame.name in _saved.CONDITIONED_CALLS and not frame.selected:
+                frame.selected = True  # (one walk a call)
+                m = _saved.conditioned_matrix(frame)
+                if m is not None and self._exact_products(m):
+                    self._conditioned_step = self._step  # (the reads beside its results: saved.beside_conditioned)
             return self._keep(t, "exact")
         dtype = t.dtype
         if dtype not in _KEYED_DTYPES and kind != _saved.INDICES:
@@ -1274,6 +1279,8 @@ class Compressor:
         if key in self._divided_exact and t.grad_fn is not None:
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
+            return self._keep(t, "exact")
+        if self._conditioned_step == self._step and _saved.beside_conditioned(t, frame):
             return self._keep(t, "exact")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
                                                          or self._is_cast_input(t, frame)):
@@ -1356,8 +1363,25 @@ class Compressor:
         saturating activation's result is held for a few stores, _hold) is served from it at once, and its blob
         released; the key of every such save is kept exact from the next step on (where the tensor was gone, or
         what was stored is a derivative: that step's gradient carries the rounding)."""
+        self._serve_exact(_graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES))
+
+    def _exact_products(self, m: torch.Tensor) -> bool:
+        """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
+        the matrix products it is computed from through elementwise calls (a covariance's x and x.T, under a scale and
+        a ridge) are served exact as _exact_read's are, from the next step on where their tensors are gone. Whether
+        there was such a product (the step then keeps exact the operands read beside the call's result:
+        saved.beside_conditioned)."""
+        if _graph_products is None:
+            return False
+        nodes = _graph_products(m._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES)
+        self._serve_exact(nodes)
+        return bool(nodes)
+
+    def _serve_exact(self, nodes: list) -> None:
+        """Serve exact the stored saves listed under ``nodes`` (_on_result): at once from their tensors where the
+        program still holds them unchanged, and by key from the next step on."""
         by_node = self._by_node
-        for node in _graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES):
+        for node in nodes:
             for r, values in by_node.get(node, ()):
                 q = r()
                 if q is None or not q.handle or q.alias is not None:

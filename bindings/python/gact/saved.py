@@ -127,6 +127,12 @@ NORM_FLOOR_BLOCK = 1024
 NORM_FLOOR_MIN_BITS = 4
 
 
+#: the fewest values a row normalized per row holds (Compressor._row_params): its scale and shift take 4 bytes, 2 bits a
+#: value over 16 values (the codes of 16 values at 2 bits take 4 bytes too); over rows of 3 (an RGB or xyz loss's x ** 2)
+#: the statistics would cost several times the codes
+ROW_MIN = 16
+
+
 def norm_floor(block: int) -> int:
     """The fewest bits a normalization's input over ``block`` values per statistics block is stored with (0: none)."""
     return NORM_SMALL_MIN_BITS if block < NORM_SMALL_BLOCK else NORM_FLOOR_MIN_BITS if block < NORM_FLOOR_BLOCK else 0
@@ -836,9 +842,13 @@ def _normalize(t, args, kwargs, frame) -> Decision:
         return _EXACT
     dim = _arg(args, kwargs, 2, "dim", 1)
     n = _reduced_size(x, dim)
-    if n == 1:
+    if 0 < n < ROW_MIN:
         # (over a dimension of size 1 each value is its own row, divided by its own magnitude: x / |x| reads a
-        # rounded x near 0 at 1 / |x|; kept, at the input's bytes)
+        # rounded x near 0 at 1 / |x|. Rows shorter than ROW_MIN have no scale of their own: a direction of 2 to 15
+        # values (an angle's (sin, cos), a normal, a quaternion) shares its group with rows 1 000x longer, whose step
+        # exceeds it, and the backward reads it twice: a bias, 5 % of the gradient at 256 seeds. And a direction near
+        # its target (a geodesic loss, acos of <q, q_gt>) gets a gradient nearly parallel to it, which the backward
+        # projects out: what is left is the rounding's. Kept, at the input's bytes)
         return _EXACT
     return _floored(n, _last_dim_rows(x, dim))
 
@@ -882,7 +892,7 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
         for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
             if isinstance(x, torch.Tensor) and _view_of(t, x):
                 n = _reduced_size(x, dim)
-                return _EXACT if n == 1 else _floored(n, _last_dim_rows(x, dim))  # (size 1: as F.normalize's)
+                return _EXACT if 0 < n < ROW_MIN else _floored(n, _last_dim_rows(x, dim))  # (short rows: as normalize's)
     elif frame.name in _NORM_DIM_ARG:
         # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm)
         x = _arg(args, kwargs, 0, "input")
@@ -1052,6 +1062,58 @@ def near_spectral(t: torch.Tensor) -> bool:
     for n, _ in g.next_functions:
         n = _past_rearranging(n)
         if n is not None and type(n).__name__ in SPECTRAL_NODES:
+            return True
+    return False
+
+
+#: calls whose backward solves with their matrix or its factors (a factorization, an inverse, a solve, a determinant):
+#: where that matrix is a product of activations (a covariance x @ x.T, a kernel k @ k.T + λI), the product's operands
+#: are kept exact (Compressor._exact_read, CONDITIONED_MATRIX_ARG)
+CONDITIONED_CALLS = frozenset("""cholesky linalg_cholesky linalg_cholesky_ex inverse linalg_inv linalg_inv_ex solve
+    linalg_solve linalg_solve_ex cholesky_inverse linalg_lu linalg_lu_factor linalg_lu_factor_ex lu det logdet slogdet
+    linalg_det linalg_slogdet linalg_lstsq lstsq pinverse linalg_pinv linalg_ldl_factor linalg_ldl_factor_ex
+    linalg_tensorinv linalg_tensorsolve""".split())
+#: where a CONDITIONED_CALLS call takes its matrix, where not its first argument: (position, keyword)
+CONDITIONED_MATRIX_ARG = {"solve": (1, "A"), "lstsq": (1, "A")}
+#: the autograd nodes of matrix products (mm, bmm, matmul's, einsum's, addmm's): where a walk from a conditioned call's
+#: matrix ends (_gact_torch.graph_ancestors with products)
+PRODUCT_NODES = frozenset({"MmBackward0", "BmmBackward0", "AddmmBackward0", "BaddbmmBackward0", "MvBackward0",
+                           "MatmulBackward0"})
+
+
+def conditioned_matrix(frame: "Frame") -> Any:
+    """The matrix a CONDITIONED_CALLS call factors, inverts or solves with, where it was computed (a tensor with a
+    graph), else None. Its backward multiplies the output's gradient by the inverse twice (A⁻ᵀ g A⁻ᵀ for an inverse,
+    the same through a Cholesky factor), large along the matrix's small singular directions; where the matrix is a
+    product x @ y.T, the gradient of x is that times y, which cancels along those directions, since y is small there: a
+    rounded y, small there no more, leaves the large part. A W-MSE whitening (cholesky of a batch's covariance over 120
+    features and 128 samples) was 0.32 of the gradient's norm off at 8 bits."""
+    pos, key = CONDITIONED_MATRIX_ARG.get(frame.name, (0, "input"))
+    a = _arg(frame.args, frame.kwargs, pos, key)
+    if a is None and key == "input":
+        a = frame.kwargs.get("A")
+    return a if isinstance(a, torch.Tensor) and a.grad_fn is not None and _is_float(a) else None
+
+
+#: what the autograd nodes of a conditioned call's results are named with (an inverse, a factor, a solution)
+_CONDITIONED_RESULT_PARTS = ("Cholesky", "Solve", "Inv", "Lstsq", "Det", "LuFactor")
+
+
+def beside_conditioned(t: torch.Tensor, frame: Frame | None) -> bool:
+    """Whether ``t`` is saved by a call given the result of a conditioned call (an inverse, a Cholesky factor, a
+    triangular solve's result; up to moves and copies) as another operand: ``x @ W`` with W the inverse square root of
+    a batch's covariance, saving x for W's gradient. That gradient goes back through the factorization, which amplifies
+    it along the covariance's small directions, where x is small: rounded, it is small there no more (a W-MSE
+    whitening's conv2d(x, W): 0.087 of the gradient's norm at 8 bits with the covariance's operands exact, 0.011 with x
+    too). Asked only in a step whose conditioned call's matrix was a product of activations
+    (Compressor._exact_products)."""
+    if frame is None:
+        return False
+    for a in _operands(frame):
+        if a is t or a.grad_fn is None or _view_of(t, a):
+            continue
+        g = _past_rearranging(a.grad_fn)
+        if g is not None and any(p in type(g).__name__ for p in _CONDITIONED_RESULT_PARTS):
             return True
     return False
 
@@ -1279,7 +1341,9 @@ _add("det logdet slogdet linalg_det linalg_slogdet linalg_solve linalg_solve_ex 
      "the matrix, its factors", "exact: the backward solves with them or divides by eigenvalue gaps, so a rounded "
      "matrix's error grows with its condition number (logdet of a random 16x16 SPD matrix: 20x the gradient); a "
      "spectral decomposition's outputs, and the results of the calls given them, exact where later calls save them "
-     "(near_spectral: their gap divisions cancel between the reads of V)",
+     "(near_spectral: their gap divisions cancel between the reads of V); a factored, inverted or solved matrix computed "
+     "from a product of activations (a covariance): the product's operands exact from the next step, and the batch "
+     "read beside the result (conditioned_matrix, beside_conditioned)",
      lambda *a: _EXACT)
 _add("grad backward", "anything the double backward reads",
      "exact: saved by a backward with create_graph=True, whose next backward reads them in any way (an ELU's sign)",
@@ -1290,12 +1354,13 @@ _add("div div_ divide divide_ true_divide true_divide_", "the divisor; the divid
      "somewhere (a variance; on a GPU, any such divisor)",
      _divisor)
 _add("normalize", "input twice; its norm through a division",
-     "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64); "
+     "input as values normalized per row (over the last dimension), >= 4 bits below 1 024 values per row (8 below 64), "
+     "exact over rows of fewer than 16 values (a direction in 2-D to 4-D: an angle's pair, a normal, a quaternion); "
      "the norm (one value per row) exact (all exact at an order other than 2)", _normalize)
 _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean var var_mean pairwise_distance "
      "cosine_similarity", "input; the norm or deviation through a division",
      "input as values (a 2-norm's over the last dimension normalized per row; cosine_similarity's too, read twice: >= 4 "
-     "bits below 1 024 values per row, 8 below 64); the reduced result exact (all exact at an order other than 2, and "
+     "bits below 1 024 values per row, 8 below 64, exact below 16); the reduced result exact (all exact at an order other than 2, and "
      "for a matrix norm)", _reduction_result)
 #: the most coordinates a point has for cdist and pdist to keep their points exact (a position in 2-D, 3-D, or 4-D)
 POINT_DIMS_MAX = 4
@@ -2462,7 +2527,7 @@ else:
     except ImportError:
         pass
     else:
-        _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN)
+        _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN, set(PRODUCT_NODES))
 
 
 def _reaches_to(operands: list, targets: list = (), leaf: torch.Tensor | None = None, reduced: list | None = None,
