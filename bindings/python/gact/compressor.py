@@ -1311,7 +1311,10 @@ class Compressor:
         elif kind == _saved.NORMALIZED:
             d, kind = _saved._VALUES, _saved.VALUES
         if d.qk:  # (an attention's q or k: kept exact where its rounding would move the scores too far, _measure_qk)
-            if frame is not None and self._step >= self._qk_next and len(self._qk_sigmas) < self.QK_MEASURED_MAX:
+            if d.qk == 4:  # (a fused call's v or output: decided with its q and k)
+                if frame is not None and frame.qk_keys is not None:
+                    frame.qk_keys.append(key)
+            elif frame is not None and self._step >= self._qk_next and len(self._qk_sigmas) < self.QK_MEASURED_MAX:
                 self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
             if key in self._qk_exact:
                 return self._keep(t, "exact")
@@ -1432,7 +1435,7 @@ class Compressor:
         """Record an attention call's q or k (``role`` 1, 2, or 3 for both) for saved.attention_sigma: once the call
         has both, the bound on its scores' rounding goes to the step's list, read at step() (one read for the step,
         not a sync per call on a GPU); above saved.ATTENTION_SIGMA_MAX the call's q and k keys are kept exact from
-        then on."""
+        then on, and a fused call's v and output keys with them (saved._ATTENTION_VO)."""
         try:
             with torch.no_grad():
                 x = t.detach()
@@ -1448,7 +1451,8 @@ class Compressor:
         if 1 in seen and 2 in seen:
             (kq, sq), (kk, sk) = seen.pop(1), seen.pop(2)
             sigma = _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t), shared=role == 3)
-            self._qk_sigmas.append((kq, kk, sigma))
+            keys = frame.qk_keys = [kq, kk]  # (and a fused call's v and output, saved after them: Decision.qk 4)
+            self._qk_sigmas.append((keys, sigma))
 
     #: attention calls measured in one step at most (_measure_qk): a program that never calls step() does not grow the
     #: list without end
@@ -1461,13 +1465,13 @@ class Compressor:
         self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
         by_device: dict = {}
         for e in entries:
-            by_device.setdefault(e[2].device, []).append(e)
+            by_device.setdefault(e[1].device, []).append(e)
         for group in by_device.values():
-            for (kq, kk, _), sigma in zip(group, torch.stack([e[2] for e in group]).cpu().tolist()):
+            for (keys, _), sigma in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
                 if not sigma <= _saved.ATTENTION_SIGMA_MAX:  # (NaN too: exact)
-                    self._qk_exact.update((kq, kk))
+                    self._qk_exact.update(keys)
                 else:
-                    self._qk_exact.difference_update((kq, kk))
+                    self._qk_exact.difference_update(keys)
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded

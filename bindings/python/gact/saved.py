@@ -108,6 +108,12 @@ _ATTENTION_QK = (None, Decision(VALUES, min_bits=ATTENTION_QK_MIN_BITS, qk=1),
 #: the bounds a step: on a GPU, no sync per call). Against the memory that costs: a layer whose bound is 0.095 (a score
 #: spread of 3) had 3.4 % of the gradient off at 8 bits against 1.5 % exact; at 0.042 (spread 1.35), 1.8 % against 1.2 %
 ATTENTION_SIGMA_MAX = 0.1
+#: a fused attention call's value and output (Decision.qk 4): kept exact with its q and k. The fused backward takes
+#: D = rowsum(dO·O) from the saved output and dP = dO·vᵀ from the saved value, and its scores' gradient P·(dP − D)
+#: cancels on a peaked row only while O is P·v for the same v: rounded apart, what is left of a row where P is near one
+#: is their rounding (a trained-like head of row maxima 0.97: the q and k weights' gradient 15 % off at 8 bits and 260 %
+#: at 4 with q and k exact, against 2.7 % and 40 % through a hand-written softmax, whose saved P keeps it consistent)
+_ATTENTION_VO = Decision(VALUES, min_bits=2, qk=4)
 ATTENTION_CHECK_EVERY = 64
 #: a result its backward reads through a square (tanh: 1 - y², sigmoid: y(1 - y)), and the recurrent calls whose
 #: gates are such results: E[1 - ŷ²] = 1 - y² - Var(ŷ), a bias as large as the rounding's variance. At 2 bits the
@@ -536,16 +542,19 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if role:
         return _ATTENTION_QK[role]  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
     if _attention_map(t, args, kwargs, mha):
+        frame.mapped = True  # (the math path: its backward reads P, saved before v)
         return _QUADRATIC
     if mha:
         # (its first arguments are the layer's inputs; the tracker does not see the attention call inside it, whose
         # q, k, v and output are its only 4-dimensional saves that need a gradient (torch 2.x, need_weights=False:
         # a fused kernel). Autograd's generated code saves an op's inputs before its output, in argument order, so
-        # q and k are the first two: at their floor; v and the output at the run's bits)
+        # q and k are the first two: at their floor; v and the output at the run's bits, exact with q and k)
         if t.dim() == 4 and t.requires_grad:
             frame.count += 1
-            return _ATTENTION_QK[frame.count] if frame.count <= 2 else _ATTENTION_VALUES
-    return _ATTENTION_VALUES
+            return _ATTENTION_QK[frame.count] if frame.count <= 2 else _ATTENTION_VO
+        return _ATTENTION_VALUES
+    # (a fused kernel's v and output, read together by its backward: exact with its q and k; not on the math path)
+    return _ATTENTION_VALUES if frame.mapped or not t.requires_grad else _ATTENTION_VO
 
 
 def _flex_attention(t, args, kwargs, frame) -> Decision:
@@ -1130,7 +1139,8 @@ def _past_rearranging(g: Any) -> Any:
 
 #: elementwise nodes and views (with sums over them), through which a read kept exact for a call that divides by it is
 #: a function of what they read (Compressor._exact_read): arithmetic, powers, clamps, the activations (torch's, and
-#: gact's stand-ins that store their derivative), sums
+#: gact's stand-ins that store their derivative), sums and cumulative sums (entmax's sorted moments, cumsum(x ** 2) / ρ
+#: − (cumsum(x) / ρ) ** 2 under a square root)
 ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackward0 SubBackward1 RsubBackward0
     RsubBackward1 MulBackward0 MulBackward1 DivBackward0 DivBackward1 NegBackward0 PowBackward0 PowBackward1
     PowBackward2 ClampBackward0 ClampBackward1 ClampMinBackward0 ClampMinBackward1 ClampMaxBackward0 ClampMaxBackward1
@@ -1139,7 +1149,7 @@ ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackw
     SeluBackward0 ErfBackward0 ErfcBackward0 SiluBackward0 GeluBackward0 GeluBackward1 MishBackward0
     HardtanhBackward0 HardsigmoidBackward0 HardswishBackward0 LeakyReluBackward0 LogSigmoidBackward0
     ActivationFunctionBackward _HardsigmoidFunctionBackward SumBackward0 SumBackward1 MeanBackward0 MeanBackward1
-    CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 WhereBackward0
+    CumsumBackward0 CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 WhereBackward0
     MaskedFillBackward0 MaskedFillBackward1""".split())
 
 #: calls whose backward divides by a saved operand, or by a function of it that vanishes where it does (log, a
@@ -1450,8 +1460,9 @@ _add("scaled_dot_product_attention multi_head_attention_forward _scaled_dot_prod
      "q, k, v, output; log-sum-exp through exp; the mask; the math path's probabilities", "q and k at >= 8 bits (fused kernels recompute "
      "exp(q kᵀ·scale − lse): a bias that grows with the scores; in multi-head attention's fused path v and the "
      "output too), and exact from the next step where their rounding could move a score by more than "
-     f"{ATTENTION_SIGMA_MAX} (peaked heads: measured at step 0 and every {ATTENTION_CHECK_EVERY} steps); v and output "
-     f"at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
+     f"{ATTENTION_SIGMA_MAX} (peaked heads: measured at step 0 and every {ATTENTION_CHECK_EVERY} steps), with a fused "
+     "kernel's v and output (its backward's rowsum(dO·O) and dO·vᵀ cancel on a peaked row only from one v); v and "
+     f"output at >= 2 bits; the math path's probabilities over fewer than {SOFTMAX_WIDE} keys at >= "
      f"{QUADRATIC_MIN_BITS} bits (a softmax's); the log-sum-exp and a float mask exact; "
      "philox seed/offset and sequence lengths kept (integers)", _attention)
 _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod and mask_mod read",
@@ -1506,7 +1517,7 @@ class Frame:
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
     __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
-                 "_wrapped", "qk", "stored", "selected")
+                 "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -1522,6 +1533,9 @@ class Frame:
         self._name: str | None = None
         self._wrapped: bool | None = None
         self.qk: dict | None = None  # an attention call's q and k measured so far: {role: (key, statistics)}
+        # an attention call's keys decided with its measured q and k (theirs, its value's and output's: Decision.qk 4)
+        self.qk_keys: list | None = None
+        self.mapped = False  # an attention call that saved its probabilities (the math path)
         self.stored: list | None = None  # the call's stored saves, as the Compressor's _store listed them
         self.selected = False  # a SELECTING_CALLS call whose input's chain was served exact (Compressor._pack)
 
