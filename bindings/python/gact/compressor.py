@@ -352,7 +352,7 @@ class _Packed:
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
                  "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "sref", "logged", "view",
-                 "__weakref__")
+                 "simplex", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -380,6 +380,7 @@ class _Packed:
         self.hold: torch.Tensor | None = None
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
+        self.simplex: int | None = None  # a softmax's result: decoded rows along this dimension scaled to sum to one
         # a view's base and the storage the view was saved from, both held weakly, and the view's geometry (base ref,
         # storage ref, size, stride, offset): a frozen matrix used through a view (f @ E.t()) is served from the base
         # while it lives unchanged on that storage
@@ -439,6 +440,10 @@ class _Packed:
             # (not in place: the store shares a decoded image with a later reader while an earlier one holds it,
             # a graph built with create_graph=True or a second read of grad_fn._saved_result)
             return out.log()
+        if self.simplex is not None:
+            # (not in place either; a row that decoded to all zeros or to NaN stays as it is)
+            total = out.sum(self.simplex, keepdim=True)
+            return torch.where(total > 0, out / total, out)
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
     def keep_exact(self) -> torch.Tensor | None:
@@ -1590,6 +1595,7 @@ class Compressor:
         # (owned at once: an exception from here on, a Ctrl-C in the middle of a forward, drops p, whose __del__
         # releases the handle; before, one landing before p was made orphaned the blob for good)
         p = _Packed(h, t, key, decode, self._owner, strides)
+        p.simplex = d.simplex
         if waiting is not None:
             # its predicate save: served by the blob just stored; a ReLU's backward tests result > 0, which the
             # boundary blob's values answer exactly (zeros are exact, the rest positive), so it reads the values

@@ -78,6 +78,11 @@ class Decision(NamedTuple):
     # values: an attention call's query (1), key (2) or both (3), whose backward rebuilds the weights as
     # exp(q kᵀ·scale − lse): the Compressor measures how far their rounding can move the scores (attention_sigma)
     qk: int = 0
+    # values: a softmax's result, whose rows along this dimension sum to one (None: not one): decoded rows are scaled to
+    # sum to one again (Compressor._Packed.unpack), as the backward y·(g − Σ g·y) needs for its rows' gradient to sum to
+    # zero; rounded apart from one, a component every key shares (an outlier feature in every token) leaks into the
+    # query's gradient (a q weight 0.5-0.9 of its gradient's norm off at 8 bits, 0.11 renormalized)
+    simplex: int | None = None
 
 
 _VALUES = Decision(VALUES)
@@ -401,7 +406,9 @@ def _softmax(t, args, kwargs, frame) -> Decision:
         n = t.shape[int(dim)] if t.dim() > 0 else 1
     except (IndexError, TypeError, ValueError):
         return _QUADRATIC
-    return _QUADRATIC if n < SOFTMAX_WIDE else _VALUES
+    d = _QUADRATIC if n < SOFTMAX_WIDE else _VALUES
+    # (its rows sum to one: decoded so again; not gumbel_softmax's, a composite whose saves are not all its result)
+    return d._replace(simplex=int(dim)) if frame.name != "gumbel_softmax" and n > 1 else d
 
 
 def _pool_input_shape(t, args, kwargs, frame) -> Decision:
@@ -542,7 +549,8 @@ def _attention(t, args, kwargs, frame) -> Decision:
     if role:
         return _ATTENTION_QK[role]  # (before the maps: a head size equal to the keys' count gives q and k a map's shape)
     if _attention_map(t, args, kwargs, mha):
-        frame.mapped = True  # (the math path: its backward reads P, saved before v)
+        if frame is not None:
+            frame.mapped = True  # (the math path: its backward reads P, saved before v)
         return _QUADRATIC
     if mha:
         # (its first arguments are the layer's inputs; the tracker does not see the attention call inside it, whose
@@ -554,7 +562,7 @@ def _attention(t, args, kwargs, frame) -> Decision:
             return _ATTENTION_QK[frame.count] if frame.count <= 2 else _ATTENTION_VO
         return _ATTENTION_VALUES
     # (a fused kernel's v and output, read together by its backward: exact with its q and k; not on the math path)
-    return _ATTENTION_VALUES if frame.mapped or not t.requires_grad else _ATTENTION_VO
+    return _ATTENTION_VALUES if (frame is not None and frame.mapped) or not t.requires_grad else _ATTENTION_VO
 
 
 def _flex_attention(t, args, kwargs, frame) -> Decision:
@@ -1319,7 +1327,8 @@ _add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inve
      "values for a power >= 0; exact for a negative one (an inverse)", _matrix_power)
 _add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
      f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
-     "value is biased; a router's or a head's softmax)", _softmax)
+     "value is biased; a router's or a head's softmax); decoded rows scaled to sum to one (a component all keys share "
+     "cancels in the query's gradient only then)", _softmax)
 _add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss copysign copysign_ "
      "special_i0e special_i1 special_i1e special_ndtr special_log_ndtr special_zeta segment_reduce _segment_reduce "
      "vander linalg_vander",
