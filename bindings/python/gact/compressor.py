@@ -441,9 +441,11 @@ class _Packed:
             # a graph built with create_graph=True or a second read of grad_fn._saved_result)
             return out.log()
         if self.simplex is not None:
-            # (not in place either; a row that decoded to all zeros or to NaN stays as it is)
-            total = out.sum(self.simplex, keepdim=True)
-            return torch.where(total > 0, out / total, out)
+            # (not in place either) each row's excess over one, taken back from its values in equal shares: linear in
+            # the decoded values, so still unbiased (a row scaled by its sum was not: 0.15 of the gradient's norm at 2
+            # bits in an 800-seed mean); a row with NaN stays NaN
+            n = out.shape[self.simplex]
+            return out - (out.sum(self.simplex, keepdim=True) - 1.0) / n
         return out.view(torch.bool) if self.dtype is torch.bool else out
 
     def keep_exact(self) -> torch.Tensor | None:
@@ -716,7 +718,8 @@ class Compressor:
         self._by_node: dict[int, list] = {}
         # per thread (by ident), the last stored results of SATURATING_CALLS, held for HOLD_STORES more stores (_hold)
         self._holds: dict[int, list] = {}
-        # attention calls' q and k keys kept exact, and this step's bounds to read at step() (_measure_qk)
+        # keys kept exact by a measurement of their call (attention calls' q and k, and a fused call's v and output; a
+        # squared difference's sides), and this step's measurements to read at step() (_measure_qk, _measure_near)
         self._qk_exact: set[str] = set()
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
         # kept exact from the next step on
@@ -1320,7 +1323,10 @@ class Compressor:
                 if frame is not None and frame.qk_keys is not None:
                     frame.qk_keys.append(key)
             elif frame is not None and self._step >= self._qk_next and len(self._qk_sigmas) < self.QK_MEASURED_MAX:
-                self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
+                if d.qk == 5:
+                    self._measure_near(key, t.numel(), frame)
+                else:
+                    self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
             if key in self._qk_exact:
                 return self._keep(t, "exact")
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
@@ -1457,23 +1463,35 @@ class Compressor:
             (kq, sq), (kk, sk) = seen.pop(1), seen.pop(2)
             sigma = _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t), shared=role == 3)
             keys = frame.qk_keys = [kq, kk]  # (and a fused call's v and output, saved after them: Decision.qk 4)
-            self._qk_sigmas.append((keys, sigma))
+            self._qk_sigmas.append((keys, sigma, _saved.ATTENTION_SIGMA_MAX))
+
+    def _measure_near(self, key: str, numel: int, frame: Any) -> None:
+        """Record a squared difference's side (mse_loss's input or target, Decision.qk 5): its call is measured once
+        (saved.near_ratio, at the key's bits), and its sides are kept exact from the next step on where the rounding
+        step exceeds NEAR_STEP_MAX times the difference's rms (read at step(), with the attention calls' bounds)."""
+        if frame.qk_keys is not None:
+            frame.qk_keys.append(key)
+            return
+        ratio = _saved.near_ratio(frame, self._bits_for(key, numel), self.group_size)
+        if ratio is not None:
+            keys = frame.qk_keys = [key]
+            self._qk_sigmas.append((keys, ratio, _saved.NEAR_STEP_MAX))
 
     #: attention calls measured in one step at most (_measure_qk): a program that never calls step() does not grow the
     #: list without end
     QK_MEASURED_MAX = 4096
 
     def _read_qk(self) -> None:
-        """Decide the measured attention calls' q and k (see _measure_qk): one read per device; the next measurement
-        ATTENTION_CHECK_EVERY steps on."""
+        """Decide the measured calls' keys (see _measure_qk, _measure_near), each against its limit: one read per
+        device; the next measurement ATTENTION_CHECK_EVERY steps on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
         self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
         by_device: dict = {}
         for e in entries:
             by_device.setdefault(e[1].device, []).append(e)
         for group in by_device.values():
-            for (keys, _), sigma in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
-                if not sigma <= _saved.ATTENTION_SIGMA_MAX:  # (NaN too: exact)
+            for (keys, _, limit), value in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
+                if not value <= limit:  # (NaN too: exact)
                     self._qk_exact.update(keys)
                 else:
                     self._qk_exact.difference_update(keys)

@@ -75,13 +75,16 @@ class Decision(NamedTuple):
     # spans rows of different scales would give a small row the rounding step of a large one, divided by its own
     # small norm (F.normalize over rows whose norms span 1000x: one seed's gradient 1.0x its norm off at 8 bits)
     rows: int = 0
-    # values: an attention call's query (1), key (2) or both (3), whose backward rebuilds the weights as
-    # exp(q kᵀ·scale − lse): the Compressor measures how far their rounding can move the scores (attention_sigma)
+    # values decided by a measurement of their call (Compressor._measure_qk): an attention call's query (1), key (2) or
+    # both (3), whose backward rebuilds the weights as exp(q kᵀ·scale − lse): how far their rounding can move the scores
+    # (attention_sigma); a fused attention's value or output (4), exact with its q and k; a side of a squared
+    # difference (5, mse_loss's input and target): how its rounding step compares with the difference (near_ratio)
     qk: int = 0
-    # values: a softmax's result, whose rows along this dimension sum to one (None: not one): decoded rows are scaled to
-    # sum to one again (Compressor._Packed.unpack), as the backward y·(g − Σ g·y) needs for its rows' gradient to sum to
-    # zero; rounded apart from one, a component every key shares (an outlier feature in every token) leaks into the
-    # query's gradient (a q weight 0.5-0.9 of its gradient's norm off at 8 bits, 0.11 renormalized)
+    # values: a softmax's result, whose rows along this dimension sum to one (None: not one): decoded rows are made to
+    # sum to one again, each row's excess taken back in equal shares (Compressor._Packed.unpack: linear, unbiased), as the
+    # backward y·(g − Σ g·y) needs for its rows' gradient to sum to zero; rounded apart from one, a component every key
+    # shares (an outlier feature in every token) leaks into the query's gradient (a q weight 0.5-0.9 of its gradient's
+    # norm off at 8 bits, 0.11 corrected)
     simplex: int | None = None
 
 
@@ -586,6 +589,46 @@ def _flex_attention(t, args, kwargs, frame) -> Decision:
     return _EXACT
 
 
+#: a side of a squared difference (mse_loss's input or target, Decision.qk 5)
+_DIFFERENCE_SIDE = Decision(VALUES, qk=5)
+#: near_ratio above which a squared difference's sides are kept exact: the rounding step above a quarter of the
+#: difference's rms, where the rounding carries about a tenth of what the backward reads (the gradient's error from it
+#: was about 0.4x the ratio: a denoiser at σ = 0.05, ratio 0.46 at 8 bits, 18 %; at σ = 0.2, 0.11, 4.4 %; a perceptual
+#: loss's VGG features at 4 bits, 0.12-0.28, stay stored or nearly)
+NEAR_STEP_MAX = 0.25
+
+
+def _mse_side(t, args, kwargs, frame) -> Decision:
+    if not _is_float(t) or t.is_complex():
+        return _VALUES
+    a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+    return _DIFFERENCE_SIDE if _view_of(t, a) or _view_of(t, b) else _VALUES
+
+
+def near_ratio(frame: "Frame", bits: int, group: int) -> torch.Tensor | None:
+    """A squared difference's (mse_loss's) rounding step at ``bits`` (the rms over both sides' quantization groups of
+    ``group`` values) over the rms of the difference of its sides, as a 0-dimensional float32 tensor on their device
+    (read at step(), no sync here); None where it cannot be computed. Its backward reads 2·(input − target): where the
+    step exceeds that difference, the rounding is most of what it reads (a model near its target: a denoiser at small
+    noise, a distilled feature, a depth at 1 %)."""
+    a, b = _arg(frame.args, frame.kwargs, 0, "input"), _arg(frame.args, frame.kwargs, 1, "target")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.numel() == 0:
+        return None
+    try:
+        with torch.no_grad():
+            a, b = a.detach(), b.detach()
+            steps = []
+            for x in (a, b):
+                x = x.reshape(-1)
+                n = x.numel() - x.numel() % group if x.numel() >= group else x.numel()
+                x = x[:n].view(-1, min(group, n)).float()
+                steps.append((x.amax(1) - x.amin(1)).square().mean())
+            step = torch.sqrt((steps[0] + steps[1]) / 2) / ((1 << bits) - 1)
+            return step / (a - b).float().square().mean().sqrt()
+    except RuntimeError:  # (no memory for the difference, shapes that do not broadcast: not measured)
+        return None
+
+
 def attention_sigma(q_stats: tuple, k_stats: tuple, scale: float, shared: bool = False) -> torch.Tensor:
     """A bound on the standard deviation that rounding q and k at ATTENTION_QK_MIN_BITS adds to a score q·k·scale, from
     each one's (largest magnitude, largest row norm) as 0-dimensional tensors: a value's rounding error has a variance
@@ -785,6 +828,12 @@ def _divisor(t, args, kwargs, frame) -> Decision:
     a = _arg(args, kwargs, 0, "input")
     if isinstance(other, torch.Tensor) and other.requires_grad and isinstance(a, torch.Tensor) and _view_of(t, a) and \
             _is_float(t):
+        if 0 < _broadcast_size(other, a) < ROW_MIN and _a_norm(other):
+            # (a norm of one value per row of fewer than ROW_MIN values, along any dimension: a normalization by hand,
+            # o / o.norm(dim=1, keepdim=True) over 3 channels; such rows have no scale of their own: exact, as
+            # F.normalize's input. Surface normals near their target: 1.9-3.4 of the gradient's norm at 8 bits. Not a
+            # deviation over a small batch, h / h.std(0, keepdim=True), which reads no direction)
+            return _EXACT
         if _per_row(other, a):
             return Decision(VALUES, rows=a.shape[-1])
         if _own_divisor(t, args, kwargs) and _below_one(other):
@@ -794,6 +843,44 @@ def _divisor(t, args, kwargs, frame) -> Decision:
             # every |b| >= 1 (a swish by hand, h / (1 + exp(-h))): nothing is amplified there
             return _EXACT
     return _VALUES
+
+
+#: the nodes a divisor reaches its norm through (a clamp, an epsilon added, a broadcast, a scale)
+_TO_A_NORM = frozenset({"AddBackward0", "AddBackward1", "ClampMinBackward0", "ClampBackward1", "ClampBackward0",
+                        "ExpandBackward0", "MulBackward1", "DivBackward1"})
+
+
+def _a_norm(b: torch.Tensor) -> bool:
+    """Whether the divisor ``b`` is a 2-norm (norm, vector_norm, or the square root of a sum of squares), through clamps,
+    an added epsilon, a broadcast or a scale (4 nodes at most)."""
+    g = b.grad_fn
+    for _ in range(4):
+        if g is None:
+            return False
+        name = type(g).__name__
+        if "Norm" in name or name == "SqrtBackward0":
+            return True
+        if name not in _TO_A_NORM:
+            return False
+        nxt = [n for n, _ in g.next_functions if n is not None]
+        g = nxt[0] if len(nxt) == 1 else None
+    return False
+
+
+def _broadcast_size(s: torch.Tensor, a: torch.Tensor) -> int:
+    """The size of the one dimension of ``a`` that ``s`` is broadcast along (s has a's shape with that dimension 1, or
+    as many dimensions fewer in front: one value per row along it), 0 where s is no such tensor."""
+    if a.dim() < 1 or s.dim() > a.dim():
+        return 0
+    shape = (1,) * (a.dim() - s.dim()) + tuple(s.shape)
+    found = 0
+    for n, m in zip(a.shape, shape):
+        if m == n:
+            continue
+        if m != 1 or found:
+            return 0
+        found = n
+    return found if found > 1 and s.dim() == a.dim() else 0
 
 
 def _own_divisor(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -904,19 +991,35 @@ def _reduction_result(t, args, kwargs, frame) -> Decision:
             return _EXACT
     if frame.name == "cosine_similarity":
         # (each input is read twice by its own gradient, x1/(n1 n2) - cos·x1/n1² with cos summing x1·x2: as a
-        # normalization's input, at least norm_floor's bits over the reduced dimension)
+        # normalization's input, at least norm_floor's bits over the reduced dimension. Over rows of fewer than ROW_MIN
+        # values, as F.normalize's: everything it saves exact, torch 1.13's normalized copies of x1 and x2 too)
         dim = _arg(args, kwargs, 2, "dim", 1)
-        for x in (_arg(args, kwargs, 0, "x1"), _arg(args, kwargs, 1, "x2")):
+        x1 = _arg(args, kwargs, 0, "x1")
+        if 0 < _reduced_size(x1, dim) < ROW_MIN:
+            return _EXACT
+        for x in (x1, _arg(args, kwargs, 1, "x2")):
             if isinstance(x, torch.Tensor) and _view_of(t, x):
                 n = _reduced_size(x, dim)
-                return _EXACT if 0 < n < ROW_MIN else _floored(n, _last_dim_rows(x, dim))  # (short rows: as normalize's)
+                return _EXACT if 0 < n < ROW_MIN else _floored(n, _last_dim_rows(x, dim))
     elif frame.name in _NORM_DIM_ARG:
-        # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm)
+        # (a 2-norm's backward reads its input divided by the result: a row of the last dimension by its own norm. Over
+        # rows of fewer than ROW_MIN values, which have no scale of their own: exact, as F.normalize's. A flow's
+        # end-point error, (pred - gt).norm(dim=1) over 2 channels near convergence: 3-4 % of the gradient at 8 bits)
         x = _arg(args, kwargs, 0, "input")
         if isinstance(x, torch.Tensor) and _view_of(t, x):
-            rows = _last_dim_rows(x, _arg(args, kwargs, _NORM_DIM_ARG[frame.name], "dim"))
+            dim = _arg(args, kwargs, _NORM_DIM_ARG[frame.name], "dim")
+            if isinstance(dim, (tuple, list)) and len(dim) == 1:
+                dim = dim[0]
+            if 1 < _reduced_size(x, dim) < ROW_MIN:
+                return _EXACT
+            rows = _last_dim_rows(x, dim)
             if rows:
                 return Decision(VALUES, rows=rows)
+    elif frame.name == "pairwise_distance":
+        # (the difference x1 - x2 + eps over its last dimension: as a norm's input over short rows)
+        x1 = _arg(args, kwargs, 0, "x1")
+        if isinstance(x1, torch.Tensor) and x1.dim() >= 1 and 1 < x1.shape[-1] < ROW_MIN:
+            return _EXACT
     return _VALUES
 
 
@@ -1327,8 +1430,8 @@ _add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inve
      "values for a power >= 0; exact for a negative one (an inverse)", _matrix_power)
 _add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
      f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
-     "value is biased; a router's or a head's softmax); decoded rows scaled to sum to one (a component all keys share "
-     "cancels in the query's gradient only then)", _softmax)
+     "value is biased; a router's or a head's softmax); decoded rows made to sum to one, each row's excess taken back in "
+     "equal shares (a component all keys share cancels in the query's gradient only then)", _softmax)
 _add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss copysign copysign_ "
      "special_i0e special_i1 special_i1e special_ndtr special_log_ndtr special_zeta segment_reduce _segment_reduce "
      "vander linalg_vander",
@@ -1344,9 +1447,11 @@ for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn
           "softshrink".split():
     TABLE[_n] = _EXACT_ROW
 _add("mse_loss", "input and target through their difference",
-     "exact: the backward reads 2·(input − target), which a model near its target makes far smaller than either's "
-     "rounding step (a denoiser at σ = 0.005, F.mse_loss(D, x0): 1.76 of the gradient's norm at 8 bits, against 0.01 for "
-     "((D − x0) ** 2).mean(), which saves the difference)", lambda *a: _EXACT)
+     f"values, exact from the next step where their rounding step is above {NEAR_STEP_MAX:g}x the rms of their "
+     "difference (near_ratio: measured at step 0 and every "
+     f"{ATTENTION_CHECK_EVERY} steps): the backward reads 2·(input − target), which a model near its target makes far "
+     "smaller than either's rounding step (a denoiser at σ = 0.005, F.mse_loss(D, x0): 1.76 of the gradient's norm at 8 "
+     "bits, against 0.01 for ((D − x0) ** 2).mean(), which saves the difference)", _mse_side)
 _add("min amin", "its value through a discontinuous test; the values it selects",
      "exact, as max's; a minimum over a distance at least 0 whose smallest value is under 1/16 of its largest (on a "
      "GPU, any distance) serves exact the saves it was computed through, from the next step (selects_small: the "
@@ -1373,7 +1478,8 @@ _add("grad backward", "anything the double backward reads",
      lambda *a: _EXACT)
 _add("div div_ divide divide_ true_divide true_divide_", "the divisor; the dividend for the divisor's gradient",
      "the divisor exact (d/db of a/b = -a/b^2); the dividend as values, normalized per row over a divisor of one value "
-     "per row (e / e.sum(-1, keepdim=True)), exact over a divisor of its size that requires grad and is below 1 "
+     "per row (e / e.sum(-1, keepdim=True)), exact over one value per row of fewer than 16 values along any dimension "
+     "(o / o.norm(dim=1, keepdim=True) over 3 channels), exact over a divisor of its size that requires grad and is below 1 "
      "somewhere (a variance; on a GPU, any such divisor)",
      _divisor)
 _add("normalize", "input twice; its norm through a division",
@@ -1383,7 +1489,8 @@ _add("normalize", "input twice; its norm through a division",
 _add("norm linalg_vector_norm linalg_norm frobenius_norm dist _weight_norm std std_mean var var_mean pairwise_distance "
      "cosine_similarity", "input; the norm or deviation through a division",
      "input as values (a 2-norm's over the last dimension normalized per row; cosine_similarity's too, read twice: >= 4 "
-     "bits below 1 024 values per row, 8 below 64, exact below 16); the reduced result exact (all exact at an order other than 2, and "
+     "bits below 1 024 values per row, 8 below 64; exact over fewer than 16 values along any dimension, "
+     "pairwise_distance's difference too); the reduced result exact (all exact at an order other than 2, and "
      "for a matrix norm)", _reduction_result)
 #: the most coordinates a point has for cdist and pdist to keep their points exact (a position in 2-D, 3-D, or 4-D)
 POINT_DIMS_MAX = 4
