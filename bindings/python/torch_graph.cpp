@@ -33,6 +33,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <utility>
 #include <memory>
 #include <set>
 #include <string>
@@ -217,22 +218,57 @@ bool is_square(Node& fn, std::string const& name) {
 /// variance; or x * x) over at least `min_span` values per sum (graph_configure_ancestors) is not passed: each square
 /// is a share of the sum, which its rounding cannot make small. Over fewer (a distance over x and y, a 3-D offset) it
 /// is: their quantization groups span many such sums, and a small one takes the step of the largest.
-/// With `products`, the walk returns instead the matrix products (graph_configure_ancestors) it reaches so, which it
-/// does not walk past: the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
-std::vector<std::uintptr_t> walk_ancestors(std::uintptr_t impl, int depth, int max_nodes, bool products) {
+/// Whether `name` only moves or copies elements: a view (graph_configure's view names), an unsqueeze or squeeze (einsum's),
+/// a copy (contiguous()), a cast.
+bool moves_elements(std::string const& name) {
+  return g_view_names.count(name) != 0 || name == "UnsqueezeBackward0" || name == "SqueezeBackward0" ||
+         name == "SqueezeBackward1" || name == "CloneBackward0" || name == "ToCopyBackward0";
+}
+
+/// The node and output an edge's tensor comes from, past nodes that only move or copy its elements.
+std::pair<Node*, std::uint32_t> source_past_views(torch::autograd::Edge const& edge) {
+  Node* fn = edge.function.get();
+  std::uint32_t nr = edge.input_nr;
+  for (int i = 0; i < 16 && fn != nullptr && moves_elements(fn->name()); ++i) {
+    auto const& next = fn->next_edges();
+    if (next.empty()) break;
+    nr = next[0].input_nr;
+    fn = next[0].function.get();
+  }
+  return {fn, nr};
+}
+
+/// Whether the matrix product `node` multiplies a tensor with a view of itself (x @ x.T, a covariance or a Gram
+/// matrix; einsum's and torch.cov's too) where that tensor is an activation (computed: its source is no leaf's
+/// AccumulateGrad). Addmm's and baddbmm's operands are its second and third edges.
+bool is_gram(Node& node) {
+  auto const& edges = node.next_edges();
+  std::size_t const first = node.name().rfind("Addmm", 0) == 0 || node.name().rfind("Baddbmm", 0) == 0 ? 1 : 0;
+  if (edges.size() < first + 2 || !edges[first].function || !edges[first + 1].function) return false;
+  auto const a = source_past_views(edges[first]);
+  auto const b = source_past_views(edges[first + 1]);
+  return a.first != nullptr && a == b && dynamic_cast<torch::autograd::AccumulateGrad*>(a.first) == nullptr;
+}
+
+/// With `products`, the walk also ends at the matrix products (graph_configure_ancestors) it reaches, which it returns
+/// with the elementwise nodes it passed, and tells whether one of them is a Gram product of an activation (is_gram):
+/// the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
+std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl, int depth, int max_nodes,
+                                                            bool products) {
   std::set<std::string> const& elementwise = g_elementwise;
   std::vector<std::uintptr_t> out;
+  bool gram = false;
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
-  if (!start) return out;
+  if (!start) return {out, gram};
   if (products && g_products.count(start->name()) != 0) {
     out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
-    return out;
+    return {out, is_gram(*start)};
   }
-  if (elementwise.count(start->name()) == 0) return out;
+  if (elementwise.count(start->name()) == 0) return {out, gram};
   std::set<Node*> seen{start.get()};
   std::vector<std::shared_ptr<Node>> frontier{start};
   std::vector<std::shared_ptr<Node>> next;
-  if (!products) out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
+  out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
   for (int level = 0; level < depth && !frontier.empty(); ++level) {
     next.clear();
     for (std::shared_ptr<Node> const& node : frontier) {
@@ -244,10 +280,10 @@ std::vector<std::uintptr_t> walk_ancestors(std::uintptr_t impl, int depth, int m
         if (!product && (elementwise.count(name) == 0 ||
                          (reduction && is_square(*e.function, name) && spans_many(*node)))) continue;
         if (seen.insert(e.function.get()).second) {
+          out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
           if (product) {
-            out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
+            gram = gram || is_gram(*e.function);
           } else {
-            if (!products) out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
             next.push_back(e.function);
           }
         }
@@ -255,16 +291,16 @@ std::vector<std::uintptr_t> walk_ancestors(std::uintptr_t impl, int depth, int m
     }
     frontier.swap(next);
   }
-  return out;
+  return {out, gram};
 }
 
 std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int max_nodes) {
-  return walk_ancestors(impl, depth, max_nodes, false);
+  return walk_ancestors(impl, depth, max_nodes, false).first;
 }
 
-/// The addresses of the matrix products (graph_configure_ancestors) the tensor at `impl` is computed from through
-/// elementwise nodes (graph_ancestors's walk, which stops at them): its grad_fn where it is one.
-std::vector<std::uintptr_t> graph_products(std::uintptr_t impl, int depth, int max_nodes) {
+/// graph_ancestors's walk from the tensor at `impl` that also ends at the matrix products it reaches: the addresses of
+/// the nodes it passed and of those products, and whether one of the products is a Gram product of an activation.
+std::pair<std::vector<std::uintptr_t>, bool> graph_products(std::uintptr_t impl, int depth, int max_nodes) {
   return walk_ancestors(impl, depth, max_nodes, true);
 }
 
@@ -282,8 +318,9 @@ void register_graph(py::module_& m) {
         "The addresses of the elementwise nodes the tensor at TensorImpl address `tensor` is made by: its grad_fn, "
         "and those reached from it through elementwise nodes, within `depth` edges and `max_nodes` nodes.");
   m.def("graph_products", &graph_products, py::arg("tensor"), py::arg("depth"), py::arg("max_nodes"),
-        "The addresses of the matrix products (PRODUCT_NODES) the tensor at TensorImpl address `tensor` is computed "
-        "from through elementwise nodes, within `depth` edges and `max_nodes` nodes (not walked past).");
+        "graph_ancestors's walk that also ends at matrix products (PRODUCT_NODES): (the addresses of the nodes it "
+        "passed and of the products it reached, whether one of them multiplies an activation with a view of "
+        "itself).");
   m.def("graph_configure", &graph_configure, py::arg("view_names"), py::arg("square_sums"),
         "The names of the view nodes a chain follows and of the sums of squares a reduced operand's walk does not "
         "pass (gact/saved.py's VIEW_NODES and _SQUARE_SUMS), once before any graph_reaches.");

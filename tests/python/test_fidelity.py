@@ -3348,19 +3348,29 @@ def test_a_direction_of_few_values_is_read_exact(form):
     assert max(errs) < 0.02, errs
 
 
+#: a batch's covariance over its rows (features x samples), as code writes it
+_COVARIANCES = {
+    "mm": lambda t: torch.mm(t, t.t()) / (t.shape[1] - 1),
+    "einsum": lambda t: torch.einsum("cn,dn->cd", t, t) / (t.shape[1] - 1),
+    "matmul_3d": lambda t: (t.unsqueeze(0) @ t.unsqueeze(0).transpose(1, 2)).squeeze(0) / (t.shape[1] - 1),
+    "cov": lambda t: torch.cov(t),
+}
+
+
 class _WhitenedPair(nn.Module):
     """W-MSE's whitening as its reference code writes it: a batch's covariance over 48 features and 56 samples
-    (torch.mm(T, T.t()) / (n - 1), a ridge of 1e-4), its Cholesky factor, the inverse square root by a triangular solve, applied
-    by a 1x1 convolution; then the normalized MSE of two views."""
+    (torch.mm(T, T.t()) / (n - 1), or another form, a ridge of 1e-4), its Cholesky factor, the inverse square root by
+    a triangular solve, applied by a 1x1 convolution; then the normalized MSE of two views."""
 
-    def __init__(self):
+    def __init__(self, form="mm"):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 48))
+        self.cov = _COVARIANCES[form]
 
     def whiten(self, h):
         xn = (h - h.mean(0)).unsqueeze(-1).unsqueeze(-1)
         t = xn.permute(1, 0, 2, 3).contiguous().view(48, -1)
-        cov = torch.mm(t, t.t()) / (t.shape[1] - 1) + 1e-4 * torch.eye(48)
+        cov = self.cov(t) + 1e-4 * torch.eye(48)
         eye = torch.eye(48)
         w = torch.linalg.solve_triangular(torch.linalg.cholesky(cov), eye, upper=False)
         return F.conv2d(xn, w.view(48, 48, 1, 1)).flatten(1)
@@ -3370,23 +3380,27 @@ class _WhitenedPair(nn.Module):
         return 2 - 2 * (za * zb).sum(-1).mean()
 
 
-def test_a_covariance_under_a_factorization_is_read_exact():
+@pytest.mark.parametrize("form", sorted(_COVARIANCES))
+def test_a_covariance_under_a_factorization_is_read_exact(form):
     """The backward of a Cholesky factor (an inverse, a solve) multiplies the gradient by the inverse twice: large along
     the covariance's small directions, where the batch it was computed from (cov = T Tᵀ) is small, so the product with
     T cancels there. Rounded, T is small there no more (0.14-0.18 of the gradient's norm at 8 bits, at every step). The operands of the products such a matrix is computed from are served exact from the next step, as the
     divisions' reads are, and so is the batch read beside the factor's result (the convolution's input, for the
-    whitening matrix's gradient): 0.017 from step 1 (the first carries the rounding, 0.07)."""
+    whitening matrix's gradient, and the matrix itself): 0.017 from step 1 (the first carries the rounding, 0.07), in
+    each form the covariance is written (einsum's and torch.cov's products sit behind views and a division)."""
     torch.manual_seed(1)
     x = torch.randn(56, 32)
     a, b = x + 0.3 * torch.randn_like(x), x + 0.3 * torch.randn_like(x)
-    m = _WhitenedPair()
+    m = _WhitenedPair(form)
     errs = _errors_by_step(m, lambda: m(a, b), steps=3)
     assert max(errs[1:]) < 0.03, errs
 
 
-def test_a_factorization_of_parameters_keeps_the_batch_beside_it_stored():
-    """An orthogonal weight by the Cayley transform ((I + A/2)⁻¹ (I − A/2), a solve with a matrix made of parameters,
-    no product of activations): the batch a layer multiplies with it stays stored, as a computed weight's input is."""
+@pytest.mark.parametrize("form", ["cayley", "metric"])
+def test_a_factorization_of_parameters_keeps_the_batch_beside_it_stored(form):
+    """An orthogonal weight by the Cayley transform ((I + A/2)⁻¹ (I − A/2), a solve with a matrix made of parameters),
+    or a learned metric's inverse (A Aᵀ + I, a Gram product of a parameter): no product of an activation, nothing
+    cancels there, and the batch a layer multiplies with it stays stored, as a computed weight's input is."""
     torch.manual_seed(0)
     skew = nn.Parameter(0.1 * torch.randn(64, 64))
     lin = nn.Linear(64, 64)
@@ -3394,9 +3408,12 @@ def test_a_factorization_of_parameters_keeps_the_batch_beside_it_stored():
     comp = gact.Compressor(nn.ModuleList([lin]), bits=4, seed=1)
     for _ in range(2):
         with comp:
-            a = skew - skew.t()
             eye = torch.eye(64)
-            w = torch.linalg.solve(eye + a / 2, eye - a / 2)
+            if form == "cayley":
+                a = skew - skew.t()
+                w = torch.linalg.solve(eye + a / 2, eye - a / 2)
+            else:
+                w = torch.linalg.inv(skew @ skew.t() + eye)
             loss = (torch.tanh(lin(x)) @ w).square().mean()
         loss.backward()
         comp.step()

@@ -244,3 +244,33 @@ def test_exact_read_walk_stops_at_a_sum_of_squares_over_many_values(reduce, widt
     nodes = set(graph_ancestors(t._cdata, 8, 32))
     assert graph_node(y._cdata) in nodes or not passes
     assert (graph_node(base._cdata) in nodes) == passes
+
+
+_GRAM_FORMS = {
+    "mm": (lambda x, y, w: torch.mm(x, x.t()), True),
+    "mm_of_a_copy": (lambda x, y, w: torch.mm(x.t().contiguous().t(), x.t()), True),  # (a copy holds x's values)
+    "einsum": (lambda x, y, w: torch.einsum("cn,dn->cd", x, x), True),
+    "matmul_3d": (lambda x, y, w: (x.unsqueeze(0) @ x.unsqueeze(0).transpose(1, 2)).squeeze(0), True),
+    "cov": (lambda x, y, w: torch.cov(x), True),
+    "addmm": (lambda x, y, w: torch.addmm(torch.eye(8), x, x.t()), True),
+    "two_operands": (lambda x, y, w: x @ y.t(), False),
+    "a_parameter": (lambda x, y, w: w @ w.t(), False),
+}
+
+
+@native
+@pytest.mark.parametrize("form", sorted(_GRAM_FORMS))
+def test_graph_products_tells_a_gram_product_of_an_activation(form):
+    """graph_products (Compressor._exact_products's walk from a factored matrix) reaches the product a covariance is
+    computed by, through the ridge, the scale and einsum's or torch.cov's views, and tells whether it multiplies an
+    activation with a view of itself: not two operands, nor a parameter's Gram product, whose saves are no
+    activations."""
+    from _gact_torch import graph_node, graph_products
+    made, gram = _GRAM_FORMS[form]
+    w = torch.randn(8, 16, requires_grad=True)
+    x, y = torch.tanh(w * 2), torch.tanh(w * 3)
+    c = made(x, y, w)
+    m = c / 15 + 1e-4 * torch.eye(8)
+    nodes, found = graph_products(m._cdata, 8, 32)
+    assert graph_node(c._cdata) in nodes
+    assert found == gram, (form, found)

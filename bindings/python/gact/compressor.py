@@ -215,9 +215,12 @@ except ImportError:
     _storage_ref = None
 try:  # autograd nodes by address (torch_graph.cpp; absent without autograd's headers: no _exact_read then)
     from _gact_torch import graph_ancestors as _graph_ancestors, graph_node as _graph_node
+except ImportError:
+    _graph_ancestors = _graph_node = None
+try:
     from _gact_torch import graph_products as _graph_products
 except ImportError:
-    _graph_ancestors = _graph_node = _graph_products = None
+    _graph_products = None
 
 
 _len_modes = getattr(torch._C, "_len_torch_function_stack", None)
@@ -1380,16 +1383,18 @@ class Compressor:
         self._serve_exact(_graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES))
 
     def _exact_products(self, m: torch.Tensor) -> bool:
-        """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
-        the matrix products it is computed from through elementwise calls (a covariance's x and x.T, under a scale and
-        a ridge) are served exact as _exact_read's are, from the next step on where their tensors are gone. Whether
-        there was such a product (the step then keeps exact the operands read beside the call's result:
-        saved.beside_conditioned)."""
+        """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): where it is
+        computed through elementwise calls from a Gram product of an activation (x @ x.T, einsum's, torch.cov's: a
+        covariance, under a scale and a ridge), the saves of those calls and of the product are served exact as
+        _exact_read's are, from the next step on where their tensors are gone. Whether it is (the step then keeps
+        exact the reads beside the call's result: saved.beside_conditioned)."""
         if _graph_products is None:
             return False
-        nodes = _graph_products(m._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES)
+        nodes, gram = _graph_products(m._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES)
+        if not gram:
+            return False  # (a product of parameters, a pose from two heads: nothing cancels there)
         self._serve_exact(nodes)
-        return bool(nodes)
+        return True
 
     def _serve_exact(self, nodes: list) -> None:
         """Serve exact the stored saves listed under ``nodes`` (_on_result): at once from their tensors where the

@@ -1196,7 +1196,7 @@ CONDITIONED_CALLS = frozenset("""cholesky linalg_cholesky linalg_cholesky_ex inv
 #: where a CONDITIONED_CALLS call takes its matrix, where not its first argument: (position, keyword)
 CONDITIONED_MATRIX_ARG = {"solve": (1, "A"), "lstsq": (1, "A")}
 #: the autograd nodes of matrix products (mm, bmm, matmul's, einsum's, addmm's): where a walk from a conditioned call's
-#: matrix ends (_gact_torch.graph_ancestors with products)
+#: matrix ends (_gact_torch.graph_products, which tells a Gram product of an activation, x @ x.T, among them)
 PRODUCT_NODES = frozenset({"MmBackward0", "BmmBackward0", "AddmmBackward0", "BaddbmmBackward0", "MvBackward0",
                            "MatmulBackward0"})
 
@@ -1220,22 +1220,29 @@ _CONDITIONED_RESULT_PARTS = ("Cholesky", "Solve", "Inv", "Lstsq", "Det", "LuFact
 
 
 def beside_conditioned(t: torch.Tensor, frame: Frame | None) -> bool:
-    """Whether ``t`` is saved by a call given the result of a conditioned call (an inverse, a Cholesky factor, a
-    triangular solve's result; up to moves and copies) as another operand: ``x @ W`` with W the inverse square root of
-    a batch's covariance, saving x for W's gradient. That gradient goes back through the factorization, which amplifies
+    """Whether ``t`` is the result of a conditioned call (an inverse, a Cholesky factor, a triangular solve's result; up
+    to moves and copies), or is saved by a call given one as another operand: ``x @ W`` with W the inverse square root of
+    a batch's covariance, saving x for W's gradient (and W for x's). That gradient goes back through the factorization, which amplifies
     it along the covariance's small directions, where x is small: rounded, it is small there no more (a W-MSE
     whitening's conv2d(x, W): 0.087 of the gradient's norm at 8 bits with the covariance's operands exact, 0.011 with x
     too). Asked only in a step whose conditioned call's matrix was a product of activations
     (Compressor._exact_products)."""
     if frame is None:
         return False
+    if _conditioned_result(t):
+        return True  # (the result itself, W: read for x's gradient, small; rounded it doubled the error left)
     for a in _operands(frame):
         if a is t or a.grad_fn is None or _view_of(t, a):
             continue
-        g = _past_rearranging(a.grad_fn)
-        if g is not None and any(p in type(g).__name__ for p in _CONDITIONED_RESULT_PARTS):
+        if _conditioned_result(a):
             return True
     return False
+
+
+def _conditioned_result(a: torch.Tensor) -> bool:
+    """Whether ``a`` is the result of a conditioned call (an inverse, a factor, a solution), up to moves and copies."""
+    g = _past_rearranging(a.grad_fn)
+    return g is not None and any(p in type(g).__name__ for p in _CONDITIONED_RESULT_PARTS)
 
 
 def _past_rearranging(g: Any) -> Any:
@@ -2661,7 +2668,10 @@ else:
     except ImportError:
         pass
     else:
-        _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN, set(PRODUCT_NODES))
+        try:
+            _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN, set(PRODUCT_NODES))
+        except TypeError:  # (a _gact_torch built before the products: its walks as they were)
+            _graph_configure_ancestors(set(ELEMENTWISE_NODES), SQUARE_SUM_MIN_SPAN)
 
 
 def _reaches_to(operands: list, targets: list = (), leaf: torch.Tensor | None = None, reduced: list | None = None,
