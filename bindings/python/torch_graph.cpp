@@ -250,9 +250,9 @@ bool is_gram(Node& node) {
   return a.first != nullptr && a == b && dynamic_cast<torch::autograd::AccumulateGrad*>(a.first) == nullptr;
 }
 
-/// With `products`, the walk also ends at the matrix products (graph_configure_ancestors) it reaches, which it returns
-/// with the elementwise nodes it passed, and tells whether one of them is a Gram product of an activation (is_gram):
-/// the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
+/// With `products`, the walk also ends at the matrix products (graph_configure_ancestors) it reaches, returns the Gram
+/// products of an activation among them (is_gram) with the elementwise nodes it passed, and tells whether there was
+/// one: the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
 std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl, int depth, int max_nodes,
                                                             bool products) {
   std::set<std::string> const& elementwise = g_elementwise;
@@ -261,8 +261,8 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
   std::shared_ptr<Node> const start = tensor_at(impl).grad_fn();
   if (!start) return {out, gram};
   if (products && g_products.count(start->name()) != 0) {
-    out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
-    return {out, is_gram(*start)};
+    if (is_gram(*start)) out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
+    return {out, !out.empty()};
   }
   if (elementwise.count(start->name()) == 0) return {out, gram};
   std::set<Node*> seen{start.get()};
@@ -280,11 +280,12 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
         if (!product && (elementwise.count(name) == 0 ||
                          (reduction && is_square(*e.function, name) && spans_many(*node)))) continue;
         if (seen.insert(e.function.get()).second) {
-          out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
-          if (product) {
-            gram = gram || is_gram(*e.function);
-          } else {
+          if (!product) {
+            out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
             next.push_back(e.function);
+          } else if (is_gram(*e.function)) {  // (a product of two tensors or of parameters: not returned)
+            out.push_back(reinterpret_cast<std::uintptr_t>(e.function.get()));
+            gram = true;
           }
         }
       }
@@ -299,7 +300,7 @@ std::vector<std::uintptr_t> graph_ancestors(std::uintptr_t impl, int depth, int 
 }
 
 /// graph_ancestors's walk from the tensor at `impl` that also ends at the matrix products it reaches: the addresses of
-/// the nodes it passed and of those products, and whether one of the products is a Gram product of an activation.
+/// the nodes it passed and of the Gram products of an activation among those products, and whether there was one.
 std::pair<std::vector<std::uintptr_t>, bool> graph_products(std::uintptr_t impl, int depth, int max_nodes) {
   return walk_ancestors(impl, depth, max_nodes, true);
 }

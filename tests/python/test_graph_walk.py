@@ -262,9 +262,9 @@ _GRAM_FORMS = {
 @pytest.mark.parametrize("form", sorted(_GRAM_FORMS))
 def test_graph_products_tells_a_gram_product_of_an_activation(form):
     """graph_products (Compressor._exact_products's walk from a factored matrix) reaches the product a covariance is
-    computed by, through the ridge, the scale and einsum's or torch.cov's views, and tells whether it multiplies an
+    computed by, through the ridge, the scale and einsum's or torch.cov's views, and returns it where it multiplies an
     activation with a view of itself: not two operands, nor a parameter's Gram product, whose saves are no
-    activations."""
+    activations. The elementwise nodes it passed are returned either way."""
     from _gact_torch import graph_node, graph_products
     made, gram = _GRAM_FORMS[form]
     w = torch.randn(8, 16, requires_grad=True)
@@ -272,5 +272,5 @@ def test_graph_products_tells_a_gram_product_of_an_activation(form):
     c = made(x, y, w)
     m = c / 15 + 1e-4 * torch.eye(8)
     nodes, found = graph_products(m._cdata, 8, 32)
-    assert graph_node(c._cdata) in nodes
-    assert found == gram, (form, found)
+    assert graph_node(m._cdata) in nodes  # (the elementwise nodes passed: their saves are the matrix's own)
+    assert found == gram and (graph_node(c._cdata) in nodes) == gram, (form, found)

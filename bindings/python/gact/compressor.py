@@ -1383,18 +1383,17 @@ class Compressor:
         self._serve_exact(_graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES))
 
     def _exact_products(self, m: torch.Tensor) -> bool:
-        """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): where it is
-        computed through elementwise calls from a Gram product of an activation (x @ x.T, einsum's, torch.cov's: a
-        covariance, under a scale and a ridge), the saves of those calls and of the product are served exact as
-        _exact_read's are, from the next step on where their tensors are gone. Whether it is (the step then keeps
-        exact the reads beside the call's result: saved.beside_conditioned)."""
+        """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
+        the elementwise calls it is computed through (a GP kernel's exp and squared distances, under a noise term) are
+        served exact as _exact_read's are, from the next step on where their tensors are gone, and so are those of a
+        Gram product of an activation it is computed from (x @ x.T, einsum's, torch.cov's: a covariance, under a scale
+        and a ridge); not a product of two tensors or of parameters. Whether there was such a Gram product (the step
+        then keeps exact the reads beside the call's result: saved.beside_conditioned)."""
         if _graph_products is None:
             return False
         nodes, gram = _graph_products(m._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES)
-        if not gram:
-            return False  # (a product of parameters, a pose from two heads: nothing cancels there)
-        self._serve_exact(nodes)
-        return True
+        self._serve_exact(nodes)  # (the elementwise calls' saves: a GP kernel's exp and squared distance too)
+        return gram
 
     def _serve_exact(self, nodes: list) -> None:
         """Serve exact the stored saves listed under ``nodes`` (_on_result): at once from their tensors where the
@@ -1412,6 +1411,15 @@ class Compressor:
                 src = q.ref() if values and q.ref is not None else None
                 if src is None or src._version != q.version or src.data_ptr() != q.ptr or \
                         (q.sref is not None and not q.sref.same(src._cdata)):
+                    # (a view gone, its base still held unchanged: the view made again from it, as unpack does; the
+                    # transposed operand of z.t() @ z, whose z lives on)
+                    view = q.view if values else None
+                    b = view[0]() if view is not None else None
+                    if b is None or b._version != q.version or b.dtype != q.dtype or not view[1].same(b._cdata):
+                        continue
+                    q.alias = b.detach().as_strided(view[2], view[3], view[4])
+                    _C.store_note_unstored("held", _compat.held_bytes(q.alias), q.owner)
+                    q.release()
                     continue
                 q.alias = src.detach()
                 _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
