@@ -81,7 +81,8 @@ class Decision(NamedTuple):
     # difference (5, mse_loss's input and target): how its rounding step compares with the difference (near_ratio)
     qk: int = 0
     # values: a softmax's result, whose rows along this dimension sum to one (None: not one): decoded rows are made to
-    # sum to one again, each row's excess taken back in equal shares (Compressor._Packed.unpack: linear, unbiased), as the
+    # sum to one again, each row's excess taken back in equal shares from its nonzero values (Compressor._Packed.unpack),
+    # as the
     # backward y·(g − Σ g·y) needs for its rows' gradient to sum to zero; rounded apart from one, a component every key
     # shares (an outlier feature in every token) leaks into the query's gradient (a q weight 0.5-0.9 of its gradient's
     # norm off at 8 bits, 0.11 corrected)
@@ -338,6 +339,11 @@ def _clamp(t, args, kwargs, frame) -> Decision:
         return _EXACT  # bounds given as tensors: the test compares two tensors
     if a is not None and b is not None:
         if not a <= b:
+            return _EXACT
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in (lo, hi)):
+            # (a trained bound, 0-dimensional: its gradient sums the elements on its own side, which the predicate's
+            # decode, one value for both sides, cannot tell; a learned threshold clamp(x, -t, t) got the upper
+            # side's share on the lower bound, the upper bound none)
             return _EXACT
         return Decision(PREDICATE, ("closed", a, b), ((a + b) / 2, _outside(a)))
     if a is not None:
@@ -1387,7 +1393,8 @@ _add("threshold threshold_ _threshold", "input > threshold", "predicate `x > t`"
 _add("hardtanh hardtanh_ relu6", "min < input < max", "predicate `lo < x < hi` (ReLU6: 0 < x < 6)", _hardtanh)
 _add("hardsigmoid hardsigmoid_", "-3 < input < 3", "predicate `-3 < x < 3`", _hardsigmoid)
 _add("clamp clamp_ clip clip_ clamp_min clamp_min_ clamp_max clamp_max_",
-     "min <= input <= max", "predicate `lo <= x <= hi` (`x >= lo`, `x <= hi`); tensor bounds: exact", _clamp)
+     "min <= input <= max", "predicate `lo <= x <= hi` (`x >= lo`, `x <= hi`); tensor bounds, and two bounds one of which "
+     "is trained (a learned threshold, clamp(x, -t, t)): exact", _clamp)
 _add("leaky_relu leaky_relu_", "sign of input", "predicate `x > 0`", _leaky_relu)
 _add("rrelu rrelu_", "sign of input; random slopes", "predicate `x > 0`; slopes kept (the kernel writes them after the save)",
      _rrelu)
@@ -1438,7 +1445,8 @@ _add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inve
 _add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
      f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
      "value is biased; a router's or a head's softmax); decoded rows made to sum to one, each row's excess taken back in "
-     "equal shares (a component all keys share cancels in the query's gradient only then)", _softmax)
+     "equal shares from its nonzero values (a component all keys share cancels in the query's gradient only then)",
+     _softmax)
 _add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss copysign copysign_ "
      "special_i0e special_i1 special_i1e special_ndtr special_log_ndtr special_zeta segment_reduce _segment_reduce "
      "vander linalg_vander",
