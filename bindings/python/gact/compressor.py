@@ -728,6 +728,7 @@ class Compressor:
         # keys kept exact by a measurement of their call (attention calls' q and k, and a fused call's v and output; a
         # squared difference's sides), and this step's measurements to read at step() (_measure_qk, _measure_near)
         self._qk_exact: set[str] = set()
+        self._qk_floor: set[str] = set()  # ... and those stored at 8 bits at least (_measure_near)
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
         # kept exact from the next step on
         self._divided_exact: set[str] = set()
@@ -823,6 +824,7 @@ class Compressor:
         model = self.model = _compat.unwrap_ddp(model)
         self._install_module_hooks(model)
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
+        self._qk_floor.clear()
         self._divided_exact.clear()
         self._qk_next = self._step
         if self._own_policy:
@@ -1336,6 +1338,8 @@ class Compressor:
                     self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
             if key in self._qk_exact:
                 return self._keep(t, "exact")
+            if key in self._qk_floor:
+                d = d._replace(min_bits=8)  # (a squared difference's side: its step at the run's bits was too coarse)
         # (a read multiplied with a gradient computed from another read of the same values: blobs of the call's own)
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
         if d.rows:
@@ -1480,38 +1484,46 @@ class Compressor:
             (kq, sq), (kk, sk) = seen.pop(1), seen.pop(2)
             sigma = _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t), shared=role == 3)
             keys = frame.qk_keys = [kq, kk]  # (and a fused call's v and output, saved after them: Decision.qk 4)
-            self._qk_sigmas.append((keys, sigma, _saved.ATTENTION_SIGMA_MAX))
+            self._qk_sigmas.append((keys, sigma, _saved.ATTENTION_SIGMA_MAX, _saved.ATTENTION_SIGMA_MAX))
 
     def _measure_near(self, key: str, numel: int, frame: Any) -> None:
         """Record a squared difference's side (mse_loss's input or target, Decision.qk 5): its call is measured once
-        (saved.near_ratio, at the key's bits), and its sides are kept exact from the next step on where the rounding
-        step exceeds NEAR_STEP_MAX times the difference's rms (read at step(), with the attention calls' bounds)."""
+        (saved.near_ratio, its rounding step at 8 bits over the difference's rms), and from the next step on its sides
+        are stored at 8 bits where the step at the key's bits exceeds NEAR_STEP_MAX times the difference's rms, and kept
+        exact where even 8 bits' does (read at step(), with the attention calls' bounds)."""
         if frame.qk_keys is not None:
             frame.qk_keys.append(key)
             return
-        ratio = _saved.near_ratio(frame, self._bits_for(key, numel), self.group_size)
+        ratio = _saved.near_ratio(frame, 8, self.group_size)
         if ratio is not None:
             keys = frame.qk_keys = [key]
-            self._qk_sigmas.append((keys, ratio, _saved.NEAR_STEP_MAX))
+            scale = ((1 << max(1, min(8, self._bits_for(key, numel)))) - 1) / 255  # (the key's step is 255/(2^b − 1) 8 bits')
+            self._qk_sigmas.append((keys, ratio, _saved.NEAR_STEP_MAX, _saved.NEAR_STEP_MAX * scale))
 
     #: attention calls measured in one step at most (_measure_qk): a program that never calls step() does not grow the
     #: list without end
     QK_MEASURED_MAX = 4096
 
     def _read_qk(self) -> None:
-        """Decide the measured calls' keys (see _measure_qk, _measure_near), each against its limit: one read per
-        device; the next measurement ATTENTION_CHECK_EVERY steps on."""
+        """Decide the measured calls' keys (see _measure_qk, _measure_near), each against its limits: exact above the
+        first, at least 8 bits above the second; one read per device; the next measurement ATTENTION_CHECK_EVERY steps
+        on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
         self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
         by_device: dict = {}
         for e in entries:
             by_device.setdefault(e[1].device, []).append(e)
         for group in by_device.values():
-            for (keys, _, limit), value in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
+            for (keys, _, limit, floor), value in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
                 if not value <= limit:  # (NaN too: exact)
                     self._qk_exact.update(keys)
+                    self._qk_floor.difference_update(keys)
                 else:
                     self._qk_exact.difference_update(keys)
+                    if value > floor:
+                        self._qk_floor.update(keys)
+                    else:
+                        self._qk_floor.difference_update(keys)
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded

@@ -1462,8 +1462,8 @@ for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn
           "softshrink".split():
     TABLE[_n] = _EXACT_ROW
 _add("mse_loss", "input and target through their difference",
-     f"values, exact from the next step where their rounding step is above {NEAR_STEP_MAX:g}x the rms of their "
-     "difference (near_ratio: measured at step 0 and every "
+     f"values; from the next step, at 8 bits where their rounding step is above {NEAR_STEP_MAX:g}x the rms of their "
+     "difference, and exact where 8 bits' is too (near_ratio: measured at step 0 and every "
      f"{ATTENTION_CHECK_EVERY} steps): the backward reads 2·(input − target), which a model near its target makes far "
      "smaller than either's rounding step (a denoiser at σ = 0.005, F.mse_loss(D, x0): 1.76 of the gradient's norm at 8 "
      "bits, against 0.01 for ((D − x0) ** 2).mean(), which saves the difference)", _mse_side)
