@@ -3704,3 +3704,20 @@ def test_a_mean_squared_error_a_little_off_its_target_stores_its_sides_at_8_bits
     comp.close()
     assert max(exact) < 256 * 256 * 4, exact  # (neither side, 256 KiB each, kept exact)
     assert max(errs[1:]) < errs[0] / 5, errs
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_the_softmax_row_correction_is_the_same_in_slices(dim, monkeypatch):
+    """The row correction runs in place in slices along another dimension (a whole map's temporaries raised a
+    process's peak by 630 MiB over a 512 MiB attention map): slices of 7 elements give the rows the whole tensor's
+    correction, rows sum to one along ``dim``, and zeros stay zero."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(5, 6, 7, generator=g) * 3, dim)
+    p = (p * 64).round() / 64  # (decoded-like: a grid, some zeros)
+    whole, sliced = p.clone(), p.clone()
+    gact.compressor._simplex_correct(whole, dim)
+    monkeypatch.setattr(gact.compressor, "SIMPLEX_SLICE", 7)
+    gact.compressor._simplex_correct(sliced, dim)
+    assert torch.equal(whole, sliced)
+    assert torch.allclose(sliced.sum(dim), torch.ones(()), atol=1e-6)
+    assert torch.equal(sliced == 0, p == 0) and bool((p == 0).any())
