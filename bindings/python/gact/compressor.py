@@ -402,7 +402,7 @@ class _Packed:
         self.hold: torch.Tensor | None = None
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
-        self.simplex: int | None = None  # a softmax's result: decoded rows along this dimension scaled to sum to one
+        self.simplex: int | None = None  # a softmax's result: decoded rows along this dimension made to sum to one
         # a view's base and the storage the view was saved from, both held weakly, and the view's geometry (base ref,
         # storage ref, size, stride, offset): a frozen matrix used through a view (f @ E.t()) is served from the base
         # while it lives unchanged on that storage
@@ -425,16 +425,8 @@ class _Packed:
                 _C.store_note_unstored("held", _compat.held_bytes(t), self.owner)
                 self.release()
                 return self.alias
-        view = self.view
-        if view is not None:
-            # the view is gone, its base still held unchanged (the same version counter, storage and dtype): the view
-            # made again from it, exact, and the blob dropped
-            b = view[0]()
-            if b is not None and b._version == self.version and b.dtype == self.dtype and view[1].same(b._cdata):
-                self.alias = b.detach().as_strided(view[2], view[3], view[4])
-                _C.store_note_unstored("held", _compat.held_bytes(self.alias), self.owner)
-                self.release()
-                return self.alias
+        if self.view is not None and self.alias_from_base():
+            return self.alias
         if self.hold is not None and self.handle and _C.store_verdict(self.handle) != 0:
             # the device found NaN/Inf in it (or has not run its encode yet): its groups decode to NaN, and
             # the exact tensor is at hand
@@ -475,6 +467,17 @@ class _Packed:
             _simplex_correct(out, self.simplex)
             return out
         return out.view(torch.bool) if self.dtype is torch.bool else out
+
+    def alias_from_base(self) -> bool:
+        """Where the view this save was made from is gone and its base is still held unchanged (the same version
+        counter, storage and dtype): make the view again from it, exact, as the alias, drop the blob, and say so."""
+        b = self.view[0]()
+        if b is None or b._version != self.version or b.dtype != self.dtype or not self.view[1].same(b._cdata):
+            return False
+        self.alias = b.detach().as_strided(self.view[2], self.view[3], self.view[4])
+        _C.store_note_unstored("held", _compat.held_bytes(self.alias), self.owner)
+        self.release()
+        return True
 
     def keep_exact(self) -> torch.Tensor | None:
         """Serve the held tensor itself from now on (what a predicate decode reads: evaluated on it) and free
@@ -1442,13 +1445,8 @@ class Compressor:
                         (q.sref is not None and not q.sref.same(src._cdata)):
                     # (a view gone, its base still held unchanged: the view made again from it, as unpack does; the
                     # transposed operand of z.t() @ z, whose z lives on)
-                    view = q.view if values else None
-                    b = view[0]() if view is not None else None
-                    if b is None or b._version != q.version or b.dtype != q.dtype or not view[1].same(b._cdata):
-                        continue
-                    q.alias = b.detach().as_strided(view[2], view[3], view[4])
-                    _C.store_note_unstored("held", _compat.held_bytes(q.alias), q.owner)
-                    q.release()
+                    if values and q.view is not None:
+                        q.alias_from_base()
                     continue
                 q.alias = src.detach()
                 _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
