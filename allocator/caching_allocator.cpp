@@ -369,6 +369,24 @@ struct caching_allocator::impl {
     }
   }
 
+  /// Return the whole pages of the free blocks of at least opts.release_on_miss_above (a request missed the cache):
+  /// the free runs of the expandable ranges, the wholly free fixed segments.
+  void release_large_free() {
+    std::size_t const above = opts.release_on_miss_above;
+    std::vector<block*> big;
+    for (block* b : large_free) {
+      if (b->size >= above && (b->range != nullptr || b->whole_segment())) big.push_back(b);
+    }
+    for (block* b : big) {
+      if (b->range != nullptr) {
+        try_unmap_free_pages(b);
+      } else {
+        erase_free(b);
+        release_segment(b);
+      }
+    }
+  }
+
   // ---- block life cycle --------------------------------------------------------
   /// Turn an allocated or pending block into a free one, coalescing with free neighbours.
   void free_block(block* b) {
@@ -824,6 +842,7 @@ struct caching_allocator::impl {
                     {"memory_limit", opts.memory_limit},
                     {"max_request", opts.max_request},
                     {"release_free_above", opts.release_free_above},
+                    {"release_on_miss_above", opts.release_on_miss_above},
                     {"retry_when_empty", opts.retry_when_empty},
                     {"backend_unlocked", opts.backend_unlocked},
                     {"expandable_segments", opts.expandable_segments},
@@ -999,7 +1018,11 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
   if (b != nullptr) [[likely]] {
     m.erase_free(b);
   } else if (expandable) {
-    if (m.release_on_miss) m.release_whole_free();
+    if (m.release_on_miss) {
+      m.release_whole_free();
+    } else if (m.opts.release_on_miss_above != 0) {
+      m.release_large_free();
+    }
     if (!m.grow(size, stream, small)) {
       // free pages anywhere in the ranges go back to the device, which may then map them where this fits
       m.release_cached();
@@ -1013,7 +1036,11 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     m.erase_free(b);
   } else {
     std::size_t const seg = m.segment_size(size);
-    if (m.release_on_miss) m.release_whole_free();  // none of them can serve this request
+    if (m.release_on_miss) {
+      m.release_whole_free();  // none of them can serve this request
+    } else if (m.opts.release_on_miss_above != 0) {
+      m.release_large_free();
+    }
     b = m.try_new_segment(seg, small, stream, lock);
     if (b == nullptr) {
       // A thin layer over another allocator with nothing to release (no free segment cached, no block waiting

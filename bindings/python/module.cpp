@@ -172,6 +172,9 @@ struct runtime {
     // A freed tensor of 256 MiB or more goes back to the system at once (torch's CPU allocator, through
     // glibc, unmaps it too): a 1-2 GiB tensor must not stay in the process's RSS after `del`.
     o.release_free_above = std::size_t{256} << 20;
+    // A request the cache cannot serve first returns the free blocks of 16 MiB or more: a blob freed at its last
+    // read (64 MiB beside a 512 MiB attention map) stood in the peak beside the next large tensor's new pages.
+    o.release_on_miss_above = opts.host_release_on_miss_above;
     o.expandable_segments = opts.host_expandable;
     return o;
   }

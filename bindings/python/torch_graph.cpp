@@ -28,6 +28,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/generated/Functions.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -305,9 +306,16 @@ std::pair<std::vector<std::uintptr_t>, bool> graph_products(std::uintptr_t impl,
   return walk_ancestors(impl, depth, max_nodes, true);
 }
 
+/// Whether the backward running on this thread keeps its graph (retain_graph, create_graph); true outside a backward
+/// (a saved tensor read through grad_fn._saved_*): autograd's own answer (GraphTask::keep_graph_).
+bool graph_keeps() { return torch::autograd::get_current_graph_task_keep_graph(); }
+
 }  // namespace
 
 void register_graph(py::module_& m) {
+  m.def("graph_keeps", &graph_keeps,
+        "Whether the backward running on this thread keeps its graph (retain_graph=True, create_graph=True); True "
+        "outside a backward. Where it does not, each node's saved tensors are released once the node has run.");
   m.def("graph_node", &graph_node, py::arg("tensor"),
         "The address of the autograd node of the tensor at TensorImpl address `tensor` (0 without one).");
   m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"), py::arg("min_span"),

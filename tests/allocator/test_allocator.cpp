@@ -126,6 +126,28 @@ TEST_CASE("record_stream on several streams: freed after all of their events") {
   for (void* x : {keep, q, r}) a.deallocate(x);
 }
 
+TEST_CASE("release_on_miss_above: a wholly free segment that large goes back before a new one is reserved") {
+  for (std::size_t const above : {std::size_t{0}, 16 * k_mib}) {
+    CAPTURE(above);
+    gact::device::host_backend be;
+    allocator_options o;
+    o.release_on_miss_above = above;
+    caching_allocator a(be, o);
+    void* own = a.allocate(12 * k_mib);  // a 12 MiB segment of its own: below the option's size, kept
+    void* mid = a.allocate(4 * k_mib);  // a 20 MiB segment of the middle sizes
+    a.deallocate(own);
+    a.deallocate(mid);
+    CHECK(a.reserved_bytes() == 32 * k_mib);
+    void* hit = a.allocate(4 * k_mib);  // served by the cache: nothing goes back
+    CHECK(a.reserved_bytes() == 32 * k_mib);
+    a.deallocate(hit);
+    void* p = a.allocate(24 * k_mib);  // a miss: the free 20 MiB segment goes back first
+    CHECK(a.reserved_bytes() == (above != 0 ? 36 * k_mib : 56 * k_mib));
+    a.deallocate(p);
+    CHECK(a.allocated_bytes() == 0);
+  }
+}
+
 TEST_CASE("OOM with a pending block: the retry synchronizes it and reuses its memory") {
   gact::test::manual_backend be(2 * k_mib);  // room for one small segment
   caching_allocator a(be);

@@ -405,6 +405,34 @@ TEST_CASE("expandable: release_free_above unmaps a large free run at once") {
   for (void* p : {x, y}) a.deallocate(p);
 }
 
+TEST_CASE("expandable: release_on_miss_above returns the large free runs before a request the cache cannot serve") {
+  for (std::size_t const above : {std::size_t{0}, 4 * k_mib}) {
+    CAPTURE(above);
+    host_backend be;
+    caching_allocator a(be, expandable_with(&allocator_options::release_on_miss_above, above));
+    void* big = a.allocate(6 * k_mib);  // [0, 6)
+    void* mid = a.allocate(2 * k_mib);  // [6, 8)
+    void* tail = a.allocate(2 * k_mib);  // [8, 10)
+    fill(mid, 2 * k_mib, 0x5a);
+    a.deallocate(big);  // cached, both ways (release_free_above is off)
+    a.deallocate(tail);
+    CHECK(a.reserved_bytes() == 10 * k_mib);
+    void* hit = a.allocate(2 * k_mib);  // served by the cache: nothing is returned
+    CHECK(a.reserved_bytes() == 10 * k_mib);
+    a.deallocate(hit);
+    // A miss: with the option the 6 MiB run goes back first, and the 2 MiB run at the end grows by 6 MiB into
+    // the block; without it, the 6 MiB stay mapped beside the new pages.
+    void* y = a.allocate(8 * k_mib);
+    CHECK(a.reserved_bytes() == (above != 0 ? 10 * k_mib : 16 * k_mib));
+    CHECK(holds(mid, 2 * k_mib, 0x5a));
+    fill(y, 8 * k_mib, 0x33);
+    void* z = a.allocate(2 * k_mib);  // with the option a miss that maps 2 MiB; without it the cached 6 MiB run serves it
+    CHECK(a.reserved_bytes() == (above != 0 ? 12 * k_mib : 16 * k_mib));
+    for (void* p : {mid, y, z}) a.deallocate(p);
+    CHECK(a.allocated_bytes() == 0);
+  }
+}
+
 TEST_CASE("expandable: random allocations and frees keep every invariant and every byte") {
   // Sizes log-uniform in [1 B, 48 MiB] on two streams, a 192 MiB device: out of memory happens, and after
   // each one the free whole pages plus the device's room must not have held the request in one piece.

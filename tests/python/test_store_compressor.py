@@ -6,6 +6,7 @@ the test asks for 0.99 as the task states.
 """
 
 import collections
+import json
 import contextlib
 import gc
 import os
@@ -217,6 +218,43 @@ def test_no_growth_over_many_steps_and_retain_graph():
             if alloc_before is None:
                 alloc_before = cur
             assert cur == alloc_before
+
+
+_LAST_READ = textwrap.dedent("""
+    import json, sys, torch, gact
+    torch.manual_seed(0)
+    comp = gact.Compressor(torch.nn.Linear(1, 1), bits=4)
+    x, w = torch.randn(1024, 16, requires_grad=True), torch.randn(16, 1024)
+    with comp:
+        # the log-probabilities, 4 MiB, saved by log_softmax and by square (one blob); log_softmax's backward holds
+        # its incoming gradient, the decoded log-probabilities, their exp and its result: the process's peak
+        loss = torch.log_softmax(x @ w, dim=1).square().sum()
+    keeps = []
+    loss.register_hook(lambda g: keeps.append(gact.compressor._graph_keeps()))
+    blob = comp.stats()["store"]["bytes_stored_current"]
+    loss.backward(retain_graph=sys.argv[1] == "retain")
+    print(json.dumps({"peak": gact.stats()["allocators"]["host"]["allocated_bytes.all.peak"], "blob": blob,
+                      "keeps": keeps, "outside": gact.compressor._graph_keeps()}))
+""")
+
+
+@pytest.mark.skipif(gact.compressor._graph_keeps is None, reason="needs _gact_torch's autograd headers")
+def test_a_blob_goes_at_its_last_read_in_a_backward_that_keeps_no_graph():
+    """Where the backward keeps no graph, a save's blob is released at its last read, before the node computes: held to
+    the node's end, it stood beside the decoded tensor and what the node makes (log_softmax's: the process's peak). With retain_graph=True the blob stays for the next backward, and that peak holds it. (Fresh
+    processes: the host arena's peak of allocated bytes is the measure.)"""
+    runs = {}
+    for mode in ("free", "retain"):
+        r = subprocess.run([sys.executable, "-c", _LAST_READ, mode], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs["free"]["keeps"] == [False] and runs["retain"]["keeps"] == [True]
+    assert runs["free"]["outside"] is True  # (outside a backward: a read keeps the blob)
+    blob = runs["free"]["blob"]
+    # two blobs of one size: the exp image log_softmax reads and the values square reads, released at square's node in
+    # both runs (earlier than log_softmax's read)
+    assert blob > 1_000_000
+    assert runs["retain"]["peak"] - runs["free"]["peak"] >= 0.9 * blob / 2, runs
 
 
 def test_graph_kept_alive_is_a_leak_then_freed():
