@@ -3252,13 +3252,25 @@ def test_pairwise_distances_read_their_points_exact():
     assert max(far) < 0.06 and max(far) < 2 * max(near), (near, far)
 
 
-@pytest.mark.parametrize("form", ["broadcast", "cdist"])
-def test_a_chamfer_loss_reads_its_nearest_pairs_exact(form):
+_NEAREST = {
+    "min": lambda d, k: d.min(k)[0],
+    "topk": lambda d, k: d.topk(1, dim=k, largest=False)[0].squeeze(k),
+    "sort": lambda d, k: d.sort(k)[0].select(k, 0),
+    "kthvalue": lambda d, k: d.kthvalue(1, k)[0],
+    "negmax": lambda d, k: -(-d).max(k)[0],
+    "logsumexp": lambda d, k: -0.01 * torch.logsumexp(-d / 0.01, k),  # (a smooth minimum)
+}
+
+
+@pytest.mark.parametrize("form,select", [("broadcast", "min"), ("cdist", "min")]
+                         + [("broadcast", k) for k in _NEAREST if k != "min"])
+def test_a_chamfer_loss_reads_its_nearest_pairs_exact(form, select):
     """min over squared distances (a Chamfer loss) sends the gradient to the nearest pairs only: near convergence those
     are 0.05 apart among differences up to 2, and the differences' save, rounded in steps of the largest, was 0.14 of
     the gradient's norm at 8 bits at every step (cdist's form 0.12: its points). A min that selects values small next to
     the rest of its input serves the saves it was computed through exact, from the next step (the first carries the
-    rounding, as for the divisions above): 1e-4."""
+    rounding, as for the divisions above): 1e-4. So do the nearest taken by topk(largest=False), sort, kthvalue, the max
+    of the negated distances and a smooth minimum -tau·logsumexp(-d/tau) (0.05-0.10 before at every step)."""
     torch.manual_seed(0)
     target = F.normalize(torch.randn(2, 512, 3), dim=-1)
     template = F.normalize(torch.randn(2, 512, 3), dim=-1)
@@ -3267,7 +3279,7 @@ def test_a_chamfer_loss_reads_its_nearest_pairs_exact(form):
     def loss(m):
         a = template + 0.02 * torch.tanh(m(template))
         d = ((a[:, :, None] - target[:, None]) ** 2).sum(-1) if form == "broadcast" else torch.cdist(a, target) ** 2
-        return d.min(2)[0].mean() + d.min(1)[0].mean()
+        return _NEAREST[select](d, 2).mean() + _NEAREST[select](d, 1).mean()
 
     errs = _errors_by_step(net, lambda: loss(net))
     assert max(errs[1:]) < 0.01, errs
@@ -3301,6 +3313,10 @@ def test_a_min_over_features_keeps_nothing_more_exact(device_rules, monkeypatch)
         return n
 
     assert exact_bytes(torch.amin) == exact_bytes(torch.amax)
+    # (nor the largest of a negated residual stream, its smallest by topk, or a smooth minimum over it)
+    assert exact_bytes(lambda h, k: -torch.amax(-h, k)) <= exact_bytes(torch.amax)
+    assert exact_bytes(lambda h, k: h.topk(1, k, largest=False)[0].squeeze(k)) <= exact_bytes(torch.amax)
+    assert exact_bytes(lambda h, k: -torch.logsumexp(-h / 0.1, k)) <= exact_bytes(lambda h, k: torch.logsumexp(h, k))
 
 
 def test_a_batch_projected_onto_eigenvectors_stays_stored():
@@ -3531,6 +3547,29 @@ def test_a_mean_squared_error_near_its_target_reads_both_sides_exact(form):
 
     errs = _errors_by_step(net, loss, steps=3)
     assert errs[0] > 0.5 and max(errs[1:]) < 0.03, errs  # (the first: measured, then decided)
+
+
+def test_an_unreduced_squared_error_weighted_per_sample_is_measured_per_sample():
+    """EDM's loss written λ(σ)·F.mse_loss(D, y, reduction="none"), σ from 0.002 to 80 over the batch: the samples at
+    small noise are within about σ of their target and weigh as much as the rest, but the difference's rms over the
+    whole tensor is the large-noise samples', so the call counted as far from its target: 0.09 of the gradient's norm
+    at 8 bits at every step (the same loss saving the difference: 0.003). An unreduced call is measured per sample
+    (saved.near_ratio): from step 1 its sides are exact."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(65, 128), nn.SiLU(), nn.Linear(128, 64))
+    sd = 0.5
+    sigma = torch.logspace(math.log10(0.002), math.log10(80.0), 16)[:, None]
+    y, n = sd * torch.randn(16, 64), torch.randn(16, 64)
+    c_skip, c_out = sd ** 2 / (sigma ** 2 + sd ** 2), sigma * sd / (sigma ** 2 + sd ** 2).sqrt()
+    c_in, lam = 1 / (sigma ** 2 + sd ** 2).sqrt(), (sigma ** 2 + sd ** 2) / (sigma * sd) ** 2
+
+    def loss():
+        x = y + sigma * n
+        d = c_skip * x + c_out * net(torch.cat([c_in * x, sigma.log() / 4], 1))
+        return (lam.squeeze(1) * F.mse_loss(d, y, reduction="none").mean(1)).mean()
+
+    errs = _errors_by_step(net, loss, steps=3)
+    assert max(errs[1:]) < 0.015, errs
 
 
 def test_a_mean_squared_error_far_from_its_target_stays_stored():

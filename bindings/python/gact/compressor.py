@@ -1284,6 +1284,10 @@ class Compressor:
         frame = (tracker.stack[-1] if tracker.stack else None) if tracker is not None else None
         d = _saved.decide(t, frame)
         kind = d.kind
+        if self._by_node and frame is not None and frame.name in _saved.SELECTING_CALLS and not frame.selected:
+            frame.selected = True  # (one walk a call: min(dim) and topk save their indices, amin its input and result)
+            if _saved.selects_small(frame):
+                self._exact_read(_saved._arg(frame.args, frame.kwargs, 0, "input"))
         if kind == _saved.DERIVATIVE and not self.derivatives:
             # another Compressor's tracker ran the stand-in (nested, or gact-run's global one): values here, read
             # through the activation's curve by the stand-in's backward (torch's on them): at >= 4 bits, as the
@@ -1308,10 +1312,6 @@ class Compressor:
                 self._exact_read(t)
             if frame is not None and frame.name in _saved.SPECTRAL_CALLS:
                 self._spectral_step = self._step  # (the reads of its outputs after it: _saved.near_spectral)
-            elif self._by_node and frame is not None and frame.name in _saved.SELECTING_CALLS and not frame.selected:
-                frame.selected = True  # (min(dim) saves its indices; amin its input and result: one walk a call)
-                if _saved.selects_small(frame):
-                    self._exact_read(_saved._arg(frame.args, frame.kwargs, 0, "input"))
             if self._by_node and frame is not None and frame.name in _saved.CONDITIONED_CALLS and not frame.selected:
                 frame.selected = True  # (one walk a call)
                 m = _saved.conditioned_matrix(frame)

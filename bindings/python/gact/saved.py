@@ -620,6 +620,10 @@ def near_ratio(frame: "Frame", bits: int, group: int) -> torch.Tensor | None:
     a, b = _arg(frame.args, frame.kwargs, 0, "input"), _arg(frame.args, frame.kwargs, 1, "target")
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.numel() == 0:
         return None
+    reduction = _arg(frame.args, frame.kwargs, 4, "reduction")
+    if (reduction in ("none", 0) or _arg(frame.args, frame.kwargs, 3, "reduce") is False) and a.shape == b.shape and \
+            a.dim() >= 2 and a.shape[0] >= 2:
+        return _near_ratio_per_sample(a, b, bits, group)
     try:
         with torch.no_grad():
             a, b = a.detach(), b.detach()
@@ -632,6 +636,34 @@ def near_ratio(frame: "Frame", bits: int, group: int) -> torch.Tensor | None:
             step = torch.sqrt((steps[0] + steps[1]) / 2) / ((1 << bits) - 1)
             return step / (a - b).float().square().mean().sqrt()
     except RuntimeError:  # (no memory for the difference, shapes that do not broadcast: not measured)
+        return None
+
+
+def _near_ratio_per_sample(a: torch.Tensor, b: torch.Tensor, bits: int, group: int) -> torch.Tensor | None:
+    """near_ratio of an unreduced squared difference (reduction="none"), whose elements the program weighs as it likes,
+    per sample along the first dimension: each sample's step (over its own groups, or the whole tensor's where a sample
+    is shorter than a group) over the rms of its own difference, the rms of these over the samples. A loss weighted
+    per sample (EDM's λ(σ) = (σ² + σ_d²)/(σ·σ_d)², diffusers' min-SNR weights) gives each sample a like share of the
+    gradient, and a sample at small noise a difference of about σ: over the whole tensor, the samples at large noise
+    made the rms, and the rounding was 0.09 of the gradient's norm at 8 bits (0.003 for the difference saved)."""
+    try:
+        with torch.no_grad():
+            n = a.shape[0]
+            a, b = a.detach().reshape(n, -1), b.detach().reshape(n, -1)
+            per = a.shape[1]
+            steps = []
+            for x in (a, b):
+                if per >= group:
+                    x = x[:, :per - per % group].reshape(n, -1, group).float()
+                    steps.append((x.amax(2) - x.amin(2)).square().mean(1))
+                else:
+                    m = x.numel() - x.numel() % group if x.numel() >= group else x.numel()
+                    x = x.reshape(-1)[:m].view(-1, min(group, m)).float()
+                    steps.append((x.amax(1) - x.amin(1)).square().mean().expand(n))
+            step = torch.sqrt((steps[0] + steps[1]) / 2) / ((1 << bits) - 1)
+            rms = (a - b).float().square().mean(1).sqrt()
+            return (step / rms).square().mean().sqrt()  # (a sample with no difference at all: inf, kept exact)
+    except RuntimeError:
         return None
 
 
@@ -1101,30 +1133,74 @@ def _derived_from(t: torch.Tensor, a: torch.Tensor) -> bool:
 #: tests: host tensors take the rules' device branch (what cannot be read back there is assumed)
 _DEVICE_RULES_ON_HOST = False
 
-#: calls that select the smallest values of their input (its minimum along a dimension or over all of it): the gradient
-#: reaches only those, through the saves the input was computed from (Compressor._exact_read)
-SELECTING_CALLS = frozenset("min amin".split())
+#: calls that select the smallest values of their input (its minimum along a dimension or over all of it, its k smallest,
+#: its k-th, its order), or the largest of a negated one (a maximum, the k largest, a log-sum-exp: a smooth minimum): the
+#: gradient reaches mostly those, through the saves the input was computed from (Compressor._exact_read)
+SELECTING_CALLS = frozenset("min amin topk kthvalue sort msort max amax logsumexp".split())
+#: the SELECTING_CALLS that pick the largest values (of a negated distance, for them to select small distances)
+_SELECTING_LARGEST = frozenset("max amax logsumexp".split())
+
+
+def _negated(g: Any) -> Any:
+    """The node a tensor made by ``g`` is the negation of, up to positive scalar factors and moves of its elements (-d,
+    -d / tau, (-d2).view(...)), or None."""
+    sign = 1
+    for _ in range(4):
+        g = _past_rearranging(g)
+        if g is None:
+            return None
+        name = type(g).__name__
+        if name == "NegBackward0":
+            sign = -sign
+        elif name in ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"):
+            # (a product or a quotient with a number: a Python number is a wrapped 0-dimensional tensor on the host,
+            # with no edge of its own)
+            other = getattr(g, "_saved_other", None)
+            if isinstance(other, torch.Tensor):
+                if other.numel() != 1 or other.device.type != "cpu" or other.requires_grad or \
+                        (len(g.next_functions) > 1 and g.next_functions[1][0] is not None):
+                    return None
+                other = other.item()
+            if not isinstance(other, (int, float)) or other == 0:
+                return None
+            sign = sign if other > 0 else -sign
+        else:
+            return g if sign < 0 else None
+        g = g.next_functions[0][0] if g.next_functions else None
+    return None
 
 
 def selects_small(frame: "Frame") -> bool:
     """Whether a SELECTING_CALLS call selects values small next to the rest of its input: a float input made as a
     distance is (_distance_like), at least 0 and with a smallest value under 1/16 of its largest (on a GPU, where reading
-    that back would wait for the device: any such input). Under a Chamfer loss, min over squared distances picks the
-    nearest pairs, 0.05 apart among differences up to 2: the saves of the differences, rounded in steps of the largest,
-    were 0.14 of the gradient's norm at 8 bits. A minimum over features (a pooling over a residual stream, over a ReLU's
-    output) selects nothing small and is left alone."""
+    that back would wait for the device: any such input); or, for a call that takes the largest values (max, amax,
+    logsumexp, topk with largest=True), the negation of such a distance. Under a Chamfer loss, min over squared distances
+    picks the nearest pairs, 0.05 apart among differences up to 2: the saves of the differences, rounded in steps of the
+    largest, were 0.14 of the gradient's norm at 8 bits, and 0.07-0.10 where the nearest is taken by topk, sort,
+    kthvalue, the max of the negation or a smooth minimum. A minimum over features (a pooling over a residual stream,
+    over a ReLU's output) selects nothing small and is left alone, as is a maximum of a distance (the farthest pair)."""
     x = _arg(frame.args, frame.kwargs, 0, "input")
     if not isinstance(x, torch.Tensor) or not _is_float(x) or x.grad_fn is None or x.numel() == 0:
         return False
-    if isinstance(_arg(frame.args, frame.kwargs, 1, "other"), torch.Tensor):
+    name = frame.name
+    if name in ("min", "max") and isinstance(_arg(frame.args, frame.kwargs, 1, "other"), torch.Tensor):
         return False  # (torch.min(a, b): elementwise, each pair's smaller one)
-    if not _distance_like(x):
+    if name == "sort" and _arg(frame.args, frame.kwargs, 2, "descending") is True:
+        return False
+    largest = name in _SELECTING_LARGEST or (name == "topk" and _arg(frame.args, frame.kwargs, 3, "largest") is not False)
+    sign = 1.0
+    if largest:
+        g = _negated(x.grad_fn)
+        if g is None or not _distance_like_node(g):
+            return False
+        sign = -1.0
+    elif not _distance_like(x):
         return False
     if x.device.type != "cpu" or _DEVICE_RULES_ON_HOST:
         return True
     try:
         with torch.no_grad():
-            lo, hi = torch.aminmax(x.detach())
+            lo, hi = torch.aminmax(x.detach() * sign)
             return bool(lo >= 0) and bool(lo * 16 < hi)
     except RuntimeError:
         return True
@@ -1141,7 +1217,12 @@ def _distance_like(x: torch.Tensor) -> bool:
     """Whether ``x`` is made as a distance is: by a power, a norm, cdist, a square root, an absolute value or a product
     of a tensor with itself, through sums, additions, subtractions, a scalar's product and views (5 nodes back at most,
     16 in all)."""
-    frontier, seen = [x.grad_fn], 0
+    return _distance_like_node(x.grad_fn)
+
+
+def _distance_like_node(g: Any) -> bool:
+    """_distance_like of the tensor the node ``g`` makes."""
+    frontier, seen = [g], 0
     for _ in range(5):
         nxt = []
         for g in frontier:
@@ -1464,13 +1545,15 @@ for _n in "selu selu_ hardswish hardswish_ prelu abs abs_ absolute absolute_ sgn
 _add("mse_loss", "input and target through their difference",
      f"values; from the next step, at 8 bits where their rounding step is above {NEAR_STEP_MAX:g}x the rms of their "
      "difference, and exact where 8 bits' is too (near_ratio: measured at step 0 and every "
-     f"{ATTENTION_CHECK_EVERY} steps): the backward reads 2·(input − target), which a model near its target makes far "
+     f"{ATTENTION_CHECK_EVERY} steps; per sample where unreduced, which a loss may weigh per sample): the backward reads 2·(input − target), which a model near its target makes far "
      "smaller than either's rounding step (a denoiser at σ = 0.005, F.mse_loss(D, x0): 1.76 of the gradient's norm at 8 "
      "bits, against 0.01 for ((D − x0) ** 2).mean(), which saves the difference)", _mse_side)
 _add("min amin", "its value through a discontinuous test; the values it selects",
      "exact, as max's; a minimum over a distance at least 0 whose smallest value is under 1/16 of its largest (on a "
      "GPU, any distance) serves exact the saves it was computed through, from the next step (selects_small: the "
-     "gradient reaches only the nearest pairs, whose differences the rounding of the farthest swamps)", lambda *a: _EXACT)
+     "gradient reaches only the nearest pairs, whose differences the rounding of the farthest swamps), as do "
+     "topk(largest=False), kthvalue and sort over such a distance and max, amax, logsumexp and topk over its "
+     "negation (a smooth minimum -τ·logsumexp(-d/τ))", lambda *a: _EXACT)
 _add("matrix_exp linalg_matrix_exp", "the matrix through exp",
      "exact: the backward is the exponential of a block matrix that holds it, so a rounded matrix's error is "
      "exponentiated (at 2 bits the 512-seed mean stayed 0.18 of the gradient's norm off)", lambda *a: _EXACT)
