@@ -306,6 +306,22 @@ std::pair<std::vector<std::uintptr_t>, bool> graph_products(std::uintptr_t impl,
   return walk_ancestors(impl, depth, max_nodes, true);
 }
 
+/// Whether the tensor at `impl` is, up to moves and copies of its elements (moves_elements), the magnitude of a complex
+/// tensor: an AbsBackward0 node whose input is complex (the dtype of the gradient its edge carries), |S| of a spectrum.
+bool graph_complex_magnitude(std::uintptr_t impl) {
+  std::shared_ptr<Node> const& g = tensor_at(impl).grad_fn();
+  if (!g) return false;
+  Node* fn = g.get();
+  for (int i = 0; i < 8 && fn != nullptr && moves_elements(fn->name()); ++i) {
+    auto const& next = fn->next_edges();
+    fn = next.empty() ? nullptr : next.front().function.get();
+  }
+  if (fn == nullptr || fn->name() != "AbsBackward0" || fn->next_edges().empty()) return false;
+  torch::autograd::Edge const& e = fn->next_edges().front();
+  if (!e.function || e.input_nr >= e.function->num_inputs()) return false;
+  return c10::isComplexType(c10::typeMetaToScalarType(e.function->input_metadata(e.input_nr).options().dtype()));
+}
+
 /// Whether the backward running on this thread keeps its graph (retain_graph, create_graph); true outside a backward
 /// (a saved tensor read through grad_fn._saved_*): autograd's own answer (GraphTask::keep_graph_).
 bool graph_keeps() { return torch::autograd::get_current_graph_task_keep_graph(); }
@@ -313,6 +329,9 @@ bool graph_keeps() { return torch::autograd::get_current_graph_task_keep_graph()
 }  // namespace
 
 void register_graph(py::module_& m) {
+  m.def("graph_complex_magnitude", &graph_complex_magnitude, py::arg("tensor"),
+        "Whether the tensor at TensorImpl address `tensor` is, up to moves and copies of its elements, abs() of a "
+        "complex tensor (a spectrum's magnitude).");
   m.def("graph_keeps", &graph_keeps,
         "Whether the backward running on this thread keeps its graph (retain_graph=True, create_graph=True); True "
         "outside a backward. Where it does not, each node's saved tensors are released once the node has run.");

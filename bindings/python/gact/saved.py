@@ -833,11 +833,12 @@ def _pow(t, args, kwargs, frame) -> Decision:
             return _EXACT
         if p != 1 and p != 2:
             return _QUADRATIC
-        if p == 2 and _complex_part(t):
+        if p == 2 and (_complex_part(t) or _complex_magnitude(t)):
             # (re² + im² of a spectrum, X.real ** 2 or view_as_real(X).pow(2): its magnitude's square, under a sqrt and
             # a log in every spectral loss, whose gradient divides the base by |X|²; a quiet bin shares its group with
             # loud ones, whose step is 1e4x its magnitude: a multi-resolution STFT loss's gradient was 1.7x its norm
-            # off at 8 bits, 2 500x with view_as_real)
+            # off at 8 bits, 2 500x with view_as_real. So is |X| ** 2, torchaudio's power spectrogram under a mel
+            # filterbank and a log: 0.12-0.51 at 8 bits near convergence)
             return _EXACT
         if p == 2 and t.dim() >= 2 and t.shape[-1] > 1:
             # (x², a hand-written RMSNorm's or variance's: the gradient of the row's mean of squares reaches each row
@@ -854,6 +855,11 @@ def _complex_part(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of a complex tensor's memory: its real or imaginary part, or view_as_real of it."""
     b = t._base
     return b is not None and b.is_complex()
+
+
+def _complex_magnitude(t: torch.Tensor) -> bool:
+    """Whether ``t`` is, up to moves and copies of its elements, abs() of a complex tensor (a spectrum's magnitude)."""
+    return _graph_complex_magnitude is not None and t.grad_fn is not None and _graph_complex_magnitude(t._cdata)
 
 
 def _divisor(t, args, kwargs, frame) -> Decision:
@@ -1696,7 +1702,7 @@ _add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through
      "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_ square square_", "base through p x^(p-1); log(base)",
      "base exact for an exponent below 1 or a tensor exponent (a division by a power of it), and for x² of a complex "
-     "tensor's real or imaginary part (a spectrum's squared magnitude); values for 1 and 2 (x²'s "
+     "tensor's real or imaginary part or of its abs() (a spectrum's squared magnitude, torchaudio's power=2); values for 1 and 2 (x²'s "
      "base normalized per row of its last dimension); "
      f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased), and for a "
      "tensor exponent (read through x^(e-1))",
@@ -2747,6 +2753,11 @@ _DISTANCE_NODES = _SQUARE_SUMS | {"CdistBackward0", "EuclideanDistBackward0", "S
 #: the squares: their quantization groups span many such sums, and a small one takes the step of the largest
 SQUARE_SUM_MIN_SPAN = 16
 
+
+try:  # (torch_graph.cpp: a spectrum's magnitude, |S|, told by its abs node's complex input; None without it)
+    from _gact_torch import graph_complex_magnitude as _graph_complex_magnitude
+except ImportError:
+    _graph_complex_magnitude = None
 
 try:  # (the walk in C++: bindings/python/torch_graph.cpp; absent where _gact_torch was built without autograd's headers)
     from _gact_torch import graph_configure as _graph_configure, graph_reaches as _graph_reaches
