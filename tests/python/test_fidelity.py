@@ -3650,6 +3650,44 @@ def test_a_norm_over_few_values_reads_its_input_exact(form):
     assert max(errs) < 0.015, errs
 
 
+@pytest.mark.parametrize("form", ["mul", "einsum", "cross_cosine"])
+def test_a_normal_consistency_loss_reads_its_unit_normals_exact(form):
+    """A mesh's normal-consistency loss, 1 - n0·n1 over adjacent faces with n = F.normalize(cross(e1, e2), dim=1): the
+    normals are nearly parallel near convergence, so normalize's backward keeps only what is perpendicular to them, and
+    the product saved them (rows of 3) as values: 0.18-0.20 of the gradient's norm at 8 bits (einsum's form alike),
+    and cross's rounded edges 0.031 under cosine_similarity. A unit vector over fewer than 16 values times a tensor
+    requiring grad is kept exact, and so are cross's operands."""
+    torch.manual_seed(0)
+    n, m = 32, 24  # a torus of n x m vertices
+    u, v = torch.meshgrid(torch.arange(n) * 2 * math.pi / n, torch.arange(m) * 2 * math.pi / m, indexing="ij")
+    grid = torch.stack([(1 + 0.3 * torch.cos(v)) * torch.cos(u), (1 + 0.3 * torch.cos(v)) * torch.sin(u),
+                        0.3 * torch.sin(v)], -1).reshape(-1, 3)
+    i = torch.arange(n * m).reshape(n, m)
+    j, k, l = i.roll(-1, 0), i.roll(-1, 1), i.roll(-1, 0).roll(-1, 1)
+    faces = torch.cat([torch.stack([i, j, l], -1).reshape(-1, 3), torch.stack([i, l, k], -1).reshape(-1, 3)])
+    edges = torch.cat([faces[:, [0, 1]], faces[:, [1, 2]], faces[:, [2, 0]]]).sort(1)[0]
+    key = edges[:, 0] * n * m + edges[:, 1]
+    order = key.argsort()
+    same = key[order][1:] == key[order][:-1]
+    owner = torch.arange(faces.shape[0]).repeat(3)[order]
+    pairs = torch.stack([owner[:-1][same], owner[1:][same]], 1)  # (the faces that share an edge)
+    net = nn.Sequential(nn.Linear(3, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 3))
+
+    def loss():
+        p = grid + 0.05 * torch.tanh(net(grid))
+        e1, e2 = p[faces[:, 1]] - p[faces[:, 0]], p[faces[:, 2]] - p[faces[:, 0]]
+        c = torch.cross(e1, e2, dim=1)
+        if form == "cross_cosine":
+            return (1 - F.cosine_similarity(c[pairs[:, 0]], c[pairs[:, 1]], dim=1)).mean()
+        nrm = F.normalize(c, dim=1)
+        a, b = nrm[pairs[:, 0]], nrm[pairs[:, 1]]
+        dot = (a * b).sum(-1) if form == "mul" else torch.einsum("ij,ij->i", a, b)
+        return (1 - dot).mean()
+
+    errs = _errors_by_step(net, loss, steps=2)
+    assert max(errs) < 0.01, errs
+
+
 def test_a_softmax_s_row_correction_adds_no_bias(monkeypatch):
     """The correction that makes decoded rows sum to one (each row's excess taken back in equal shares from its values
     that did not decode to zero) leaves the gradient as unbiased as without it: at 2 bits over rows of 256, the
