@@ -1519,6 +1519,35 @@ def test_curves_of_the_input_are_unbiased_at_two_bits(name):
     assert one > 0 and err < one / 5, (name, float(one), float(err))
 
 
+def test_a_steep_softplus_stored_as_its_input_is_unbiased():
+    """Softplus(beta=100) (an SDF network's) with derivatives=False stores its input: its backward reads
+    sigmoid(beta·x), whose curvature grows with beta², and at 4 bits the 50-seed mean of an SDF network's gradient
+    stayed 7x what noise leaves (its first layer 7 % off); here the 64-seed mean was 0.39 of one seed's error. Above
+    beta = 10 the input keeps 8 bits: the 64-seed mean approaches fp32 as 1/8 of one seed's error (allowed: 1/5);
+    Softplus(beta=1) keeps the run's width."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(7)) * 0.2
+
+    def grad(seed=None, beta=100.0):
+        torch.manual_seed(1234)
+        l1, l2 = torch.nn.Linear(128, 256), torch.nn.Linear(256, 1)
+        comp = gact.Compressor(None, bits=4, seed=seed, derivatives=False) if seed is not None else None
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = l2(F.softplus(l1(x), beta=beta)).sum()
+        loss.backward()
+        quant = comp.stats()["store"]["quant_bits"] if comp is not None else None
+        if comp is not None:
+            comp.close()
+        return l1.weight.grad.reshape(-1).double(), quant  # reached only through the curve
+
+    ref = grad()[0]
+    first, quant = grad(0)
+    one = (first - ref).norm() / ref.norm()
+    mean = sum(grad(k)[0] for k in range(64)) / 64
+    err = (mean - ref).norm() / ref.norm()
+    assert one > 0 and err < one / 5, (float(one), float(err))
+    assert quant["8"] == 1 and grad(0, beta=1.0)[1]["8"] == 0, quant
+
+
 def test_a_square_keeps_the_runs_width():
     """x ** 2's backward is 2x, linear in the saved base: stored at the run's 2 bits."""
     quant = _widths_at_two_bits(lambda a: a.pow(2))
