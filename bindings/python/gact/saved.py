@@ -1196,9 +1196,10 @@ _DEVICE_RULES_ON_HOST = False
 #: calls that select the smallest values of their input (its minimum along a dimension or over all of it, its k smallest,
 #: its k-th, its order), or the largest of a negated one (a maximum, the k largest, a log-sum-exp: a smooth minimum): the
 #: gradient reaches mostly those, through the saves the input was computed from (Compressor._exact_read)
-SELECTING_CALLS = frozenset("min amin topk kthvalue sort msort max amax logsumexp".split())
-#: the SELECTING_CALLS that pick the largest values (of a negated distance, for them to select small distances)
-_SELECTING_LARGEST = frozenset("max amax logsumexp".split())
+SELECTING_CALLS = frozenset("min amin topk kthvalue sort msort max amax logsumexp exp".split())
+#: the SELECTING_CALLS that pick the largest values (of a negated distance, for them to select small distances); exp of a
+#: negated distance (a Gaussian, exp(-0.5 q), an RBF) weighs the near pairs, whose gradient it passes
+_SELECTING_LARGEST = frozenset("max amax logsumexp exp".split())
 
 
 def _negated(g: Any) -> Any:
@@ -1294,9 +1295,15 @@ def _distance_like_node(g: Any) -> bool:
             if name in _DISTANCE_NODES:
                 return True
             edges = g.next_functions
-            if name == "MulBackward0" and len(edges) == 2 and edges[0][0] is not None and \
-                    edges[0][0] is edges[1][0] and edges[0][1] == edges[1][1]:
-                return True  # (x * x)
+            if name == "MulBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None:
+                a, b = edges[0][0], edges[1][0]
+                if a is b and edges[0][1] == edges[1][1]:
+                    return True  # (x * x)
+                if any(type(u).__name__ == "MulBackward0" and any(n is v for n, _ in u.next_functions)
+                       for u, v in ((a, b), (b, a))):
+                    return True  # ((w * d) * d: a quadratic form written by hand, a Gaussian's ia·dx·dx)
+                nxt.extend((a, b))  # (a weighted square, w * d ** 2: the weight and the square)
+                continue
             if name in _DISTANCE_THROUGH:
                 nxt.extend(n for n, _ in edges)
         frontier = nxt
@@ -1628,8 +1635,9 @@ _add("min amin", "its value through a discontinuous test; the values it selects"
      "exact, as max's; a minimum over a distance at least 0 whose smallest value is under 1/16 of its largest (on a "
      "GPU, any distance) serves exact the saves it was computed through, from the next step (selects_small: the "
      "gradient reaches only the nearest pairs, whose differences the rounding of the farthest swamps), as do "
-     "topk(largest=False), kthvalue and sort over such a distance and max, amax, logsumexp and topk over its "
-     "negation (a smooth minimum -τ·logsumexp(-d/τ))", lambda *a: _EXACT)
+     "topk(largest=False), kthvalue and sort over such a distance and max, amax, logsumexp, topk and exp over its "
+     "negation (a smooth minimum -τ·logsumexp(-d/τ); a Gaussian's exp(-q/2) of a hand-written quadratic form)",
+     lambda *a: _EXACT)
 _add("matrix_exp linalg_matrix_exp", "the matrix through exp",
      "exact: the backward is the exponential of a block matrix that holds it, so a rounded matrix's error is "
      "exponentiated (at 2 bits the 512-seed mean stayed 0.18 of the gradient's norm off)", lambda *a: _EXACT)
