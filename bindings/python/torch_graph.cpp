@@ -309,7 +309,8 @@ std::pair<std::vector<std::uintptr_t>, bool> graph_products(std::uintptr_t impl,
 /// Whether the tensor at `impl` is, up to moves and copies of its elements (moves_elements), the magnitude of a complex
 /// tensor: an AbsBackward0 node whose input is complex (the dtype of the gradient its edge carries), |S| of a spectrum.
 bool graph_complex_magnitude(std::uintptr_t impl) {
-  std::shared_ptr<Node> const& g = tensor_at(impl).grad_fn();
+  at::TensorBase const x = tensor_at(impl);
+  std::shared_ptr<Node> const g = x.grad_fn();  // (held: the walk reads the nodes behind it)
   if (!g) return false;
   Node* fn = g.get();
   for (int i = 0; i < 8 && fn != nullptr && moves_elements(fn->name()); ++i) {
