@@ -3765,17 +3765,21 @@ class _Splats(nn.Module):
         dx, dy = pix[:, None, 0] - self.mu[:, 0], pix[:, None, 1] - self.mu[:, 1]
         if self.form == "pow":
             q = ia * dx ** 2 + 2 * ib * dx * dy + id_ * dy ** 2
+        elif self.form == "einsum":
+            d2 = torch.stack([dx, dy], -1)
+            inv = torch.stack([torch.stack([ia, ib], -1), torch.stack([ib, id_], -1)], -2)
+            q = torch.einsum("pgi,gij,pgj->pg", d2, inv, d2)
         else:
             q = ia * dx * dx + 2 * ib * dx * dy + id_ * dy * dy
         return (torch.exp(-0.5 * q)[..., None] * self.color).sum(1)
 
 
-@pytest.mark.parametrize("form", ["pow", "products"])
+@pytest.mark.parametrize("form", ["pow", "products", "einsum"])
 def test_a_gaussian_s_quadratic_form_reads_its_near_pixels_exact(form):
     """exp(-q/2) of a hand-written quadratic form weighs the pixels near each mean, a few pixels away among offsets up
     to the image's side: the products' saves (dx², dx·dy, ia), rounded in steps of the farthest, were 0.22-0.25 of the
-    gradient's norm at 8 bits near the target (0.07 written as products). exp of a negated distance (a quadratic form
-    of differences) selects small values as min does: the saves it was computed through are served exact from the next
+    gradient's norm at 8 bits near the target (0.07 written as products or through einsum). exp of a negated distance
+    (a quadratic form of differences) selects small values as min does: the saves it was computed through are served exact from the next
     step, 0.03 (what is left: the colours' reads of the Gaussians' weights, stored)."""
     side = 32
     ys, xs = torch.meshgrid(torch.arange(side) + 0.5, torch.arange(side) + 0.5, indexing="ij")

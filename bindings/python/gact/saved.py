@@ -1281,6 +1281,16 @@ def _distance_like(x: torch.Tensor) -> bool:
     return _distance_like_node(x.grad_fn)
 
 
+def _shares_a_factor(a: Any, b: Any) -> bool:
+    """Whether one of the nodes ``a`` and ``b`` is a product (elementwise or batched) one of whose factors, past moves of
+    its elements, is the other: the operands of (w * d) * d, or of (d @ A) @ d."""
+    for u, v in ((a, b), (b, a)):
+        if u is not None and v is not None and type(u).__name__ in ("MulBackward0", "BmmBackward0") and \
+                any(n is not None and (n is v or _past_rearranging(n) is v) for n, _ in u.next_functions):
+            return True
+    return False
+
+
 def _distance_like_node(g: Any) -> bool:
     """_distance_like of the tensor the node ``g`` makes."""
     frontier, seen = [g], 0
@@ -1299,11 +1309,13 @@ def _distance_like_node(g: Any) -> bool:
                 a, b = edges[0][0], edges[1][0]
                 if a is b and edges[0][1] == edges[1][1]:
                     return True  # (x * x)
-                if any(type(u).__name__ == "MulBackward0" and any(n is v for n, _ in u.next_functions)
-                       for u, v in ((a, b), (b, a))):
+                if _shares_a_factor(a, b):
                     return True  # ((w * d) * d: a quadratic form written by hand, a Gaussian's ia·dx·dx)
                 nxt.extend((a, b))  # (a weighted square, w * d ** 2: the weight and the square)
                 continue
+            if name == "BmmBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None and \
+                    _shares_a_factor(_past_rearranging(edges[0][0]), _past_rearranging(edges[1][0])):
+                return True  # (dᵀ·A·d by einsum("pgi,gij,pgj->pg", d, A, d): a batched product of (d, A) with d)
             if name in _DISTANCE_THROUGH:
                 nxt.extend(n for n, _ in edges)
         frontier = nxt
