@@ -371,13 +371,19 @@ struct caching_allocator::impl {
 
   /// Return the whole pages of the free blocks of at least opts.release_on_miss_above (a request missed the cache):
   /// the free runs of the expandable ranges, the wholly free fixed segments.
-  void release_large_free() {
+  /// The largest first, until they add up to `need` (the memory the request will reserve): a step whose requests miss
+  /// now and then (shapes that change) refaults at most what it reserves anew, not the whole cache each time.
+  void release_large_free(std::size_t need) {
     std::size_t const above = opts.release_on_miss_above;
     std::vector<block*> big;
     for (block* b : large_free) {
       if (b->size >= above && (b->range != nullptr || b->whole_segment())) big.push_back(b);
     }
+    std::sort(big.begin(), big.end(), [](block const* a, block const* b) { return a->size > b->size; });
+    std::size_t released = 0;
     for (block* b : big) {
+      if (released >= need) break;
+      released += b->size;
       if (b->range != nullptr) {
         try_unmap_free_pages(b);
       } else {
@@ -1021,7 +1027,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     if (m.release_on_miss) {
       m.release_whole_free();
     } else if (m.opts.release_on_miss_above != 0) {
-      m.release_large_free();
+      m.release_large_free(size);
     }
     if (!m.grow(size, stream, small)) {
       // free pages anywhere in the ranges go back to the device, which may then map them where this fits
@@ -1039,7 +1045,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     if (m.release_on_miss) {
       m.release_whole_free();  // none of them can serve this request
     } else if (m.opts.release_on_miss_above != 0) {
-      m.release_large_free();
+      m.release_large_free(seg);
     }
     b = m.try_new_segment(seg, small, stream, lock);
     if (b == nullptr) {

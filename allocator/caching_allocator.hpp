@@ -61,10 +61,11 @@ struct allocator_options {
   /// A free that leaves a whole segment of at least this size free returns it to the backend at once
   /// (as glibc unmaps a large chunk on free); 0 = cache every segment until empty_cache().
   std::size_t release_free_above = 0;
-  /// A request that no free block serves (the arena must reserve more) first returns the free blocks of at least
-  /// this size, their whole pages: a large block cached from an earlier pattern (a blob, a decoded map) would
-  /// otherwise stand in the process's peak beside the memory reserved for this request. Only on a miss, so a
-  /// training step whose requests the cache serves pays nothing; 0 = off.
+  /// A request that no free block serves (the arena must reserve more) first returns free blocks of at least this
+  /// size, their whole pages, the largest first until they add up to what the request reserves: a large block cached
+  /// from an earlier pattern (a blob, a decoded map) would otherwise stand in the process's peak beside the memory
+  /// reserved for this request. Only on a miss, so a training step whose requests the cache serves pays nothing,
+  /// and one that misses refaults at most what it reserves; 0 = off.
   std::size_t release_on_miss_above = 0;
   /// A failed segment request is retried once after releasing the cache, even when nothing can be released (a
   /// transient backend failure); false: not retried then, for a backend that retries on its own (another

@@ -265,7 +265,15 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
     if (is_gram(*start)) out.push_back(reinterpret_cast<std::uintptr_t>(start.get()));
     return {out, !out.empty()};
   }
-  if (elementwise.count(start->name()) == 0) return {out, gram};
+  // A matrix product with one operand that needs no gradient is a fixed linear map of the other (a Cox model's risk
+  // sets, R @ exp(h)): the walk passes it as it passes a sum (not where it ends at products).
+  auto const linear_map = [&](Node& n, std::string const& name) {
+    if (products || g_products.count(name) == 0) return false;
+    int with_grad = 0;
+    for (torch::autograd::Edge const& e : n.next_edges()) with_grad += e.function ? 1 : 0;
+    return with_grad == 1;
+  };
+  if (elementwise.count(start->name()) == 0 && !linear_map(*start, start->name())) return {out, gram};
   std::set<Node*> seen{start.get()};
   std::vector<std::shared_ptr<Node>> frontier{start};
   std::vector<std::shared_ptr<Node>> next;
@@ -278,7 +286,7 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
         if (!e.function || seen.size() >= static_cast<std::size_t>(max_nodes)) continue;
         std::string const name = e.function->name();
         bool const product = products && g_products.count(name) != 0;
-        if (!product && (elementwise.count(name) == 0 ||
+        if (!product && ((elementwise.count(name) == 0 && !linear_map(*e.function, name)) ||
                          (reduction && is_square(*e.function, name) && spans_many(*node)))) continue;
         if (seen.insert(e.function.get()).second) {
           if (!product) {
