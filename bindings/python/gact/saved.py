@@ -794,6 +794,12 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
         return _EXACT
     if isinstance(other, torch.Tensor) and _complex_part(t) and _view_of(t, other):
         return _EXACT  # (X.real * X.real: a spectrum's squared magnitude, as X.real ** 2 is in _pow)
+    if isinstance(other, torch.Tensor) and other.requires_grad and not t.requires_grad and \
+            (t.dim() == 1 or (t.dim() == 2 and t.shape[-1] == 1)) and 1 < t.numel() <= SHORT_BATCH_MAX:
+        # (a weight per sample that needs no gradient, times the per-sample losses: sigma² over a ladder of sigmas,
+        # EDM's λ(σ), importance weights, spanning orders of magnitude; rounded in steps of the largest, the small ones
+        # were 0 or a step at random: a score network's gradient 0.5-1.4 of its norm at 8 bits. Exact: one value a sample)
+        return _EXACT
     if isinstance(other, torch.Tensor) and other.requires_grad and _short_direction(t):
         # (a unit vector over fewer than ROW_MIN values times another, a dot product of face normals, (n0 * n1).sum(-1):
         # near convergence the normalization's backward keeps only what is perpendicular to it, which the rounding of
@@ -854,6 +860,11 @@ def _per_row(s: torch.Tensor, a: torch.Tensor) -> bool:
         s.numel() * a.shape[-1] == a.numel()
 
 
+#: the most values of a one-dimensional tensor whose square keeps its base exact (a batch of scalars, one per sample or
+#: per edge: ConfGF's edge distances under a sigma each); a flattened activation squared (a penalty) is larger
+SHORT_BATCH_MAX = 1 << 16
+
+
 def _pow(t, args, kwargs, frame) -> Decision:
     # d(x^p)/dx = p x^(p-1): below p = 1 that is a division by a power of x (p = 0.5: 1/(2 sqrt x), p = -0.5:
     # a hand-written RMSNorm's rsqrt, p = -1: a reciprocal), which a rounded x near zero makes explode, as
@@ -886,6 +897,15 @@ def _pow(t, args, kwargs, frame) -> Decision:
             # loud ones, whose step is 1e4x its magnitude: a multi-resolution STFT loss's gradient was 1.7x its norm
             # off at 8 bits, 2 500x with view_as_real. So is |X| ** 2, torchaudio's power spectrogram under a mel
             # filterbank and a log: 0.12-0.51 at 8 bits near convergence)
+            return _EXACT
+        if p == 2 and ((t.dim() == 2 and t.shape[-1] < ROW_MIN and t.shape[0] > 1) or
+                       (t.dim() == 1 and 1 < t.numel() <= SHORT_BATCH_MAX)):
+            # (a batch of short samples, (B, d) with d < ROW_MIN, or of scalars: 2-D points, a low-dimensional score's
+            # residual, an edge distance's. Rows that short are not normalized per row, and a loss may weigh each
+            # sample's square by a scale of its own (denoising score matching's sigma² over a ladder of sigmas, EDM's
+            # λ(σ)): a sample at small sigma, rows of about 1/sigma, set the step of groups whose other samples the
+            # weight then multiplied by up to 9: 0.32-0.77 of the gradient's norm at 8 bits at d = 2, 1.2-1.7 over a
+            # flat tensor of edge distances (ConfGF). Exact: such a tensor is small)
             return _EXACT
         if p == 2 and t.dim() >= 2 and t.shape[-1] > 1:
             # (x², a hand-written RMSNorm's or variance's: the gradient of the row's mean of squares reaches each row
@@ -1518,6 +1538,13 @@ def _weight(index: int, name: str):
             return _EXACT
         if frame.name == "linear" and t.dim() >= 2 and _is_float(t) and _padded_rows(t):
             return Decision(VALUES, rows=t.shape[-1])
+        if frame.name == "linear" and t.dim() == 2 and t.shape[-1] < ROW_MIN and t.shape[0] > 1 and _is_float(t) and \
+                t is _arg(args, kwargs, 0, "input"):
+            # (a batch of samples of fewer than ROW_MIN values, the first layer of a low-dimensional model: rows too
+            # short to be normalized per row, whose gradients a loss may weigh per sample, as x² of such a batch; a
+            # score network's perturbed 2-D input, rounded in steps of the widest noise, was 0.04 of the gradient's
+            # norm at 8 bits with the rest exact. Exact: it is 1/16 of the layer's output or less)
+            return _EXACT
         return _VALUES
     return rule
 
@@ -1736,8 +1763,8 @@ _add("roi_align roi_pool ps_roi_align ps_roi_pool", "boxes (image index, corners
      "boxes exact", _positions(1, "rois"))
 _add("conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d linear",
      "input; the weight it is given",
-     "input as values (a linear layer's, padded with whole rows by F.pad: normalized per row); a weight computed in the "
-     "forward exact", _weight(1, "weight"))
+     "input as values (a linear layer's, padded with whole rows by F.pad: normalized per row; a linear layer's over a "
+     "batch of samples of fewer than 16 values exact); a weight computed in the forward exact", _weight(1, "weight"))
 _add("bilinear", "inputs; the weight it is given",
      "inputs as values (one tensor as both: a rounding each); a weight computed in the forward exact",
      _weight(2, "weight"))
@@ -1792,7 +1819,8 @@ _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact; the other factor of one requiring grad with one value per "
      "row normalized per row (h * rsqrt(mean(h²))); a complex tensor's part times itself exact (as its x²); a unit "
-     "vector over fewer than 16 values times a tensor requiring grad exact (a dot product of normals)",
+     "vector over fewer than 16 values times a tensor requiring grad exact (a dot product of normals); a weight per "
+     "sample (one dimension, up to 65 536 values) that needs no gradient, times one that does, exact",
      _broadcast_factor)
 def _einsum(t, args, kwargs, frame) -> Decision:
     # (a dot product of unit vectors over fewer than ROW_MIN values, einsum("ij,ij->i", n0, n1): exact, as mul's)
@@ -1812,7 +1840,9 @@ _add("rms_norm _fused_rms_norm", "input twice (x̂·mean(g·x̂)); 1/rms through
      "input as values, >= 4 bits below 1 024 values per row (8 below 64); 1/rms exact", _rms_norm)
 _add("pow pow_ __pow__ __ipow__ __rpow__ float_power float_power_ square square_", "base through p x^(p-1); log(base)",
      "base exact for an exponent below 1 or a tensor exponent (a division by a power of it), and for x² of a complex "
-     "tensor's real or imaginary part or of its abs() (a spectrum's squared magnitude, torchaudio's power=2); values for 1 and 2 (x²'s "
+     "tensor's real or imaginary part or of its abs() (a spectrum's squared magnitude, torchaudio's power=2), and for "
+     "x² of a batch of samples of fewer than 16 values, (B, d), or of up to 65 536 scalars (a loss may weigh each "
+     "sample's square); values for 1 and 2 (x²'s "
      "base normalized per row of its last dimension); "
      f"values (>= {QUADRATIC_MIN_BITS} bits) for another exponent (a power of a rounded value is biased), and for a "
      "tensor exponent (read through x^(e-1))",
