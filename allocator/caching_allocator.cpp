@@ -380,10 +380,10 @@ struct caching_allocator::impl {
       if (b->size >= above && (b->range != nullptr || b->whole_segment())) big.push_back(b);
     }
     std::sort(big.begin(), big.end(), [](block const* a, block const* b) { return a->size > b->size; });
-    std::size_t released = 0;
+    auto const reserved = [this] { return static_cast<std::size_t>(st.reserved_bytes[pool_all].current); };
+    std::size_t const before = reserved();
     for (block* b : big) {
-      if (released >= need) break;
-      released += b->size;
+      if (before - reserved() >= need) break;  // (what went back: whole pages only, none where the backend kept them)
       if (b->range != nullptr) {
         try_unmap_free_pages(b);
       } else {

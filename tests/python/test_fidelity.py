@@ -3632,6 +3632,63 @@ def test_an_unreduced_squared_error_weighted_per_sample_is_measured_per_sample()
     assert max(errs[1:]) < 0.015, errs
 
 
+def test_an_unreduced_squared_error_leaves_masked_samples_out_of_its_measure():
+    """A sample with no difference at all (masked out on both sides, or matched exactly) weighs nothing: it is left out
+    of the per-sample measure. It had made the ratio NaN or infinite and kept a whole call's sides exact."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 256))
+    x, target = torch.randn(64, 64), torch.randn(64, 256)
+    mask = torch.ones(64, 1)
+    mask[3] = 0
+    comp = gact.Compressor(net, bits=8, seed=1)
+    for _ in range(2):
+        with comp:
+            loss = F.mse_loss(net(x) * mask, target * mask, reduction="none").mean()
+        loss.backward()
+        comp.step()
+    exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+    comp.close()
+    assert exact < 64 * 256 * 4, exact  # (two steps: neither side, 64 KiB each, kept)
+
+
+def test_the_selecting_rules_read_no_saved_tensor_in_the_forward(monkeypatch):
+    """Whether a call takes the largest of a negated distance is told from the graph's nodes and the call's values:
+    reading a node's saved operand (MulBackward0._saved_other) ran its unpack in the forward, which decoded the blob or
+    kept the operand alive, as the program's own tensor, until backward."""
+    reads = []
+    orig = gact.compressor._Packed.unpack
+    monkeypatch.setattr(gact.compressor._Packed, "unpack", lambda self: reads.append(self.key) or orig(self))
+    lin = nn.Linear(64, 64)
+    comp = gact.Compressor(lin, bits=8)
+    x = torch.randn(256, 64)
+    for f in (lambda v: torch.amax(v, 1), torch.exp, lambda v: torch.logsumexp(v, 1)):
+        reads.clear()  # (backward's reads of the step before)
+        with comp:
+            y, z = lin(x), torch.tanh(lin(x))
+            out = f(-(y * z)).sum()
+            assert reads == [], reads
+        out.backward()
+        comp.step()
+    comp.close()
+
+
+def test_a_gaussian_activation_keeps_nothing_more_exact():
+    """exp(-h²) of a hidden layer (a Gaussian activation) is no distance: the selecting rule for exp asks for one made of
+    differences (a Gaussian's or an RBF's exp(-(x - mu)²)), and keeps nothing of it exact."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 128), nn.Linear(128, 8))
+    x = torch.randn(1024, 32)
+    comp = gact.Compressor(net, bits=8)
+    for _ in range(2):
+        with comp:
+            loss = net[1](torch.exp(-net[0](x).pow(2) / 2)).square().mean()
+        loss.backward()
+        comp.step()
+    exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+    comp.close()
+    assert exact < 1024 * 128 * 4, exact
+
+
 def test_a_mean_squared_error_far_from_its_target_stays_stored():
     """A perceptual or feature-matching loss, F.mse_loss between features that differ by about their own size: the
     rounding step is a small share of the difference (near_ratio about 0.01 at 8 bits), and both sides stay stored."""

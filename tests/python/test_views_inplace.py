@@ -426,20 +426,25 @@ def test_negative_power_is_exact_like_reciprocal(expr):
 
 
 def test_pow_rows_decide_by_exponent():
-    """The table's decision for pow: base exact below 1 and for a tensor exponent, values at 2."""
+    """The table's decision for pow: base exact below 1 and for a tensor exponent, values at 2 (exact for a batch of
+    short samples or scalars, which a loss may weigh per sample)."""
     from gact import saved
 
     class F:
         def __init__(self, name):
             self.name = name
 
-    x = torch.randn(8, requires_grad=True) * 1.0
+    x = torch.randn(8, 32, requires_grad=True) * 1.0
     rule = saved.rule_for("pow").rule
     assert rule(x, (x, -0.5), {}, F("pow")).kind == saved.EXACT
     assert rule(x, (x, 0.5), {}, F("pow")).kind == saved.EXACT
     assert rule(x, (x, 2), {}, F("pow")).kind == saved.VALUES
-    assert rule(x, (x, torch.randn(8)), {}, F("pow")).kind == saved.EXACT
+    assert rule(x, (x, torch.randn(8, 32)), {}, F("pow")).kind == saved.EXACT
     assert rule(x, (x, 2.0), {}, F("__rpow__")).kind == saved.VALUES
+    for short in (torch.randn(8, requires_grad=True) * 1.0, torch.randn(64, 3, requires_grad=True) * 1.0):
+        assert rule(short, (short, 2), {}, F("pow")).kind == saved.EXACT
+    large = torch.randn(1 << 20, 3, requires_grad=True) * 1.0  # (beyond the size where that costs nothing)
+    assert rule(large, (large, 2), {}, F("pow")).kind == saved.VALUES
     assert saved.rule_for("__pow__") is saved.rule_for("pow")
 
 

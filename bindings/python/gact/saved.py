@@ -662,7 +662,11 @@ def _near_ratio_per_sample(a: torch.Tensor, b: torch.Tensor, bits: int, group: i
                     steps.append((x.amax(1) - x.amin(1)).square().mean().expand(n))
             step = torch.sqrt((steps[0] + steps[1]) / 2) / ((1 << bits) - 1)
             rms = (a - b).float().square().mean(1).sqrt()
-            return (step / rms).square().mean().sqrt()  # (a sample with no difference at all: inf, kept exact)
+            # (a sample with no difference at all, masked out or matched exactly, weighs nothing: left out, not an
+            # infinite or NaN ratio that would keep the whole call exact)
+            live = rms > 0
+            ratio = torch.where(live, step / torch.where(live, rms, torch.ones_like(rms)), torch.zeros_like(rms))
+            return (ratio.square().sum() / live.sum().clamp_min(1)).sqrt()
     except RuntimeError:
         return None
 
@@ -817,18 +821,57 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
 _GATHERING = frozenset({"IndexBackward0", "IndexSelectBackward0", "GatherBackward0", "EmbeddingBackward0"})
 
 
+def _input_shape(g: Any, name: str, shape: Any) -> Any:
+    """The shape of the tensor the moving or gathering node ``g`` was given, from what it saved or from the shape of
+    its result (``shape``, None where unknown): None where neither tells."""
+    sizes = getattr(g, "_saved_self_sym_sizes", None) or getattr(g, "_saved_self_sizes", None)
+    if sizes:
+        return tuple(int(n) for n in sizes)
+    if shape is None:
+        return None
+    if name in ("CloneBackward0", "ToCopyBackward0"):
+        return shape
+    if name == "TransposeBackward0":
+        i, j = (getattr(g, "_saved_dim0", None), getattr(g, "_saved_dim1", None))
+        if not isinstance(i, int) or not isinstance(j, int):
+            return None
+        i, j = (k - (1 << 64) if k >= 1 << 63 else k for k in (i, j))
+        out = list(shape)
+        out[i], out[j] = out[j], out[i]
+        return tuple(out)
+    if name == "PermuteBackward0":
+        dims = getattr(g, "_saved_dims", None)
+        if not isinstance(dims, tuple) or len(dims) != len(shape):
+            return None
+        out = [0] * len(shape)
+        for k, d in enumerate(dims):
+            out[d - (1 << 64) if d >= 1 << 63 else d] = shape[k]
+        return tuple(out)
+    if name == "TBackward0" and len(shape) == 2:
+        return (shape[1], shape[0])
+    if name == "UnsqueezeBackward0":
+        d = getattr(g, "_saved_dim", None)
+        if not isinstance(d, int):
+            return None
+        d = d - (1 << 64) if d >= 1 << 63 else d
+        out = list(shape)
+        del out[d]
+        return tuple(out)
+    return None
+
+
 def _short_direction(t: torch.Tensor) -> bool:
     """Whether ``t`` is, up to moves, copies and gathers of its rows, a tensor divided by its 2-norm over a dimension of
     fewer than ROW_MIN values (F.normalize(c, dim=1) over 3 channels, c / c.norm(dim=-1, keepdim=True))."""
     g = t.grad_fn
-    shape: Any = t.shape  # (the normalized tensor's: the sizes the node after the division saved of its input)
+    shape: Any = tuple(t.shape)  # (followed back to the normalized tensor's, node by node; None where unknown)
     for _ in range(6):
         if g is None:
             return False
         name = type(g).__name__
         if name not in _REARRANGING and name not in _GATHERING:
             break
-        shape = getattr(g, "_saved_self_sym_sizes", None) or getattr(g, "_saved_self_sizes", None)
+        shape = _input_shape(g, name, shape)
         g = g.next_functions[0][0] if g.next_functions else None
     if g is None or type(g).__name__ != "DivBackward0" or len(g.next_functions) < 2 or not shape:
         return False
@@ -861,7 +904,8 @@ def _per_row(s: torch.Tensor, a: torch.Tensor) -> bool:
 
 
 #: the most values of a one-dimensional tensor whose square keeps its base exact (a batch of scalars, one per sample or
-#: per edge: ConfGF's edge distances under a sigma each); a flattened activation squared (a penalty) is larger
+#: per edge: ConfGF's edge distances under a sigma each; four times that for a batch of short samples, (B, d < 16), 1 MiB
+#: in float32); a flattened activation squared (a penalty), a scene's million points, are larger and stay stored
 SHORT_BATCH_MAX = 1 << 16
 
 
@@ -898,8 +942,8 @@ def _pow(t, args, kwargs, frame) -> Decision:
             # off at 8 bits, 2 500x with view_as_real. So is |X| ** 2, torchaudio's power spectrogram under a mel
             # filterbank and a log: 0.12-0.51 at 8 bits near convergence)
             return _EXACT
-        if p == 2 and ((t.dim() == 2 and t.shape[-1] < ROW_MIN and t.shape[0] > 1) or
-                       (t.dim() == 1 and 1 < t.numel() <= SHORT_BATCH_MAX)):
+        if p == 2 and ((t.dim() == 2 and t.shape[-1] < ROW_MIN and 1 < t.shape[0] and
+                        t.numel() <= SHORT_BATCH_MAX * 4) or (t.dim() == 1 and 1 < t.numel() <= SHORT_BATCH_MAX)):
             # (a batch of short samples, (B, d) with d < ROW_MIN, or of scalars: 2-D points, a low-dimensional score's
             # residual, an edge distance's. Rows that short are not normalized per row, and a loss may weigh each
             # sample's square by a scale of its own (denoising score matching's sigma² over a ladder of sigmas, EDM's
@@ -1222,33 +1266,51 @@ SELECTING_CALLS = frozenset("min amin topk kthvalue sort msort max amax logsumex
 _SELECTING_LARGEST = frozenset("max amax logsumexp exp".split())
 
 
-def _negated(g: Any) -> Any:
-    """The node a tensor made by ``g`` is the negation of, up to positive scalar factors and moves of its elements (-d,
-    -d / tau, (-d2).view(...)), or None."""
-    sign = 1
-    for _ in range(4):
+def _scaled_source(g: Any) -> Any:
+    """The node a tensor made by ``g`` is, up to a negation, products or quotients with operands that need no gradient
+    (-d, -d / tau, -0.5 * q: a Python number is a wrapped tensor with no edge of its own) and moves of its elements. No
+    saved operand is read (reading one runs its unpack hook, which would decode or pin it): the sign is the values'
+    to tell (selects_small)."""
+    for _ in range(5):
         g = _past_rearranging(g)
         if g is None:
             return None
         name = type(g).__name__
-        if name == "NegBackward0":
-            sign = -sign
-        elif name in ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"):
-            # (a product or a quotient with a number: a Python number is a wrapped 0-dimensional tensor on the host,
-            # with no edge of its own)
-            other = getattr(g, "_saved_other", None)
-            if isinstance(other, torch.Tensor):
-                if other.numel() != 1 or other.device.type != "cpu" or other.requires_grad or \
-                        (len(g.next_functions) > 1 and g.next_functions[1][0] is not None):
-                    return None
-                other = other.item()
-            if not isinstance(other, (int, float)) or other == 0:
-                return None
-            sign = sign if other > 0 else -sign
-        else:
-            return g if sign < 0 else None
-        g = g.next_functions[0][0] if g.next_functions else None
+        edges = g.next_functions
+        if name == "NegBackward0" or name in ("MulBackward1", "DivBackward1"):
+            g = edges[0][0] if edges else None
+            continue
+        if name in ("MulBackward0", "DivBackward0") and len(edges) == 2:
+            a, b = edges[0][0], edges[1][0]
+            if a is not None and b is None:
+                g = a
+                continue
+            if name == "MulBackward0" and a is None and b is not None:
+                g = b
+                continue
+        return g
     return None
+
+
+def _reaches_difference(g: Any) -> bool:
+    """Whether the distance made by ``g`` is one of differences (a - b, cdist, a norm of them) within 6 nodes: a
+    Gaussian's or an RBF's exp(-(x - mu)²), not exp(-h²) of a hidden layer's output (a Gaussian activation)."""
+    frontier, seen = [g], 0
+    for _ in range(6):
+        nxt = []
+        for n in frontier:
+            n = _past_rearranging(n)
+            if n is None or seen >= 24:
+                continue
+            seen += 1
+            name = type(n).__name__
+            if name in _DIFFERENCE_NODES:
+                return True
+            if name in _DISTANCE_THROUGH or name in _DISTANCE_NODES or name in ("MulBackward0", "BmmBackward0",
+                                                                                 "StackBackward0", "CatBackward0"):
+                nxt.extend(m for m, _ in n.next_functions if m is not None)
+        frontier = nxt
+    return False
 
 
 def selects_small(frame: "Frame") -> bool:
@@ -1271,8 +1333,10 @@ def selects_small(frame: "Frame") -> bool:
     largest = name in _SELECTING_LARGEST or (name == "topk" and _arg(frame.args, frame.kwargs, 3, "largest") is not False)
     sign = 1.0
     if largest:
-        g = _negated(x.grad_fn)
-        if g is None or not _distance_like_node(g):
+        # (the largest values of a scaled distance: its smallest where it is negated, which the values tell on the
+        # host; on a GPU assumed, as for any distance)
+        g = _scaled_source(x.grad_fn)
+        if g is None or not _distance_like_node(g) or (name == "exp" and not _reaches_difference(g)):
             return False
         sign = -1.0
     elif not _distance_like(x):
@@ -1538,8 +1602,8 @@ def _weight(index: int, name: str):
             return _EXACT
         if frame.name == "linear" and t.dim() >= 2 and _is_float(t) and _padded_rows(t):
             return Decision(VALUES, rows=t.shape[-1])
-        if frame.name == "linear" and t.dim() == 2 and t.shape[-1] < ROW_MIN and t.shape[0] > 1 and _is_float(t) and \
-                t is _arg(args, kwargs, 0, "input"):
+        if frame.name == "linear" and t.dim() == 2 and t.shape[-1] < ROW_MIN and 1 < t.shape[0] and \
+                t.numel() <= SHORT_BATCH_MAX * 4 and _is_float(t) and t is _arg(args, kwargs, 0, "input"):
             # (a batch of samples of fewer than ROW_MIN values, the first layer of a low-dimensional model: rows too
             # short to be normalized per row, whose gradients a loss may weigh per sample, as x² of such a batch; a
             # score network's perturbed 2-D input, rounded in steps of the widest noise, was 0.04 of the gradient's
@@ -2885,6 +2949,9 @@ _SQUARE_SUMS = frozenset({"PowBackward0", "PowBackward1", "NormBackward0", "Norm
 #: nodes whose result is at least 0 by construction, as a distance is (saved._distance_like): the squares and norms
 #: above, a pairwise distance, a square root, an absolute value
 _DISTANCE_NODES = _SQUARE_SUMS | {"CdistBackward0", "EuclideanDistBackward0", "SqrtBackward0", "AbsBackward0"}
+#: the nodes that make differences, or distances of them (_reaches_difference)
+_DIFFERENCE_NODES = frozenset({"SubBackward0", "SubBackward1", "RsubBackward0", "RsubBackward1", "CdistBackward0",
+                               "EuclideanDistBackward0", "PdistBackward0"})
 
 
 #: the fewest values a sum of squares adds per result for Compressor._exact_read's walk to stop at it (a norm, a
