@@ -3377,6 +3377,8 @@ def test_a_min_over_features_keeps_nothing_more_exact(device_rules, monkeypatch)
     assert exact_bytes(lambda h, k: -torch.amax(-h, k)) <= exact_bytes(torch.amax)
     assert exact_bytes(lambda h, k: h.topk(1, k, largest=False)[0].squeeze(k)) <= exact_bytes(torch.amax)
     assert exact_bytes(lambda h, k: -torch.logsumexp(-h / 0.1, k)) <= exact_bytes(lambda h, k: torch.logsumexp(h, k))
+    # (nor the largest square, a scale: amax(h ** 2), under the device's rule too, which reads no values back)
+    assert exact_bytes(lambda h, k: torch.amax(h.pow(2), k)) == exact_bytes(torch.amax)
 
 
 def test_a_batch_projected_onto_eigenvectors_stays_stored():

@@ -1266,18 +1266,21 @@ SELECTING_CALLS = frozenset("min amin topk kthvalue sort msort max amax logsumex
 _SELECTING_LARGEST = frozenset("max amax logsumexp exp".split())
 
 
-def _scaled_source(g: Any) -> Any:
+def _scaled_source(g: Any) -> tuple:
     """The node a tensor made by ``g`` is, up to a negation, products or quotients with operands that need no gradient
-    (-d, -d / tau, -0.5 * q: a Python number is a wrapped tensor with no edge of its own) and moves of its elements. No
-    saved operand is read (reading one runs its unpack hook, which would decode or pin it): the sign is the values'
-    to tell (selects_small)."""
+    (-d, -d / tau, -0.5 * q: a Python number is a wrapped tensor with no edge of its own) and moves of its elements,
+    and whether a negation (NegBackward0) was passed an odd number of times; (None, False) where there is none. No saved
+    operand is read (reading one runs its unpack hook, which would decode or pin it): the sign is the values' to tell
+    (selects_small), or on a device, where they are not read back, the negation's."""
+    negated = False
     for _ in range(5):
         g = _past_rearranging(g)
         if g is None:
-            return None
+            return None, False
         name = type(g).__name__
         edges = g.next_functions
         if name == "NegBackward0" or name in ("MulBackward1", "DivBackward1"):
+            negated ^= name == "NegBackward0"
             g = edges[0][0] if edges else None
             continue
         if name in ("MulBackward0", "DivBackward0") and len(edges) == 2:
@@ -1288,8 +1291,8 @@ def _scaled_source(g: Any) -> Any:
             if name == "MulBackward0" and a is None and b is not None:
                 g = b
                 continue
-        return g
-    return None
+        return g, negated
+    return None, False
 
 
 def _reaches_difference(g: Any) -> bool:
@@ -1335,9 +1338,12 @@ def selects_small(frame: "Frame") -> bool:
     if largest:
         # (the largest values of a scaled distance: its smallest where it is negated, which the values tell on the
         # host; on a GPU assumed, as for any distance)
-        g = _scaled_source(x.grad_fn)
+        g, negated = _scaled_source(x.grad_fn)
         if g is None or not _distance_like_node(g) or (name == "exp" and not _reaches_difference(g)):
             return False
+        if x.device.type != "cpu" or _DEVICE_RULES_ON_HOST:
+            # (no values read back: a written negation tells, -d, -d / tau, -q / 2; not x.abs().amax(), a scale)
+            return negated
         sign = -1.0
     elif not _distance_like(x):
         return False
