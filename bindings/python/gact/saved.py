@@ -1298,20 +1298,30 @@ def _scaled_source(g: Any) -> tuple:
 def _reaches_difference(g: Any) -> bool:
     """Whether the distance made by ``g`` is one of differences (a - b, cdist, a norm of them) within 6 nodes: a
     Gaussian's or an RBF's exp(-(x - mu)²), not exp(-h²) of a hidden layer's output (a Gaussian activation)."""
+    through = _DISTANCE_THROUGH | _DISTANCE_NODES | {"MulBackward0", "BmmBackward0", "StackBackward0", "CatBackward0"}
+
+    def step(n: Any, name: str) -> Any:
+        if name in _DIFFERENCE_NODES:
+            return True
+        return [m for m, _ in n.next_functions if m is not None] if name in through else ()
+    return _breadth_first(g, 6, 24, step)
+
+
+def _breadth_first(g: Any, levels: int, limit: int, step: Callable) -> bool:
+    """A walk from the node ``g`` over ``levels`` levels and ``limit`` nodes, past moves of elements: ``step(node,
+    name)`` returns True where the walk has found what it looks for, or the nodes to go on to."""
     frontier, seen = [g], 0
-    for _ in range(6):
-        nxt = []
+    for _ in range(levels):
+        nxt: list = []
         for n in frontier:
             n = _past_rearranging(n)
-            if n is None or seen >= 24:
+            if n is None or seen >= limit:
                 continue
             seen += 1
-            name = type(n).__name__
-            if name in _DIFFERENCE_NODES:
+            found = step(n, type(n).__name__)
+            if found is True:
                 return True
-            if name in _DISTANCE_THROUGH or name in _DISTANCE_NODES or name in ("MulBackward0", "BmmBackward0",
-                                                                                 "StackBackward0", "CatBackward0"):
-                nxt.extend(m for m, _ in n.next_functions if m is not None)
+            nxt.extend(found)
         frontier = nxt
     return False
 
@@ -1383,33 +1393,20 @@ def _shares_a_factor(a: Any, b: Any) -> bool:
 
 def _distance_like_node(g: Any) -> bool:
     """_distance_like of the tensor the node ``g`` makes."""
-    frontier, seen = [g], 0
-    for _ in range(5):
-        nxt = []
-        for g in frontier:
-            g = _past_rearranging(g)
-            if g is None or seen >= 16:
-                continue
-            seen += 1
-            name = type(g).__name__
-            if name in _DISTANCE_NODES:
-                return True
-            edges = g.next_functions
-            if name == "MulBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None:
-                a, b = edges[0][0], edges[1][0]
-                if a is b and edges[0][1] == edges[1][1]:
-                    return True  # (x * x)
-                if _shares_a_factor(a, b):
-                    return True  # ((w * d) * d: a quadratic form written by hand, a Gaussian's ia·dx·dx)
-                nxt.extend((a, b))  # (a weighted square, w * d ** 2: the weight and the square)
-                continue
-            if name == "BmmBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None and \
-                    _shares_a_factor(_past_rearranging(edges[0][0]), _past_rearranging(edges[1][0])):
-                return True  # (dᵀ·A·d by einsum("pgi,gij,pgj->pg", d, A, d): a batched product of (d, A) with d)
-            if name in _DISTANCE_THROUGH:
-                nxt.extend(n for n, _ in edges)
-        frontier = nxt
-    return False
+    def step(n: Any, name: str) -> Any:
+        if name in _DISTANCE_NODES:
+            return True
+        edges = n.next_functions
+        if name == "MulBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None:
+            a, b = edges[0][0], edges[1][0]
+            if (a is b and edges[0][1] == edges[1][1]) or _shares_a_factor(a, b):
+                return True  # (x * x; (w * d) * d: a quadratic form written by hand, a Gaussian's ia·dx·dx)
+            return (a, b)  # (a weighted square, w * d ** 2: the weight and the square)
+        if name == "BmmBackward0" and len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None and \
+                _shares_a_factor(_past_rearranging(edges[0][0]), _past_rearranging(edges[1][0])):
+            return True  # (dᵀ·A·d by einsum("pgi,gij,pgj->pg", d, A, d): a batched product of (d, A) with d)
+        return [m for m, _ in edges] if name in _DISTANCE_THROUGH else ()
+    return _breadth_first(g, 5, 16, step)
 
 
 #: the calls of spectral decompositions, whose backward divides by the gaps between their eigenvalues or singular values,
