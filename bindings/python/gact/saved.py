@@ -2022,6 +2022,8 @@ def _jit_tracing() -> bool:
 #: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
 _DATA = torch.Tensor.data
 _METHOD_WRAPPER = type(torch.Tensor.data.__get__)
+#: a descriptor's calls, as the tracker sees a tensor attribute's getter and setter
+_DESCRIPTOR_CALLS = frozenset({"__get__", "__set__", "__delete__"})
 
 
 class OpTracker(TorchFunctionMode):
@@ -2047,11 +2049,15 @@ class OpTracker(TorchFunctionMode):
         self.min_store_bytes: Callable[[], float] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__class__ is _METHOD_WRAPPER and func.__name__ in _DESCRIPTOR_CALLS:
+            # A tensor attribute's getter or setter (p.grad, x.shape, x.data = y): it makes no autograd node and
+            # saves nothing, so it needs no frame; an optimizer's step and zero_grad read and write hundreds of
+            # them a step, each paying for a frame before
+            if func.__self__ is _DATA and self._on_alias is not None and args and not _compat.is_compiling():
+                self._on_alias(args[0])
+            return func(*args, **(kwargs or {}))
         if _compat.is_compiling():  # (traced by torch.compile: every call as torch's, see _compat.is_compiling)
             return func(*args, **(kwargs or {}))
-        if func.__class__ is _METHOD_WRAPPER and getattr(func, "__self__", None) is _DATA and \
-                self._on_alias is not None and args:
-            self._on_alias(args[0])
         frame = Frame(func, args, kwargs or {})
         stack = self.stack
         stack.append(frame)
