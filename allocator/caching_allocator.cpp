@@ -370,11 +370,15 @@ struct caching_allocator::impl {
   }
 
   /// Return the whole pages of the free blocks of at least opts.release_on_miss_above (a request missed the cache):
-  /// the free runs of the expandable ranges, the wholly free fixed segments.
-  /// The largest first, until they add up to `need` (the memory the request will reserve): a step whose requests miss
-  /// now and then (shapes that change) refaults at most what it reserves anew, not the whole cache each time.
+  /// the free runs of the expandable ranges, the wholly free fixed segments, the largest first, until they add up to
+  /// `need` (the memory the request will reserve): a step whose requests miss now and then (shapes that change)
+  /// refaults about what it reserves anew, not the whole cache each time. A fixed segment larger than what is left of
+  /// `need` stays. Nothing goes back for a request that reserves less than the option's size (the caller tells,
+  /// `need` or grow_bytes()): a small tensor's miss gave up a cached 200 MiB run, which the next large temporary
+  /// mapped again, at every step of a loop that kept a small tensor a step.
   void release_large_free(std::size_t need) {
     std::size_t const above = opts.release_on_miss_above;
+    if (need < above) return;
     std::vector<block*> big;
     for (block* b : large_free) {
       if (b->size >= above && (b->range != nullptr || b->whole_segment())) big.push_back(b);
@@ -383,14 +387,28 @@ struct caching_allocator::impl {
     auto const reserved = [this] { return static_cast<std::size_t>(st.reserved_bytes[pool_all].current); };
     std::size_t const before = reserved();
     for (block* b : big) {
-      if (before - reserved() >= need) break;  // (what went back: whole pages only, none where the backend kept them)
+      // (what went back so far: nothing in the loop reserves, so the reserved bytes only fall)
+      std::size_t const released = before - reserved();
+      if (released >= need) break;
       if (b->range != nullptr) {
         try_unmap_free_pages(b);
-      } else {
+      } else if (b->size <= need - released) {
         erase_free(b);
         release_segment(b);
       }
     }
+  }
+
+  /// The bytes grow() would map for a request of `size`: those of the hole it fills beside a free run, or of a new
+  /// range.
+  std::size_t grow_bytes(std::size_t size, device::stream_t stream, bool small) {
+    vm_range* r = nullptr;
+    block* best = nullptr;
+    std::size_t best_bytes = 0;
+    for (auto const& rp : ranges) {
+      if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
+    }
+    return best != nullptr ? best_bytes : round_up(size, page);
   }
 
   // ---- block life cycle --------------------------------------------------------
@@ -1027,7 +1045,8 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     if (m.release_on_miss) {
       m.release_whole_free();
     } else if (m.opts.release_on_miss_above != 0) {
-      m.release_large_free(size);
+      // (a request that extends a free run maps only the rest: the release then waits for a larger miss)
+      if (m.grow_bytes(size, stream, small) >= m.opts.release_on_miss_above) m.release_large_free(size);
     }
     if (!m.grow(size, stream, small)) {
       // free pages anywhere in the ranges go back to the device, which may then map them where this fits

@@ -148,6 +148,28 @@ TEST_CASE("release_on_miss_above: a wholly free segment that large goes back bef
   }
 }
 
+TEST_CASE("release_on_miss_above: a miss keeps a free segment larger than what it reserves anew") {
+  gact::device::host_backend be;
+  allocator_options o;
+  o.release_on_miss_above = 16 * k_mib;
+  caching_allocator a(be, o);
+  auto const s2 = be.create_stream();
+  void* big = a.allocate(40 * k_mib);
+  a.deallocate(big);
+  CHECK(a.reserved_bytes() == 40 * k_mib);
+  void* small = a.allocate(k_mib, s2);  // a small segment reserved anew: the 40 MiB stay cached (before: given back)
+  CHECK(a.reserved_bytes() == 42 * k_mib);
+  void* again = a.allocate(40 * k_mib);  // served by the cache
+  CHECK(a.reserved_bytes() == 42 * k_mib);
+  void* p = a.allocate(48 * k_mib, s2);  // a miss larger than the free segment... none is free now: nothing to return
+  CHECK(a.reserved_bytes() == 90 * k_mib);
+  a.deallocate(again);
+  void* q = a.allocate(48 * k_mib, s2);  // a miss of 48 MiB: the free 40 MiB segment fits in it and goes back
+  CHECK(a.reserved_bytes() == 98 * k_mib);
+  for (void* x : {small, p, q}) a.deallocate(x);
+  CHECK(a.allocated_bytes() == 0);
+}
+
 TEST_CASE("OOM with a pending block: the retry synchronizes it and reuses its memory") {
   gact::test::manual_backend be(2 * k_mib);  // room for one small segment
   caching_allocator a(be);

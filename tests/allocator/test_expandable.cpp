@@ -433,6 +433,39 @@ TEST_CASE("expandable: release_on_miss_above returns the large free runs before 
   }
 }
 
+TEST_CASE("expandable: a miss that maps less than release_on_miss_above returns nothing") {
+  host_backend be;
+  caching_allocator a(be, expandable_with(&allocator_options::release_on_miss_above, 4 * k_mib));
+  auto const s2 = be.create_stream();
+  void* big = a.allocate(40 * k_mib);  // [0, 40) of stream 0's range
+  a.deallocate(big);
+  CHECK(a.reserved_bytes() == 40 * k_mib);
+  // A small miss on another stream maps one page: the cached run stays (before: all 40 MiB went back, and the next
+  // 40 MiB request mapped them again).
+  void* other = a.allocate(k_page, s2);
+  CHECK(a.reserved_bytes() == 40 * k_mib + k_page);
+  CHECK(a.stats().num_device_free == 0);
+  void* hit = a.allocate(40 * k_mib);  // the cache serves it
+  CHECK(a.reserved_bytes() == 40 * k_mib + k_page);
+  a.deallocate(hit);
+  a.deallocate(other);
+  // A large temporary freed, then a small tensor kept from its run, step after step: each miss of the temporary
+  // extends the run by what the kept tensors took from it, and nothing is unmapped.
+  std::vector<void*> kept;
+  for (int step = 0; step < 3; ++step) {
+    void* t = a.allocate(40 * k_mib);
+    fill(t, 40 * k_mib, 0x11);
+    a.deallocate(t);
+    kept.push_back(a.allocate(2 * k_mib));
+    fill(kept.back(), 2 * k_mib, static_cast<unsigned char>(step));
+  }
+  CHECK(a.stats().num_device_free == 0);
+  CHECK(a.reserved_bytes() <= (40 + 3 * 2) * k_mib + k_page);
+  for (std::size_t i = 0; i < kept.size(); ++i) CHECK(holds(kept[i], 2 * k_mib, static_cast<unsigned char>(i)));
+  for (void* p : kept) a.deallocate(p);
+  CHECK(a.allocated_bytes() == 0);
+}
+
 TEST_CASE("expandable: random allocations and frees keep every invariant and every byte") {
   // Sizes log-uniform in [1 B, 48 MiB] on two streams, a 192 MiB device: out of memory happens, and after
   // each one the free whole pages plus the device's room must not have held the request in one piece.
