@@ -3366,6 +3366,20 @@ def test_a_chamfer_loss_reads_its_nearest_pairs_exact(form, select):
     assert max(errs[1:]) < 0.01, errs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_largest_of_a_distance_in_any_precision_selects_nothing_small(dtype):
+    """The largest of a positive distance (the farthest pair) selects no small values; the smallest, or the largest of
+    the negated distance, does. In float16 the CPU's aminmax raised, and the host's rule then answered True for any
+    of them (more kept exact than needed)."""
+    p = torch.randn(64, 3, requires_grad=True)
+    c = torch.randn(32, 3)
+    d = ((p[:, None] - c[None]) ** 2).sum(-1).to(dtype) + 0.1
+    frame = lambda f, x: gact.saved.Frame(f, (x, 1), {})  # noqa: E731
+    assert not gact.saved.selects_small(frame(torch.amax, d))
+    assert gact.saved.selects_small(frame(torch.amin, d))
+    assert gact.saved.selects_small(frame(torch.amax, -d))
+
+
 @pytest.mark.parametrize("device_rules", [False, True], ids=["host", "device"])
 def test_a_min_over_features_keeps_nothing_more_exact(device_rules, monkeypatch):
     """A minimum over a residual stream (pooled beside its mean) or over a ReLU's output selects nothing small: it is
@@ -3855,13 +3869,17 @@ class _Splats(nn.Module):
         return (torch.exp(-0.5 * q)[..., None] * self.color).sum(1)
 
 
+@pytest.mark.parametrize("device_rules", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("form", ["pow", "products", "einsum"])
-def test_a_gaussian_s_quadratic_form_reads_its_near_pixels_exact(form):
+def test_a_gaussian_s_quadratic_form_reads_its_near_pixels_exact(form, device_rules, monkeypatch):
     """exp(-q/2) of a hand-written quadratic form weighs the pixels near each mean, a few pixels away among offsets up
     to the image's side: the products' saves (dx², dx·dy, ia), rounded in steps of the farthest, were 0.22-0.25 of the
     gradient's norm at 8 bits near the target (0.07 written as products or through einsum). exp of a negated distance
     (a quadratic form of differences) selects small values as min does: the saves it was computed through are served exact from the next
-    step, 0.03 (what is left: the colours' reads of the Gaussians' weights, stored)."""
+    step, 0.03 (what is left: the colours' reads of the Gaussians' weights, stored). Also under the device's rule, which
+    reads no values back and takes the sign from the negative number of exp(-0.5 * q) (before, only from a written
+    negation: 0.07 at every step there)."""
+    monkeypatch.setattr(gact.saved, "_DEVICE_RULES_ON_HOST", device_rules)
     side = 32
     ys, xs = torch.meshgrid(torch.arange(side) + 0.5, torch.arange(side) + 0.5, indexing="ij")
     pix = torch.stack([xs, ys], -1).reshape(-1, 2)

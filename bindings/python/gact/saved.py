@@ -1268,31 +1268,58 @@ _SELECTING_LARGEST = frozenset("max amax logsumexp exp".split())
 
 def _scaled_source(g: Any) -> tuple:
     """The node a tensor made by ``g`` is, up to a negation, products or quotients with operands that need no gradient
-    (-d, -d / tau, -0.5 * q: a Python number is a wrapped tensor with no edge of its own) and moves of its elements,
-    and whether a negation (NegBackward0) was passed an odd number of times; (None, False) where there is none. No saved
-    operand is read (reading one runs its unpack hook, which would decode or pin it): the sign is the values' to tell
-    (selects_small), or on a device, where they are not read back, the negation's."""
+    (-d, -d / tau, -0.5 * q: a Python number is a wrapped tensor with no edge of its own) and moves of its elements;
+    whether a negation (NegBackward0) was passed an odd number of times; and the products and quotients passed, as
+    (node, the name of their constant operand's saved attribute), whose signs _negative_constants reads. (None, False,
+    ()) where there is none. No saved operand is read here (reading one runs its unpack hook, which would decode or pin
+    it): the sign is the values' to tell (selects_small), or on a device, where they are not read back, the negation's
+    and the constants'."""
     negated = False
+    constants: list = []
     for _ in range(5):
         g = _past_rearranging(g)
         if g is None:
-            return None, False
+            return None, False, ()
         name = type(g).__name__
         edges = g.next_functions
         if name == "NegBackward0" or name in ("MulBackward1", "DivBackward1"):
             negated ^= name == "NegBackward0"
+            if name != "NegBackward0":
+                constants.append((g, "_saved_other"))
             g = edges[0][0] if edges else None
             continue
         if name in ("MulBackward0", "DivBackward0") and len(edges) == 2:
             a, b = edges[0][0], edges[1][0]
             if a is not None and b is None:
+                constants.append((g, "_saved_other"))
                 g = a
                 continue
             if name == "MulBackward0" and a is None and b is not None:
+                constants.append((g, "_saved_self"))
                 g = b
                 continue
-        return g, negated
-    return None, False
+        return g, negated, constants
+    return None, False, ()
+
+
+def _negative_constants(constants: list) -> bool:
+    """Whether an odd number of the constants _scaled_source passed are negative numbers (-0.5 * q, q / -2: a Python
+    number, saved as a one-element CPU tensor). Read only once the node they scale is known for a distance: such a
+    constant is then a number, whose unpack (a kept tensor) costs nothing; one of more elements counts as positive (a
+    weight)."""
+    odd = False
+    for node, attr in constants:
+        try:
+            c = getattr(node, attr)
+        except (RuntimeError, AttributeError):  # (released: a graph already run backward)
+            continue
+        if isinstance(c, torch.Tensor):
+            if c.numel() != 1 or c.device.type != "cpu" or c.is_complex():
+                continue
+            c = c.item()
+        if isinstance(c, (int, float)) and c < 0:
+            odd = not odd
+    return odd
 
 
 def _reaches_difference(g: Any) -> bool:
@@ -1348,12 +1375,13 @@ def selects_small(frame: "Frame") -> bool:
     if largest:
         # (the largest values of a scaled distance: its smallest where it is negated, which the values tell on the
         # host; on a GPU assumed, as for any distance)
-        g, negated = _scaled_source(x.grad_fn)
+        g, negated, constants = _scaled_source(x.grad_fn)
         if g is None or not _distance_like_node(g) or (name == "exp" and not _reaches_difference(g)):
             return False
         if x.device.type != "cpu" or _DEVICE_RULES_ON_HOST:
-            # (no values read back: a written negation tells, -d, -d / tau, -q / 2; not x.abs().amax(), a scale)
-            return negated
+            # (no values read back: a written negation or a negative number tells, -d, -d / tau, -q / 2, -0.5 * q; not
+            # x.abs().amax(), a scale)
+            return negated ^ _negative_constants(constants)
         sign = -1.0
     elif not _distance_like(x):
         return False
@@ -1361,7 +1389,10 @@ def selects_small(frame: "Frame") -> bool:
         return True
     try:
         with torch.no_grad():
-            lo, hi = torch.aminmax(x.detach() * sign)
+            v = x.detach()
+            # (in float32 where the CPU's aminmax takes no float16 or bfloat16: raising, it had answered True, and the
+            # largest of a positive half-precision distance, the farthest pair, was served exact)
+            lo, hi = torch.aminmax((v if v.dtype in (torch.float32, torch.float64) else v.float()) * sign)
             return bool(lo >= 0) and bool(lo * 16 < hi)
     except RuntimeError:
         return True
