@@ -769,6 +769,7 @@ class Compressor:
         # kept exact from the next step on
         self._divided_exact: set[str] = set()
         self._spectral_step = -1  # the last step that ran a spectral decomposition (_saved.SPECTRAL_CALLS)
+        self._rounded_step = -1  # the last step that rounded a tensor with a graph (_on_round)
         # the last step that factored, inverted or solved with a product of activations (_saved.conditioned_matrix)
         self._conditioned_step = -1
         self._qk_sigmas: list[tuple] = []
@@ -979,7 +980,7 @@ class Compressor:
             before = getattr(local, "tracker", None)
             modes = _mode_depth()
             try:
-                tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
+                tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result, self._on_round)
                 tracker.substitutes = self._substitutes()
                 tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
                 entered = tracker
@@ -1333,6 +1334,8 @@ class Compressor:
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
+        if self._rounded_step == self._step and _saved.straight_through(t):
+            return self._keep(t, "exact")  # (the rounded codes a quantizer's scale is read through: _on_round)
         if self._conditioned_step == self._step and _saved.beside_conditioned(t, frame):
             return self._keep(t, "exact")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
@@ -1425,6 +1428,15 @@ class Compressor:
         released; the key of every such save is kept exact from the next step on (where the tensor was gone, or
         what was stored is a derivative: that step's gradient carries the rounding)."""
         self._serve_exact(_graph_ancestors(t._cdata, self.EXACT_READ_DEPTH, self.EXACT_READ_NODES))
+
+    def _on_round(self, x: Any) -> None:
+        """round, floor, ceil or trunc was given ``x``: where it has a graph (a quantizer's x / s, clamped, under a
+        straight-through estimator), the saves it was computed through are served exact as _exact_read's are (the
+        dividend the scale's gradient reads), and this step's straight-through results (the rounded codes, saved by
+        the product with the scale) are kept exact: the scale's gradient is the small difference of the two."""
+        if isinstance(x, torch.Tensor) and x.grad_fn is not None and _graph_ancestors is not None:
+            self._rounded_step = self._step
+            self._exact_read(x)
 
     def _exact_products(self, m: torch.Tensor) -> bool:
         """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
@@ -2074,7 +2086,7 @@ class Compressor:
         _compat.track_saved_hooks()
         _saved.track_function_saves()
         self._global_pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
+        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result, self._on_round)
         tracker.substitutes = self._substitutes()
         tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()
@@ -2117,7 +2129,7 @@ class Compressor:
         if getattr(self, "_global_pop", None) is None or getattr(self._local, "tracker", None) is not None:
             return
         pop = _compat.push_default_hooks(self._pack, self._unpack)
-        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result)
+        tracker = _saved.OpTracker(self._flush, self._on_alias, self._on_result, self._on_round)
         tracker.substitutes = self._substitutes()
         tracker.min_store_bytes = _compat.weak_hook(self, Compressor._min_store_bytes)
         tracker.__enter__()

@@ -2055,6 +2055,30 @@ def _jit_tracing() -> bool:
     return _get_tracing_state is not None and _get_tracing_state() is not None
 
 
+#: the rounding functions as the tracker sees them (torch's and the tensor's, in place too): a quantizer's straight-through
+#: estimator rounds x / s and adds the rounding back detached, (round(v) - v).detach() + v, so that the scale's gradient
+#: is a sum of g·(round(v) - v) over the clamp's inside, the difference of two reads (the rounded codes' and the
+#: dividend's) that nearly cancel: rounded in steps of their range, that gradient was 1-10x its own size at 4 bits
+#: and 0.2-0.5x at 8 (hand-written LSQ); see Compressor._on_round and straight_through
+ROUNDING_FUNCTIONS = frozenset(f for m in (torch, torch.Tensor) for n in ("round", "round_", "floor", "floor_", "ceil",
+                                                                          "ceil_", "trunc", "trunc_", "fix", "fix_")
+                               if (f := getattr(m, n, None)) is not None)
+
+
+def straight_through(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a straight-through estimator's result, c + v with c detached ((round(v) - v).detach() + v): a
+    sum or difference with one operand that needs no gradient, whose values are whole numbers (the codes)."""
+    g = t.grad_fn
+    if g is None or type(g).__name__ not in ("AddBackward0", "SubBackward0") or not t.is_floating_point():
+        return False
+    edges = g.next_functions
+    if len(edges) != 2 or (edges[0][0] is None) == (edges[1][0] is None):
+        return False
+    with torch.no_grad():
+        d = t.detach()
+        return bool(torch.equal(d, torch.round(d)))
+
+
 #: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
 _DATA = torch.Tensor.data
 _METHOD_WRAPPER = type(torch.Tensor.data.__get__)
@@ -2068,8 +2092,12 @@ class OpTracker(TorchFunctionMode):
 
     def __init__(self, on_exit: Callable[[Frame], None],
                  on_alias: Callable[[torch.Tensor], None] | None = None,
-                 on_result: Callable[[Frame, Any], None] | None = None) -> None:
+                 on_result: Callable[[Frame, Any], None] | None = None,
+                 on_round: Callable[[Any], None] | None = None) -> None:
         super().__init__()
+        # on_round(x): round, floor, ceil or trunc was given x (a quantizer's straight-through estimator, see
+        # ROUNDING_FUNCTIONS)
+        self._on_round = on_round
         self.stack: list[Frame] = []
         self._on_exit = on_exit
         # on_result(frame, result): a call that stored saves (frame.stored) returned ``result``
@@ -2115,6 +2143,8 @@ class OpTracker(TorchFunctionMode):
             out = func(*args, **frame.kwargs)
             if frame.stored and self._on_result is not None:
                 self._on_result(frame, out)
+            if func in ROUNDING_FUNCTIONS and self._on_round is not None and args:
+                self._on_round(args[0])
             return out
         finally:
             try:
