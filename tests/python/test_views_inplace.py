@@ -16,6 +16,8 @@ import random
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import gact
 from evalkit import SaveArgs
@@ -531,3 +533,27 @@ def test_an_in_place_power_reads_its_base_as_the_out_of_place_one_does(how):
         assert store["skipped"]["exact"]["tensors"] == 2 and store["tensors_in"] == 0, store
     else:
         assert store["quant_bits"]["4"] == 1 and store["quant_bits"]["2"] == 0, store["quant_bits"]
+
+
+@pytest.mark.parametrize("name", ["elu", "celu"])
+def test_an_in_place_activation_reading_its_result_raises_when_the_result_changes(name):
+    """torch's elu_ and celu_ read their result in backward, so changing it in place afterwards raises there. gact's
+    stand-in stores the derivative of a copy of the input and ran on, its gradient from the values before the change
+    (a script passing under gact and failing without it); it raises torch's error now. Unchanged, the backward runs."""
+    act = getattr(F, name)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(64, 32)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a = act(lin(x) * 3, inplace=True)
+        a.mul_(2)
+        a.sum().backward()
+    comp = gact.Compressor(lin, bits=8, min_bytes=0)
+    with comp:
+        a = act(lin(x) * 3, inplace=True)
+        a.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        a.sum().backward()
+    with comp:
+        a = act(lin(x) * 3, inplace=True)
+    a.sum().backward()
+    comp.close()

@@ -2430,6 +2430,8 @@ class _Activation(NamedTuple):
     backward: Callable  # grad * f'(x) from (grad, x, *extra); once differentiable at most
     derivative: Callable  # f'(x) from (x, *extra), one new tensor of x's size
     inplace: Callable | None = None  # f(x) written into x
+    # torch's in-place form reads its result in backward (elu_, celu_): a later in-place change of it raises there
+    reads_result: bool = False
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -2458,10 +2460,13 @@ class _ActivationCall:
     """One call of an activation stand-in: which activation, its extra arguments, and whether the pack hook
     stored the derivative in place of the input (set after the forward, when autograd packs the save)."""
 
-    __slots__ = ("act", "extra", "stored", "saved", "probed")
+    __slots__ = ("act", "extra", "stored", "saved", "probed", "result")
 
     def __init__(self, act: _Activation, extra: tuple) -> None:
         self.act, self.extra, self.stored = act, extra, False
+        # in place, where torch's own backward reads the result: (the result, its version when the call returned),
+        # the result held weakly; the backward raises torch's error where it was changed in place since
+        self.result: tuple | None = None
         # the policy's probe's leaf holding f'(x): the backward multiplies by it (not by the unpacked save, which
         # autograd ties to the saved input), so that the probe's double backward reaches it
         self.probed: torch.Tensor | None = None
@@ -2498,6 +2503,8 @@ class ActivationFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
         call = ctx.call
+        if call.result is not None:
+            _check_result(call.result)
         if call.probed is not None:
             return grad * call.probed, None, None
         if call.stored:
@@ -2527,10 +2534,41 @@ def _activation_stand_in(act: _Activation, function: Callable, inplace_at: int |
             return function(*args, **kwargs)
         call = _ActivationCall(act, extra(args, kwargs))
         try:
-            return ActivationFunction.apply(x, x.clone() if inplace else None, call)
+            y = ActivationFunction.apply(x, x.clone() if inplace else None, call)
         finally:
             _DERIVATIVE_LOCAL.cell = None
+        if inplace and act.reads_result:
+            call.result = (_weak_version(y), y._version)
+        return y
     return stand_in
+
+
+def _weak_version(t: torch.Tensor) -> Any:
+    """What tells ``t``'s version later without holding it: its version counter (_gact_torch), or a weak reference."""
+    if _version_ref is not None:
+        try:
+            return _version_ref(t._cdata)
+        except (AttributeError, ValueError):
+            pass
+    return weakref.ref(t)
+
+
+def _check_result(result: tuple) -> None:
+    """Raise torch's error where an in-place activation's result (see _ActivationCall.result) was changed in place
+    after the call: torch's elu_ and celu_ read their result in backward and raise there; the stand-in stored the
+    derivative of a copy, and without this check the program ran on, its gradient computed from the values before
+    the change."""
+    ref, version = result
+    if isinstance(ref, weakref.ref):
+        t = ref()
+        now = -1 if t is None else t._version
+    else:
+        now = ref.current()
+    if now >= 0 and now != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: the "
+            f"result of an in-place activation (ActivationFunctionBackward) is at version {now}; expected version "
+            f"{version} instead. Hint: torch's own elu_/celu_ read their result in backward; change a copy of it.")
 
 
 def _gelu_extra(args: tuple, kwargs: dict) -> tuple:
@@ -2584,11 +2622,11 @@ DERIVATIVE_SUBSTITUTES = {
     # their input read through a curve (exp, exp(-x²), sigmoid): biased as values even at 4 bits (erf 1.5 %,
     # elu 2.5 % of the gradient), unbiased as f'(x)
     _F.elu: _activation_stand_in(
-        _Activation(torch._C._nn.elu, _elu_backward, _derivative_by(_elu_backward), torch._C._nn.elu_),
+        _Activation(torch._C._nn.elu, _elu_backward, _derivative_by(_elu_backward), torch._C._nn.elu_, True),
         _F.elu, 2, _elu_extra),
     _F.celu: _activation_stand_in(
         _Activation(torch.celu, lambda g, x, alpha: _elu_backward(g, x, alpha, 1.0 / alpha),
-                    _derivative_by(lambda g, x, alpha: _elu_backward(g, x, alpha, 1.0 / alpha)), torch.celu_),
+                    _derivative_by(lambda g, x, alpha: _elu_backward(g, x, alpha, 1.0 / alpha)), torch.celu_, True),
         _F.celu, 2, _elu_extra),
     _F.logsigmoid: _activation_stand_in(
         _Activation(_F.logsigmoid, lambda g, x: g * _log_sigmoid_derivative(x), _log_sigmoid_derivative),
@@ -3041,6 +3079,10 @@ try:  # (torch_graph.cpp: a spectrum's magnitude, |S|, told by its abs node's co
 except ImportError:
     _graph_complex_magnitude = None
 
+try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp)
+    from _gact_torch import version_ref as _version_ref
+except ImportError:
+    _version_ref = None
 try:  # (the walk in C++: bindings/python/torch_graph.cpp; absent where _gact_torch was built without autograd's headers)
     from _gact_torch import graph_configure as _graph_configure, graph_reaches as _graph_reaches
 except ImportError:
