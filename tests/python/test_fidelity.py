@@ -2387,6 +2387,60 @@ def test_a_straight_through_quantizer_s_scale_gradient_is_exact(rounding):
     comp.close()
 
 
+def test_a_rounded_metric_keeps_nothing_exact():
+    """A metric that rounds a tensor with a graph (an 8-bit image accuracy inside the `with` block, not detached)
+    feeds no straight-through estimator: the saves its input was computed through stay stored. A first version of
+    the rule served them exact at the rounding call, and for good (a third of a model's stored bytes went exact)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256))
+
+    def exact_bytes(metric):
+        comp = gact.Compressor(net, bits=4)
+        for _ in range(2):
+            x, tgt = torch.randn(128, 64), torch.rand(128, 256) * 2 - 1
+            with comp:
+                out = torch.tanh(net(x) * 0.5) * 1.2
+                out = torch.sigmoid(out) * torch.tanh(out)
+                loss = ((out - tgt) ** 2).mean()
+                if metric:
+                    (((out.clamp(-1, 1) + 1) * 127.5).round() == ((tgt + 1) * 127.5).round()).float().mean()
+                loss.backward()
+            comp.step()
+        n = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+        comp.close()
+        return n
+
+    assert exact_bytes(True) == exact_bytes(False)
+
+
+def test_a_look_at_a_constant_under_the_device_rule_decodes_nothing():
+    """The device's rule for exp of a scaled distance reads the sign of a constant factor (exp(-0.5 * q)) without
+    the values: a factor gact stored (a weight of a million elements, exp(-(d * w))) is neither decoded nor released
+    during the forward, and the forward's state (the holds a backward's first unpack clears) is left alone."""
+    decodes = []
+    unpack = gact.compressor._Packed.unpack
+
+    def counting(p):
+        decodes.append(tuple(p.shape))
+        return unpack(p)
+
+    a, b = torch.randn(1024, 3, requires_grad=True), torch.randn(1024, 3)
+    comp = gact.Compressor(None, bits=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gact.saved, "_DEVICE_RULES_ON_HOST", True)
+        mp.setattr(gact.compressor._Packed, "unpack", counting)
+        with comp:
+            d = torch.cdist(a, b) ** 2
+            w = torch.rand(1024, 1024) + 0.5
+            z = torch.exp(-(d * w)) + torch.exp(-(d * (torch.rand(1024, 1024) + 0.5)))
+            assert decodes == []
+            assert gact.saved.selects_small(gact.saved.Frame(torch.exp, (-0.5 * d,), {}))
+            assert not gact.saved.selects_small(gact.saved.Frame(torch.exp, (-0.5 * d * -1.0,), {}))
+        z.sum().backward()
+    assert decodes  # (the backward reads them)
+    comp.close()
+
+
 def test_a_gamma_sample_is_kept_exact():
     """Gamma.rsample (and Chi2's, StudentT's) draws through torch._standard_gamma, whose backward reads the sample and
     the concentration through the implicit reparameterization's derivative, steep for samples near 0: stored as

@@ -1335,7 +1335,10 @@ class Compressor:
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
         if self._rounded_step == self._step and _saved.straight_through(t):
-            return self._keep(t, "exact")  # (the rounded codes a quantizer's scale is read through: _on_round)
+            # the rounded codes a quantizer's scale is read through, and the saves they were computed through (the
+            # dividend x of x / s): _on_round
+            self._exact_read(t)
+            return self._keep(t, "exact")
         if self._conditioned_step == self._step and _saved.beside_conditioned(t, frame):
             return self._keep(t, "exact")
         if self._input_ptrs and not t.requires_grad and (_compat.storage_base(t) in self._input_ptrs
@@ -1431,12 +1434,13 @@ class Compressor:
 
     def _on_round(self, x: Any) -> None:
         """round, floor, ceil or trunc was given ``x``: where it has a graph (a quantizer's x / s, clamped, under a
-        straight-through estimator), the saves it was computed through are served exact as _exact_read's are (the
-        dividend the scale's gradient reads), and this step's straight-through results (the rounded codes, saved by
-        the product with the scale) are kept exact: the scale's gradient is the small difference of the two."""
+        straight-through estimator), this step's saves are looked at for a straight-through result (the rounded codes,
+        saved by the product with the scale: saved.straight_through), which is kept exact with the saves it was
+        computed through (the dividend x of x / s), as _exact_read serves them: the scale's gradient is the small
+        difference of the two reads. A rounding whose result feeds no such estimator (a metric of the output) keeps
+        nothing exact."""
         if isinstance(x, torch.Tensor) and x.grad_fn is not None and _graph_ancestors is not None:
             self._rounded_step = self._step
-            self._exact_read(x)
 
     def _exact_products(self, m: torch.Tensor) -> bool:
         """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
@@ -2063,6 +2067,10 @@ class Compressor:
         self._step_open = False
 
     def _unpack(self, obj: Any) -> Any:
+        if _saved.peeking():  # (a look at a saved operand during the forward: saved.peek)
+            if type(obj) is _Kept:
+                return obj.t
+            raise _saved.Unread()
         if self._holds:
             self._holds = {}  # (a backward: the forward's holds go, every thread's)
         if self._deferred:

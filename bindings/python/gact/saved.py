@@ -1302,16 +1302,40 @@ def _scaled_source(g: Any) -> tuple:
     return None, False, ()
 
 
+class Unread(Exception):
+    """A saved operand peeked at (peek) is one gact stored: it is not decoded for a look."""
+
+
+_PEEKING = threading.local()
+
+
+def peeking() -> bool:
+    """Whether this thread peeks at a saved operand (peek): a Compressor's unpack then hands back a tensor it kept
+    as it was, with none of an unpack's effects (the forward's holds, the deferred saves), and raises Unread for
+    anything it stored."""
+    return getattr(_PEEKING, "on", False)
+
+
+def peek(node: Any, attr: str) -> Any:
+    """``node``'s saved ``attr`` where reading it costs nothing (not saved through gact, or kept by it as it was);
+    None where gact stored it (a blob is not decoded for a look) or it is gone (a graph run backward)."""
+    _PEEKING.on = True
+    try:
+        return getattr(node, attr)
+    except (Unread, RuntimeError, AttributeError):
+        return None
+    finally:
+        _PEEKING.on = False
+
+
 def _negative_constants(constants: list) -> bool:
     """Whether an odd number of the constants _scaled_source passed are negative numbers (-0.5 * q, q / -2: a Python
-    number, saved as a one-element CPU tensor). Read only once the node they scale is known for a distance: such a
-    constant is then a number, whose unpack (a kept tensor) costs nothing; one of more elements counts as positive (a
-    weight)."""
+    number, saved as a one-element CPU tensor, which gact keeps as it is). A look only (peek): an operand gact
+    stored (a weight of many elements) is neither decoded nor released, and counts as positive."""
     odd = False
     for node, attr in constants:
-        try:
-            c = getattr(node, attr)
-        except (RuntimeError, AttributeError):  # (released: a graph already run backward)
+        c = peek(node, attr)
+        if c is None:
             continue
         if isinstance(c, torch.Tensor):
             if c.numel() != 1 or c.device.type != "cpu" or c.is_complex():
