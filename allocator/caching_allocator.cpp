@@ -373,12 +373,11 @@ struct caching_allocator::impl {
   /// the free runs of the expandable ranges, the wholly free fixed segments, the largest first, until they add up to
   /// `need` (the memory the request will reserve): a step whose requests miss now and then (shapes that change)
   /// refaults about what it reserves anew, not the whole cache each time. A fixed segment larger than what is left of
-  /// `need` stays. Nothing goes back for a request that reserves less than the option's size (the caller tells,
-  /// `need` or grow_bytes()): a small tensor's miss gave up a cached 200 MiB run, which the next large temporary
-  /// mapped again, at every step of a loop that kept a small tensor a step.
+  /// `need` stays. The callers skip it for a request that reserves less than the option's size anew (its segment, or
+  /// grow_bytes()): a small tensor's miss gave up a cached 200 MiB run, which the next large temporary mapped again,
+  /// at every step of a loop that kept a small tensor a step.
   void release_large_free(std::size_t need) {
     std::size_t const above = opts.release_on_miss_above;
-    if (need < above) return;
     std::vector<block*> big;
     for (block* b : large_free) {
       if (b->size >= above && (b->range != nullptr || b->whole_segment())) big.push_back(b);
@@ -1063,7 +1062,7 @@ void* caching_allocator::allocate(std::size_t bytes, device::stream_t stream, ta
     std::size_t const seg = m.segment_size(size);
     if (m.release_on_miss) {
       m.release_whole_free();  // none of them can serve this request
-    } else if (m.opts.release_on_miss_above != 0) {
+    } else if (m.opts.release_on_miss_above != 0 && seg >= m.opts.release_on_miss_above) {
       m.release_large_free(seg);
     }
     b = m.try_new_segment(seg, small, stream, lock);
