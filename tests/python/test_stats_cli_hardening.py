@@ -227,6 +227,20 @@ def test_merged_stats_keep_the_timeline_and_one_process_sections(tmp_path):
     m1 = json.loads(one.read_text())
     assert m1["run"]["compressed"] is True and m1["policy"]["group_size"] == 256 and "timeline" in m1
 
+    # A spawned job: the launcher's timeline is empty and comes first in label order; the worker's, with its
+    # events, is the one on top (plot had drawn nothing, export-torch written 0 entries)
+    empty = copy.deepcopy(tl)
+    empty["pid"] = 5
+    empty["timeline"]["events"] = []
+    sp = tmp_path / "spawn.json"
+    assert run_cli("merge", write(tmp_path, "spawn.pid5.json", empty), write(tmp_path, "spawn.pid6.json", c_doc),
+                   "-o", sp).returncode == 0
+    ms = json.loads(sp.read_text())
+    assert ms["merged"]["sections_from"]["timeline"] == "pid6" and len(ms["timeline"]["events"]) > 100
+    assert ms["processes"]["pid5"]["timeline"]["events"] == []
+    r = run_cli("plot", sp, "-o", tmp_path / "sp.png")
+    assert r.returncode == 0, r.stderr
+
 
 def test_diff_pairs_allocators_by_role_and_device_not_pid(tmp_path):
     """Issue 32: `diff` of two gact-run outputs listed every allocator and process as "only in A / only in

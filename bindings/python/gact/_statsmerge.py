@@ -16,7 +16,8 @@ shows it like any dump:
   bound of the job's peak;
 * ``processes``: per process, its file, pid, rank, what gact-run recorded about it
   (``run``), its store's key figures and its ``policy`` section;
-* ``timeline``, ``snapshots``: the first process's (in label order) that has one, so that
+* ``timeline``, ``snapshots``: the process's with the most events (the first in label order among
+  equals: a launcher's empty timeline is not the one shown), so that
   ``gact-stats plot`` and ``export-torch`` work on the merged file as on a dump (a timeline's
   addresses and times are its process's own: they do not merge); the other processes keep
   theirs under ``processes``, and ``merged.sections_from`` names whose is on top; ``run`` and
@@ -154,18 +155,34 @@ def merge(docs: list[tuple[str, str, dict]]) -> dict:
     # means nothing); a timeline or snapshots on top whatever the count, so that plot and export-torch work
     on_top = ("timeline", "snapshots") + (("run", "policy") if len(docs) == 1 else ())
     for sec in on_top:
+        # (the timeline or snapshots with the most events, the first in label order among equals: a launcher's
+        # empty timeline came first and `plot` found nothing to draw on the merged file of a spawned job)
+        best = None
         for label, _, d in docs:
-            if isinstance(d.get(sec), (dict, list)):
-                out[sec] = d[sec]
-                sections_from[sec] = label
-                if sec in ("timeline", "snapshots"):  # large: on top only, not twice
-                    processes[label].pop(sec, None)
-                break
+            v = d.get(sec)
+            if isinstance(v, (dict, list)) and (best is None or _events(sec, v) > best[0]):
+                best = (_events(sec, v), label, v)
+        if best is not None:
+            out[sec] = best[2]
+            sections_from[sec] = best[1]
+            if sec in ("timeline", "snapshots"):  # large: on top only, not twice
+                processes[best[1]].pop(sec, None)
     out["merged"] = {"files": len(docs), "labels": [label for label, _, _ in docs],
                      "uncompressed": [label for label, p in processes.items()
                                       if p.get("run", {}).get("compressed") is False],
                      "sections_from": sections_from}
     return out
+
+
+def _events(sec: str, v) -> int:
+    """How much a process's ``sec`` holds: a timeline's events, a snapshot list's entries; 0 for the other
+    sections (the first process's is taken)."""
+    if sec == "timeline" and isinstance(v, dict):
+        ev = v.get("events")
+        return len(ev) if isinstance(ev, list) else 0
+    if sec == "snapshots":
+        return len(v)
+    return 0
 
 
 def write_json(path: str, doc: dict) -> None:
