@@ -538,6 +538,40 @@ def test_the_probe_replays_the_forwards_keyword_arguments():
     assert tensors and all(v["C"] is not None for v in tensors.values()), tensors
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.b(t)), h)  # (reentrant: torch 1.13's default)
+        return self.c(h)
+
+
+def test_the_policy_s_own_runs_give_none_of_the_program_s_warnings():
+    """The policy tests whether a model computes its rows apart by running it under no_grad: a reentrant checkpoint
+    in it warned that none of its inputs required grad, a warning the program itself never gives, and under
+    `-W error` that raise failed the test, changing the replay and the run's losses. gact's own runs now keep the
+    program's warnings to themselves."""
+    torch.manual_seed(0)
+    m = _Checkpointed()
+    comp = gact.Compressor(m, bits="auto", budget=2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x, y = torch.randn(64, 32), torch.randint(0, 10, (64,))
+            with comp:
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            comp.step()
+    comp.close()
+    assert not [w for w in caught if "requires_grad" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_a_ddp_wrapper_gives_the_compressor_its_module(tmp_path):
     """`Compressor(ddp_model, bits="auto")`: the policy's probe replayed DDP's forward, which prepared a gradient
     reduction the probe never finished: the next forward raised "Expected to have finished reduction in the prior

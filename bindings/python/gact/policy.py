@@ -908,7 +908,11 @@ class AutoPolicy:
             try:
                 for m, _ in modes:
                     m.training = False
-                with torch.no_grad(), _frozen_state(model):
+                # (gact's own test runs, not the program's: a reentrant checkpoint under no_grad warned that none of
+                # its inputs required grad, a warning the program never gave; under -W error the raise failed the
+                # test and changed the policy's replay)
+                with torch.no_grad(), _frozen_state(model), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     a, kw = rec["args"]
                     full = [o for o in _compat.flatten(model(*a, **kw)) if isinstance(o, torch.Tensor)]
                     for lo in (0, k - 1):
