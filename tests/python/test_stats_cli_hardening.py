@@ -226,6 +226,7 @@ def test_merged_stats_keep_the_timeline_and_one_process_sections(tmp_path):
     assert run_cli("merge", write(tmp_path, "one.pid13.json", d), "-o", one).returncode == 0
     m1 = json.loads(one.read_text())
     assert m1["run"]["compressed"] is True and m1["policy"]["group_size"] == 256 and "timeline" in m1
+    assert "merged from 1 process," in run_cli("show", one).stdout.splitlines()[0]
 
     # A spawned job: the launcher's timeline is empty and comes first in label order; the worker's, with its
     # events, is the one on top (plot had drawn nothing, export-torch written 0 entries)
