@@ -13,4 +13,4 @@ import gact.compressor
 import gact.saved
 
 gact.saved._DEVICE_RULES_ON_HOST = True
-gact.compressor._DEFERRED_SHIFT_CHECK = True
+gact.compressor._DEFERRED_CHECKS = True

@@ -162,7 +162,7 @@ def _shift_residual_verdict(mean: torch.Tensor, rstd: torch.Tensor) -> torch.Ten
 
 
 #: tests: decide a host tensor's normalization as a device's is decided (from the next step, by _read_qk)
-_DEFERRED_SHIFT_CHECK = False
+_DEFERRED_CHECKS = False
 
 
 class _TensorRef(weakref.ref):
@@ -790,6 +790,9 @@ class Compressor:
         # plain values from the step after their measurement; the measurements of this step, (key, verdict tensor)
         self._plain_norm: set[str] = set()
         self._norm_checks: list[tuple] = []
+        # a device's straight-through results (_straight_through): the keys found so, and this step's measurements
+        self._ste_keys: set[str] = set()
+        self._ste_checks: list[tuple] = []
         self._local = threading.local()  # per thread: depth, hooks and tracker, module stack
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
@@ -1117,7 +1120,7 @@ class Compressor:
                           "gact cannot tell which op saved them there. Compress the eager parts, or run the model "
                           "without torch.compile to compress all of it.", RuntimeWarning, stacklevel=2)
         leaks = _C.store_end_step(self._owner)
-        if self._qk_sigmas or self._norm_checks:
+        if self._qk_sigmas or self._norm_checks or self._ste_checks:
             self._read_qk()
         self._step += 1
         self._step_open = False
@@ -1350,7 +1353,7 @@ class Compressor:
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
-        if self._rounded_step == self._step and _saved.straight_through(t):
+        if self._rounded_step == self._step and self._straight_through(t, key):
             # the rounded codes a quantizer's scale is read through, and the saves they were computed through (the
             # dividend x of x / s): _on_round
             self._exact_read(t)
@@ -1457,6 +1460,20 @@ class Compressor:
         nothing exact."""
         if isinstance(x, torch.Tensor) and x.grad_fn is not None and _graph_ancestors is not None:
             self._rounded_step = self._step
+
+    def _straight_through(self, t: torch.Tensor, key: str) -> bool:
+        """saved.straight_through for a save of a step that rounded; on a device, where its values are not read back
+        per save, from the next step: its whole_numbers verdict is read at step() with the step's other measurements,
+        and a key found so is kept exact while its save keeps the estimator's shape (the first step stores it)."""
+        if not _saved.straight_through_shape(t):
+            return False
+        if not (t.is_cuda or _DEFERRED_CHECKS):
+            return bool(_saved.whole_numbers(t))
+        if key in self._ste_keys:
+            return True
+        if len(self._ste_checks) < self.QK_MEASURED_MAX:
+            self._ste_checks.append((key, _saved.whole_numbers(t)))
+        return False
 
     def _exact_products(self, m: torch.Tensor) -> bool:
         """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
@@ -1573,18 +1590,20 @@ class Compressor:
         on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
         self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
-        checks, self._norm_checks = self._norm_checks, []
-        # (normalization inputs on a device: plain values from now on where the shift loses too much; one read per
-        # device)
-        norm_by_device: dict = {}
-        for key, verdict in checks:
-            norm_by_device.setdefault(verdict.device, []).append((key, verdict))
-        for group in norm_by_device.values():
-            for (key, _), plain in zip(group, torch.stack([v for _, v in group]).cpu().tolist()):
-                if plain:
-                    self._plain_norm.add(key)
+        # (a device's normalization inputs: plain values from now on where the shift loses too much; its
+        # straight-through results: exact from now on; one read per device)
+        checks = [(self._plain_norm, k, v) for k, v in self._norm_checks] + \
+                 [(self._ste_keys, k, v) for k, v in self._ste_checks]
+        self._norm_checks, self._ste_checks = [], []
+        verdicts_by_device: dict = {}
+        for c in checks:
+            verdicts_by_device.setdefault(c[2].device, []).append(c)
+        for group in verdicts_by_device.values():
+            for (keys, key, _), found in zip(group, torch.stack([v for _, _, v in group]).cpu().tolist()):
+                if found:
+                    keys.add(key)
                 else:
-                    self._plain_norm.discard(key)
+                    keys.discard(key)
         by_device: dict = {}
         for e in entries:
             by_device.setdefault(e[1].device, []).append(e)
@@ -1983,7 +2002,7 @@ class Compressor:
             return None, None
         m = mean.detach().reshape(-1).float().contiguous()
         r = rstd.detach().reshape(-1).float().contiguous()
-        if m.is_cuda or _DEFERRED_SHIFT_CHECK:
+        if m.is_cuda or _DEFERRED_CHECKS:
             # (a device's statistics are not read back per save: measured at step 0 and every ATTENTION_CHECK_EVERY
             # steps, read at step(), and the key stored as plain values from the next step where the shift's bfloat16
             # residual loses more than plain groups would: a batch norm input at offset 1e5 had 0.043 of the gradient

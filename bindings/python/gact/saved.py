@@ -2089,18 +2089,28 @@ ROUNDING_FUNCTIONS = frozenset(f for m in (torch, torch.Tensor) for n in ("round
                                if (f := getattr(m, n, None)) is not None)
 
 
-def straight_through(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a straight-through estimator's result, c + v with c detached ((round(v) - v).detach() + v): a
-    sum or difference with one operand that needs no gradient, whose values are whole numbers (the codes)."""
+def straight_through_shape(t: torch.Tensor) -> bool:
+    """Whether ``t`` is made as a straight-through estimator's result is, c + v with c detached ((round(v) - v).detach()
+    + v): a sum or difference with one operand that needs no gradient (its values not looked at)."""
     g = t.grad_fn
     if g is None or type(g).__name__ not in ("AddBackward0", "SubBackward0") or not t.is_floating_point():
         return False
     edges = g.next_functions
-    if len(edges) != 2 or (edges[0][0] is None) == (edges[1][0] is None):
-        return False
+    return len(edges) == 2 and (edges[0][0] is None) != (edges[1][0] is None)
+
+
+def whole_numbers(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dimensional bool tensor on ``t``'s device: whether every value of ``t`` is a whole number (no read back)."""
     with torch.no_grad():
         d = t.detach()
-        return bool(torch.equal(d, torch.round(d)))
+        return torch.eq(d, torch.round(d)).all()
+
+
+def straight_through(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a straight-through estimator's result: straight_through_shape, and its values are whole
+    numbers (the codes). Reads a value back (on a device, the Compressor measures whole_numbers instead and reads it
+    at step())."""
+    return straight_through_shape(t) and bool(whole_numbers(t))
 
 
 #: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
