@@ -790,6 +790,7 @@ class Compressor:
         # plain values from the step after their measurement; the measurements of this step, (key, verdict tensor)
         self._plain_norm: set[str] = set()
         self._norm_checks: list[tuple] = []
+        self._checks_next = 0  # the step that measures those (and _ste_checks) next: ATTENTION_CHECK_EVERY apart
         # a device's straight-through results (_straight_through): the keys found so, and this step's measurements
         self._ste_keys: set[str] = set()
         self._ste_checks: list[tuple] = []
@@ -882,7 +883,9 @@ class Compressor:
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
         self._qk_floor.clear()
         self._divided_exact.clear()
-        self._qk_next = self._step
+        self._plain_norm.clear()
+        self._ste_keys.clear()
+        self._qk_next = self._checks_next = self._step
         if self._own_policy:
             old, self._policy = self._policy, self._make_auto_policy()
             self._policy.defer_first_sample()
@@ -1469,11 +1472,11 @@ class Compressor:
             return False
         if not (t.is_cuda or _DEFERRED_CHECKS):
             return bool(_saved.whole_numbers(t))
-        if key in self._ste_keys:
-            return True
-        if len(self._ste_checks) < self.QK_MEASURED_MAX:
+        # (measured at step 0 and every ATTENTION_CHECK_EVERY steps, the keys found so too: one whose save stopped
+        # being whole numbers is stored again)
+        if self._step >= self._checks_next and len(self._ste_checks) < self.QK_MEASURED_MAX:
             self._ste_checks.append((key, _saved.whole_numbers(t)))
-        return False
+        return key in self._ste_keys
 
     def _exact_products(self, m: torch.Tensor) -> bool:
         """``m`` is a matrix a conditioned call factors, inverts or solves with (saved.conditioned_matrix): the saves of
@@ -1589,7 +1592,10 @@ class Compressor:
         first, at least 8 bits above the second; one read per device; the next measurement ATTENTION_CHECK_EVERY steps
         on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
-        self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
+        if entries:
+            self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
+        if self._norm_checks or self._ste_checks:
+            self._checks_next = self._step + _saved.ATTENTION_CHECK_EVERY
         # (a device's normalization inputs: plain values from now on where the shift loses too much; its
         # straight-through results: exact from now on; one read per device)
         checks = [(self._plain_norm, k, v) for k, v in self._norm_checks] + \
@@ -2007,14 +2013,14 @@ class Compressor:
             # steps, read at step(), and the key stored as plain values from the next step where the shift's bfloat16
             # residual loses more than plain groups would: a batch norm input at offset 1e5 had 0.043 of the gradient
             # off at 8 bits, normalized, at every step)
-            if key is not None and key in self._plain_norm:
-                return None, None
-            if key is not None and self._step >= self._qk_next and len(self._norm_checks) < self.QK_MEASURED_MAX:
-                try:
+            if key is not None and self._step >= self._checks_next and len(self._norm_checks) < self.QK_MEASURED_MAX:
+                try:  # (a key stored plain is measured again too: an input back near zero is normalized again)
                     with torch.no_grad():
                         self._norm_checks.append((key, _shift_residual_verdict(m, r)))
                 except RuntimeError:  # (no memory for the temporaries: not measured)
                     pass
+            if key is not None and key in self._plain_norm:
+                return None, None
         elif _shift_residual_too_large(m, r):
             return None, None
         return (int(count), int(inner), m.data_ptr(), r.data_ptr()), (m, r)
@@ -2125,6 +2131,7 @@ class Compressor:
         is not counted as a step, in its owner's counters or the process's)."""
         _C.store_end_step(self._owner, count_step=False)
         self._step_open = False
+        self._norm_checks, self._ste_checks = [], []  # (an extra pass's or a given-up step's tensors decide nothing)
 
     def _unpack(self, obj: Any) -> Any:
         if _saved.peeking():  # (a look at a saved operand during the forward: saved.peek)
