@@ -1597,6 +1597,39 @@ class _GivesUp(nn.Module):
         return self.body(self.optional(x))
 
 
+def test_a_module_added_or_put_in_place_later_is_hooked_and_excluded_by_name():
+    """Module hooks and exclude= were fixed by module id when the Compressor was made: a module added later
+    (model.head = ...) was never hooked, its saves named after its parent, and one put in an excluded module's place
+    was compressed without a word. From the next step on, a new module is hooked under its own name, and one in an
+    excluded module's place is excluded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+    comp = gact.Compressor(model, bits=4, exclude=[model[2]])
+    x = torch.randn(32, 64)
+
+    def excluded_bytes(add_head: bool = False):
+        before = comp.stats()["store"]["skipped"]["excluded"]["bytes"]
+        with comp:
+            out = model(x)
+            if add_head:
+                out = model.head(out)
+            loss = out.square().sum()
+            keys = dict(comp._key_counts)
+        loss.backward()
+        comp.step()
+        return comp.stats()["store"]["skipped"]["excluded"]["bytes"] - before, keys
+
+    first, _ = excluded_bytes()
+    assert first >= 32 * 128 * 4  # (the excluded layer's input)
+    model[2] = torch.nn.Linear(128, 64)  # put in the excluded layer's place
+    model.head = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+    excluded_bytes(add_head=True)  # (the step it happens in: hooked at the next one)
+    again, keys = excluded_bytes(add_head=True)
+    assert again == first, (again, first)
+    assert any(k.startswith("head") for k in keys), keys  # (the new module's saves under its own name)
+    comp.close()
+
+
 @pytest.mark.parametrize("exclude_flaky", [False, True])
 def test_a_module_whose_forward_raised_leaves_the_module_stack(exclude_flaky):
     """A module whose forward raised, caught by its caller, never ran its forward hook, so its entry stayed on top of

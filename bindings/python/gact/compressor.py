@@ -615,7 +615,9 @@ class Compressor:
         min_bytes: saved tensors smaller than this stay uncompressed (default 4096).
         seed: seed of the stochastic-rounding noise.
         exclude: modules (with their submodules) and tensors whose saved tensors stay
-            uncompressed.
+            uncompressed. A module is excluded as the model's module of its name: one put in its place
+            later (``model.fc1 = nn.Linear(...)``) is excluded too, from the next step. Modules take effect
+            with the model (given here or by :meth:`set_model`).
         swap: offload compressed activations to pinned host memory (needs the swap layer).
         estimator: with ``bits="auto"``, how sensitivities are estimated: ``"probe"``
             (the default with a model), ``"online"`` or ``"reference"`` (gact.policy). The
@@ -798,6 +800,8 @@ class Compressor:
         self._module_hooks: list[Any] = []
         self._closed = False  # (close(): entered again, it raises)
         self._names: dict[int, str] = {}
+        self._hooked: dict[int, Any] = {}  # id -> weak reference of the modules this Compressor hooked (_hook_modules)
+        self._excluded_paths: set[str] = set()  # the excluded modules' names in the model (_install_module_hooks)
         # torch's CPU tensors and the blobs: one pool (option cpu_allocator); a model wholly on a GPU has no
         # CPU tensors in play, so a build without the CPU pool is not worth a warning there
         on_gpu = model is not None and any(True for _ in model.parameters()) and \
@@ -896,10 +900,32 @@ class Compressor:
     # ---- module tracking ----------------------------------------------------------------
 
     def _install_module_hooks(self, model: torch.nn.Module) -> None:
+        # (the names of the excluded modules in this model: a module put in one's place later is excluded too)
+        ids = self._excluded_modules
+        self._excluded_paths = {name for name, m in model.named_modules() if id(m) in ids and name}
+        self._hook_modules(model)
+
+    def _hook_modules(self, model: torch.nn.Module) -> None:
+        """Hook the modules of ``model`` this Compressor has not hooked yet: all of them at first, and at a later
+        step's start those added or put in another's place since (``model.head = nn.Linear(...)``), which were named
+        after their parent and never excluded before."""
+        hooked = self._hooked
+        paths = self._excluded_paths
         for name, m in model.named_modules():
-            self._names.setdefault(id(m), name or "<root>")
-            self._module_hooks.append(_compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
-            self._module_hooks.append(_compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
+            r = hooked.get(id(m))
+            if r is not None and r() is m:
+                continue
+            self._names[id(m)] = name or "<root>"
+            if paths and any(name == p or name.startswith(p + ".") for p in paths):
+                self._excluded_modules.add(id(m))
+            elif r is not None:  # (a module gone whose id this one took: its hooks, keyed by id, serve this one)
+                self._excluded_modules.discard(id(m))
+            hooked[id(m)] = weakref.ref(m)
+            if r is None:
+                self._module_hooks.append(
+                    _compat.register_forward_pre_hook(m, _compat.weak_hook(self, Compressor._enter_module)))
+                self._module_hooks.append(
+                    _compat.register_forward_hook(m, _compat.weak_hook(self, Compressor._leave_module)))
 
     def _stack(self) -> list[tuple[str, bool, int]]:
         s = getattr(self._local, "stack", None)
@@ -1077,11 +1103,16 @@ class Compressor:
     def _model_modules(self) -> list:
         """The model's modules, kept between steps while no module in the process registered a submodule
         (walked again at every step on a torch without the registration hook, and every 64th step anyway: a
-        submodule deleted from the model drops out). Held weakly: a deleted submodule is not kept alive."""
+        submodule deleted from the model drops out). Held weakly: a deleted submodule is not kept alive. A module
+        found that this Compressor has not hooked (added to the model since) is hooked now."""
         gen = _compat.module_generation()
         if gen is None or gen != self._modules_at or self._modules_of is not self.model or not self._step & 63:
-            self._modules = [weakref.ref(m) for m in self.model.modules()]
+            mods = list(self.model.modules())
+            self._modules = [weakref.ref(m) for m in mods]
             self._modules_at, self._modules_of = gen, self.model
+            hooked = self._hooked
+            if self._module_hooks and any((r := hooked.get(id(m))) is None or r() is not m for m in mods):
+                self._hook_modules(self.model)
         return [m for m in (r() for r in self._modules) if m is not None]
 
     def _open_step(self) -> None:
