@@ -17,8 +17,8 @@ enum class refusal : std::uint8_t {
   out_of_range,   ///< quant/boundary: a value lies outside [lo, hi]
   not_two_level,  ///< mask/predicate `ne`: the nonzero values are not all equal
   not_window,     ///< window: an index is not a position of its pooling window
-  float64_range,  ///< quant of float64: a nonzero value lies outside float32's normal range (it is
-                  ///< quantized in float32, where it would overflow or lose its precision)
+  float64_range,  ///< quant of float64: a nonzero value lies outside float32's normal range or above 2^126 (it
+                  ///< is quantized in float32, where it would overflow or lose its precision)
   wide,           ///< quant (plain, normalized): a group holds a magnitude >= encode_params::max_magnitude (a
                   ///< mask's fill such as finfo.min), whose step would swamp every other value of the group
 };

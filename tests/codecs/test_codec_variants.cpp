@@ -784,13 +784,16 @@ TEST_CASE("float64 quant: the range test's edges, at every position of a vector,
   encode_params p;
   p.bits = 4;
   double const fmin = double(std::numeric_limits<float>::min()), fmax = double(std::numeric_limits<float>::max());
+  double const top = std::ldexp(1.0, 126);  // (above it the float32 decode can round past FLT_MAX)
   double const inf = std::numeric_limits<double>::infinity();
   struct edge_case {
     double v;
     refusal want;
   };
   std::vector<edge_case> const cases{
-      {fmin, refusal::none}, {-fmin, refusal::none}, {fmax, refusal::none}, {-fmax, refusal::none},
+      {fmin, refusal::none}, {-fmin, refusal::none}, {top, refusal::none}, {-top, refusal::none},
+      {std::nextafter(top, inf), refusal::float64_range}, {-std::nextafter(top, inf), refusal::float64_range},
+      {fmax, refusal::float64_range}, {-fmax, refusal::float64_range},
       {-0.0, refusal::none}, {std::nextafter(fmin, 0.0), refusal::float64_range},
       {-std::nextafter(fmin, 0.0), refusal::float64_range}, {std::numeric_limits<double>::denorm_min(), refusal::float64_range},
       {std::nextafter(fmax, inf), refusal::float64_range}, {-std::nextafter(fmax, inf), refusal::float64_range},

@@ -1621,6 +1621,33 @@ def test_a_normalization_input_far_from_zero_keeps_its_precision(dtype, offset, 
     assert max(errs[1:] if device_rule else errs) < 0.02, errs
 
 
+@pytest.mark.parametrize("big", [3.4028234663852886e38, 2e38, -3.4028234663852886e38])
+def test_a_float64_value_near_float32_s_largest_decodes_finite(big):
+    """float64 is quantized in float32, and the decode's affine map (z·(1/scale) + shift) rounds there: a float64
+    layer norm input holding FLT_MAX decoded its row to NaN and Inf (13 non-finite gradients of 13 where torch has
+    none, at every width). Values above 2^126 are now refused by the codec's range test and kept raw."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 13, dtype=torch.float64) * 3
+    x[0, 5] = big
+    x = x.requires_grad_()
+    g = torch.randn(7, 13, dtype=torch.float64)
+
+    def grad(comp=None):
+        x.grad = None
+        with comp if comp is not None else contextlib.nullcontext():
+            y = F.layer_norm(x * 1.0, (13,))
+        y.backward(g)
+        return x.grad.clone()
+
+    ref = grad()
+    for bits in (2, 8):
+        comp = gact.Compressor(None, bits=bits, min_bytes=0)
+        got = grad(comp)
+        comp.close()
+        assert torch.isfinite(got).sum() == torch.isfinite(ref).sum(), (bits, got[0], ref[0])
+        assert torch.allclose(got[0], ref[0], rtol=1e-6, atol=1e-30), (bits, got[0], ref[0])
+
+
 def test_a_device_measures_its_normalization_inputs_again(monkeypatch):
     """On a device the normalization input's shift test is read at step() from step 0 and every 64 steps after, a
     key stored plain included: an input whose channels differ 100x in scale, at offset 1e6 at step 0 and back near

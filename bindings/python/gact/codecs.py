@@ -171,7 +171,7 @@ def encode(
     if refused is not None:
         if explicit:
             what = {"nonfinite": "holds NaN or Inf",
-                    "float64_range": "holds float64 values outside float32's normal range (quantized in float32)",
+                    "float64_range": "holds float64 values outside float32's normal range or above 2^126 (quantized in float32)",
                     "wide": "holds a magnitude of 2^15 or more (a mask's fill such as torch.finfo(dtype).min), whose "
                             "quantization step would swamp every other value of its group"}
             raise ValueError(f"gact.codecs.encode: the tensor {what.get(refused, 'was refused (' + refused + ')')}, "
