@@ -398,15 +398,22 @@ struct caching_allocator::impl {
     }
   }
 
+  /// The hole of the ranges of `stream` and pool whose mapping serves `size` with the fewest new bytes (find_hole):
+  /// into best, best_bytes and r; best stays null where none serves it.
+  void best_hole(std::size_t size, device::stream_t stream, bool small, block*& best, std::size_t& best_bytes,
+                 vm_range*& r) {
+    for (auto const& rp : ranges) {
+      if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
+    }
+  }
+
   /// The bytes grow() would map for a request of `size`: those of the hole it fills beside a free run, or of a new
   /// range.
   std::size_t grow_bytes(std::size_t size, device::stream_t stream, bool small) {
     vm_range* r = nullptr;
     block* best = nullptr;
     std::size_t best_bytes = 0;
-    for (auto const& rp : ranges) {
-      if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
-    }
+    best_hole(size, stream, small, best, best_bytes, r);
     return best != nullptr ? best_bytes : round_up(size, page);
   }
 
@@ -548,9 +555,7 @@ struct caching_allocator::impl {
     vm_range* r = nullptr;
     block* best = nullptr;
     std::size_t best_bytes = 0;
-    for (auto const& rp : ranges) {
-      if (rp->stream == stream && rp->small == small) find_hole(*rp, size, best, best_bytes, r);
-    }
+    best_hole(size, stream, small, best, best_bytes, r);
     bool fresh = false;
     if (best == nullptr) {
       // no range of this stream and pool has a hole the request fits in (none yet, or their address space is cut

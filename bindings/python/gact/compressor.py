@@ -143,22 +143,29 @@ def _shift_residual_too_large(mean: torch.Tensor, rstd: torch.Tensor) -> bool:
     block's shift rounded to bfloat16 as the codec stores it: the normalized groups span about 6 + 2·off of a block's
     deviations, off the largest residual in deviations (past NORM_SHIFT_TOLERANCE only); a plain group spans the
     blocks' means and 6 of the largest deviation, which the block with the smallest deviation must resolve. float32
-    host tensors of the blocks (a device's would cost a sync on every save: the caller keeps normalizing there)."""
-    if mean.numel() == 0:
-        return False
-    off = float((mean - mean.to(torch.bfloat16).float()).abs_().mul_(rstd).max())
-    if not off > NORM_SHIFT_TOLERANCE:
-        return False
-    plain = float(((mean.max() - mean.min()) + 6.0 / rstd.min()) * rstd.max())
-    return plain < 6.0 + 2.0 * off
+    host tensors of the blocks (a device's would cost a sync on every save: the caller measures _shift_residual_verdict
+    there and reads it at step())."""
+    return mean.numel() > 0 and bool(_shift_residual_verdict(mean, rstd))
 
 
 def _shift_residual_verdict(mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """_shift_residual_too_large as a 0-dimensional bool tensor on the statistics' device, with no read back: a
-    device's verdict, read at step() with the step's other measurements (Compressor._read_qk)."""
+    """_shift_residual_too_large as a 0-dimensional bool tensor on the statistics' device, with no read back."""
     off = (mean - mean.to(torch.bfloat16).float()).abs_().mul_(rstd).amax()
     plain = ((mean.amax() - mean.amin()) + 6.0 / rstd.amin()) * rstd.amax()
     return (off > NORM_SHIFT_TOLERANCE) & (plain < 6.0 + 2.0 * off)
+
+
+def _read_back(values: list) -> list:
+    """The 0-dimensional tensors ``values`` as Python floats, in order: one stack and one read per device (a step's
+    measurements, read at step(): no sync per save on a GPU)."""
+    out = [0.0] * len(values)
+    by_device: dict = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(i)
+    for idx in by_device.values():
+        for i, x in zip(idx, torch.stack([values[i].float() for i in idx]).cpu().tolist()):
+            out[i] = x
+    return out
 
 
 #: tests: decide a host tensor's normalization as a device's is decided (from the next step, by _read_qk)
@@ -1628,33 +1635,26 @@ class Compressor:
         if self._norm_checks or self._ste_checks:
             self._checks_next = self._step + _saved.ATTENTION_CHECK_EVERY
         # (a device's normalization inputs: plain values from now on where the shift loses too much; its
-        # straight-through results: exact from now on; one read per device)
+        # straight-through results: exact from now on)
         checks = [(self._plain_norm, k, v) for k, v in self._norm_checks] + \
                  [(self._ste_keys, k, v) for k, v in self._ste_checks]
         self._norm_checks, self._ste_checks = [], []
-        verdicts_by_device: dict = {}
-        for c in checks:
-            verdicts_by_device.setdefault(c[2].device, []).append(c)
-        for group in verdicts_by_device.values():
-            for (keys, key, _), found in zip(group, torch.stack([v for _, _, v in group]).cpu().tolist()):
-                if found:
-                    keys.add(key)
+        values = _read_back([v for _, _, v in checks] + [e[1] for e in entries])
+        for (keys, key, _), found in zip(checks, values):
+            if found:
+                keys.add(key)
+            else:
+                keys.discard(key)
+        for (keys, _, limit, floor), value in zip(entries, values[len(checks):]):
+            if not value <= limit:  # (NaN too: exact)
+                self._qk_exact.update(keys)
+                self._qk_floor.difference_update(keys)
+            else:
+                self._qk_exact.difference_update(keys)
+                if value > floor:
+                    self._qk_floor.update(keys)
                 else:
-                    keys.discard(key)
-        by_device: dict = {}
-        for e in entries:
-            by_device.setdefault(e[1].device, []).append(e)
-        for group in by_device.values():
-            for (keys, _, limit, floor), value in zip(group, torch.stack([e[1] for e in group]).cpu().tolist()):
-                if not value <= limit:  # (NaN too: exact)
-                    self._qk_exact.update(keys)
                     self._qk_floor.difference_update(keys)
-                else:
-                    self._qk_exact.difference_update(keys)
-                    if value > floor:
-                        self._qk_floor.update(keys)
-                    else:
-                        self._qk_floor.difference_update(keys)
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded

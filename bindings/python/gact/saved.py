@@ -821,6 +821,11 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
 _GATHERING = frozenset({"IndexBackward0", "IndexSelectBackward0", "GatherBackward0", "EmbeddingBackward0"})
 
 
+def _signed_dim(d: int) -> int:
+    """A dimension a node saved, as a signed int: torch 1.13 shows a negative one as its unsigned 64-bit pattern."""
+    return d - (1 << 64) if d >= 1 << 63 else d
+
+
 def _input_shape(g: Any, name: str, shape: Any) -> Any:
     """The shape of the tensor the moving or gathering node ``g`` was given, from what it saved or from the shape of
     its result (``shape``, None where unknown): None where neither tells."""
@@ -835,7 +840,7 @@ def _input_shape(g: Any, name: str, shape: Any) -> Any:
         i, j = (getattr(g, "_saved_dim0", None), getattr(g, "_saved_dim1", None))
         if not isinstance(i, int) or not isinstance(j, int):
             return None
-        i, j = (k - (1 << 64) if k >= 1 << 63 else k for k in (i, j))
+        i, j = _signed_dim(i), _signed_dim(j)
         out = list(shape)
         out[i], out[j] = out[j], out[i]
         return tuple(out)
@@ -845,7 +850,7 @@ def _input_shape(g: Any, name: str, shape: Any) -> Any:
             return None
         out = [0] * len(shape)
         for k, d in enumerate(dims):
-            out[d - (1 << 64) if d >= 1 << 63 else d] = shape[k]
+            out[_signed_dim(d)] = shape[k]
         return tuple(out)
     if name == "TBackward0" and len(shape) == 2:
         return (shape[1], shape[0])
@@ -853,7 +858,7 @@ def _input_shape(g: Any, name: str, shape: Any) -> Any:
         d = getattr(g, "_saved_dim", None)
         if not isinstance(d, int):
             return None
-        d = d - (1 << 64) if d >= 1 << 63 else d
+        d = _signed_dim(d)
         out = list(shape)
         del out[d]
         return tuple(out)
@@ -889,7 +894,7 @@ def _short_direction(t: torch.Tensor) -> bool:
             dims = getattr(d, "_saved_dim", None)
             if not isinstance(dims, tuple) or len(dims) != 1:
                 return False
-            k = dims[0] - (1 << 64) if dims[0] >= 1 << 63 else dims[0]  # (a negative dim, as torch 1.13 shows it)
+            k = _signed_dim(dims[0])
             return -len(shape) <= k < len(shape) and 1 < int(shape[k]) < ROW_MIN
         if name not in _TO_A_NORM:
             return False
@@ -1349,12 +1354,10 @@ def _negative_constants(constants: list) -> bool:
 def _reaches_difference(g: Any) -> bool:
     """Whether the distance made by ``g`` is one of differences (a - b, cdist, a norm of them) within 6 nodes: a
     Gaussian's or an RBF's exp(-(x - mu)²), not exp(-h²) of a hidden layer's output (a Gaussian activation)."""
-    through = _DISTANCE_THROUGH | _DISTANCE_NODES | {"MulBackward0", "BmmBackward0", "StackBackward0", "CatBackward0"}
-
     def step(n: Any, name: str) -> Any:
         if name in _DIFFERENCE_NODES:
             return True
-        return [m for m, _ in n.next_functions if m is not None] if name in through else ()
+        return [m for m, _ in n.next_functions if m is not None] if name in _TO_A_DIFFERENCE else ()
     return _breadth_first(g, 6, 24, step)
 
 
@@ -2083,7 +2086,7 @@ def _jit_tracing() -> bool:
 #: estimator rounds x / s and adds the rounding back detached, (round(v) - v).detach() + v, so that the scale's gradient
 #: is a sum of g·(round(v) - v) over the clamp's inside, the difference of two reads (the rounded codes' and the
 #: dividend's) that nearly cancel: rounded in steps of their range, that gradient was 1-10x its own size at 4 bits
-#: and 0.2-0.5x at 8 (hand-written LSQ); see Compressor._on_round and straight_through
+#: and 0.2-0.5x at 8 (hand-written LSQ); see Compressor._on_round and _straight_through
 ROUNDING_FUNCTIONS = frozenset(f for m in (torch, torch.Tensor) for n in ("round", "round_", "floor", "floor_", "ceil",
                                                                           "ceil_", "trunc", "trunc_", "fix", "fix_")
                                if (f := getattr(m, n, None)) is not None)
@@ -2104,13 +2107,6 @@ def whole_numbers(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         d = t.detach()
         return torch.eq(d, torch.round(d)).all()
-
-
-def straight_through(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a straight-through estimator's result: straight_through_shape, and its values are whole
-    numbers (the codes). Reads a value back (on a device, the Compressor measures whole_numbers instead and reads it
-    at step())."""
-    return straight_through_shape(t) and bool(whole_numbers(t))
 
 
 #: ``Tensor.data``'s getter as the tracker sees it (a method-wrapper of the descriptor)
@@ -3099,6 +3095,8 @@ _DISTANCE_NODES = _SQUARE_SUMS | {"CdistBackward0", "EuclideanDistBackward0", "S
 #: the nodes that make differences, or distances of them (_reaches_difference)
 _DIFFERENCE_NODES = frozenset({"SubBackward0", "SubBackward1", "RsubBackward0", "RsubBackward1", "CdistBackward0",
                                "EuclideanDistBackward0", "PdistBackward0"})
+#: the nodes _reaches_difference passes on its way to a difference (a distance's own, products and joins of them)
+_TO_A_DIFFERENCE = _DISTANCE_THROUGH | _DISTANCE_NODES | {"MulBackward0", "BmmBackward0", "StackBackward0", "CatBackward0"}
 
 
 #: the fewest values a sum of squares adds per result for Compressor._exact_read's walk to stop at it (a norm, a
