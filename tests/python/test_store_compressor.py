@@ -62,6 +62,32 @@ def test_mlp_gradients_close_to_fp32_and_bytes_shrink():
     assert 0.5 < F.cosine_similarity(g0, g2, dim=0) < F.cosine_similarity(g0, g8, dim=0)
 
 
+def test_a_stored_save_leaves_few_objects_for_the_collector():
+    """What a stored save leaves alive through the forward that Python's cyclic collector tracks: its _Packed and the
+    weak reference to the saved tensor, nothing else (each full collection traverses every one of them; a torch.Size
+    shape was a third). A chain of tanh saves its 64 results, each stored (the step's live records are counted in
+    the step before: they are replaced when the next one opens)."""
+    w = nn.Parameter(torch.ones(()))
+    comp = gact.Compressor(bits=4)
+
+    def forward():
+        h = torch.randn(64, 256) * w
+        for _ in range(64):
+            h = torch.tanh(h)
+        return h.sum()
+
+    for step in range(2):  # (the second step: the first one's tables are made)
+        gc.collect()
+        before = len(gc.get_objects())
+        with comp:
+            loss = forward()
+        gc.collect()
+        added = len(gc.get_objects()) - before
+        loss.backward()
+        comp.step()
+    assert 64 <= added <= 2 * 64 + 16, added
+
+
 def test_parameters_views_inputs_small_and_integers_are_skipped():
     model = nn.Linear(256, 256)
     comp = gact.Compressor(model, bits=4, min_bytes=4096)
