@@ -583,3 +583,39 @@ def test_a_create_graph_backward_that_decodes_a_compressed_save_says_so_once(mon
     said = penalty(True)
     assert len(said) == 1 and "biased" in said[0] and "exclude" in said[0], said
     assert penalty(True) == []  # once per process
+
+
+@pytest.mark.parametrize("act", ["elu", "celu"])
+def test_a_loss_on_a_forward_mode_tangent_through_elu_is_unbiased(act):
+    """A Jacobian penalty: a loss on a forward-mode AD tangent, whose backward reads the ELU's input through f''(x), e^x
+    below 0 and 0 above, a jump a rounded input crosses at any width (ELU and CELU at alpha 1, which are otherwise
+    stored as values with a 4-bit floor): kept exact there. The statistic is the distance of the seeds' mean gradient
+    from fp32's over the noise it would have without bias, sqrt(sum of variances / seeds), about 1 when unbiased; it
+    was 3.6 at 32 seeds and 8 bits before (0.8 % of the gradient's norm)."""
+    import torch.autograd.forward_ad as fwAD
+    f = getattr(F, act)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ELU(), nn.Linear(128, 128), nn.ELU(), nn.Linear(128, 16))
+    x, v = torch.randn(32, 64), torch.randn(32, 64)
+
+    def grad(comp):
+        model.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            with fwAD.dual_level():
+                h = fwAD.make_dual(x, v)
+                for i, layer in enumerate(model):
+                    h = f(h) if i % 2 else layer(h)
+                t = fwAD.unpack_dual(h).tangent
+            loss = t.pow(2).mean()
+        loss.backward()
+        if comp is not None:
+            comp.step()
+        return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+
+    ref = grad(None)
+    seeds = 48
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (forward-mode AD's own warnings)
+        g = torch.stack([grad(gact.Compressor(model, bits=8, seed=s)) for s in range(seeds)])
+    ratio = float((g.mean(0) - ref).norm() / (g.var(0).sum() / seeds).sqrt())
+    assert ratio < 1.8, ratio
