@@ -81,9 +81,9 @@ class Decision(NamedTuple):
     # difference (5, mse_loss's input and target): how its rounding step compares with the difference (near_ratio)
     qk: int = 0
     # values: a softmax's result, whose rows along this dimension sum to one (None: not one): decoded rows are made to
-    # sum to one again, each row's excess taken back in equal shares from its nonzero values (Compressor._Packed.unpack),
-    # as the
-    # backward y·(g − Σ g·y) needs for its rows' gradient to sum to zero; rounded apart from one, a component every key
+    # sum to one again, each row's excess taken back in equal shares from its nonzero values (Compressor._Packed.unpack;
+    # a result holding a zero is stored as a boundary blob, so that its nonzero values are the exact ones: _store), as
+    # the backward y·(g − Σ g·y) needs for its rows' gradient to sum to zero; rounded apart from one, a component every key
     # shares (an outlier feature in every token) leaks into the query's gradient (a q weight 0.5-0.9 of its gradient's
     # norm off at 8 bits, 0.11 corrected)
     simplex: int | None = None
@@ -1791,7 +1791,8 @@ _add("matrix_power linalg_matrix_power", "the matrix (a negative power: its inve
 _add("softmax _softmax special_softmax softmin gumbel_softmax", "result through y·(g - Σ g·y)",
      f"values; at least {QUADRATIC_MIN_BITS} bits over fewer than {SOFTMAX_WIDE} values (the square of a rounded "
      "value is biased; a router's or a head's softmax); decoded rows made to sum to one, each row's excess taken back in "
-     "equal shares from its nonzero values (a component all keys share cancels in the query's gradient only then)",
+     "equal shares from its nonzero values (a component all keys share cancels in the query's gradient only then); a "
+     "result holding a zero (a masked row; on a GPU any) as a boundary blob at 0, whose zeros are the exact ones",
      _softmax)
 _add("softsign binary_cross_entropy_with_logits soft_margin_loss multilabel_soft_margin_loss copysign copysign_ "
      "special_i0e special_i1 special_i1e special_ndtr special_log_ndtr special_zeta segment_reduce _segment_reduce "
