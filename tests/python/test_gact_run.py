@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import _gact
 import pytest
@@ -323,3 +324,40 @@ def test_one_optimizer_with_a_graph_kept_alive_still_ends_every_step(tmp_path):
     store = load(stats)["store"]
     assert store["steps"] == 5, store  # the first optimizer step waits (it may be a GAN's first), then each ends
     assert store["leaks"] > 0, store
+
+
+def test_multiprocessing_helpers_are_left_alone(tmp_path):
+    """A script that starts a process with the spawn context also starts multiprocessing's resource tracker, a
+    Python process of its own: gact was installed there too, imported torch for nothing and wrote a third stats file
+    after gact-run had merged the other two. The tracker is left alone now; the spawned worker, which runs the
+    script's code, is still one of the processes."""
+    script = tmp_path / "spawns.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+        import torch
+
+        def work(q):
+            q.put(torch.ones(2).sum().item())
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=work, args=(q,))
+            p.start()
+            print("worker", q.get())
+            p.join()
+            m = torch.nn.Linear(64, 64)
+            opt = torch.optim.SGD(m.parameters(), 0.1)
+            loss = torch.relu(m(torch.randn(32, 64))).pow(2).mean()
+            loss.backward()
+            opt.step()
+    """))
+    stats = tmp_path / "stats.json"
+    r = gact_run(["--bits", "4", "--stats", str(stats)], [sys.executable, str(script)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "worker 2.0" in r.stdout
+    files = sorted(tmp_path.glob("stats.pid*.json"))
+    argvs = [load(f)["run"]["argv"] for f in files]
+    assert len(files) == 2, argvs  # the script and its worker
+    assert load(stats)["merged"]["files"] == 2
+    assert load(stats)["store"]["tensors_in"] > 0

@@ -2,7 +2,7 @@
 
 Python imports this module at start-up because gact-run puts its folder first on
 PYTHONPATH, so it runs in every Python process of the command. It does nothing unless
-GACT_RUN=1. Then it:
+GACT_RUN=1, nor in multiprocessing's own helper processes (_MP_HELPERS). Then it:
 
 1. chains to the sitecustomize this one shadows (Debian ships one), if any;
 2. builds a model-less ``gact.Compressor`` from the GACT_* options and installs its
@@ -313,8 +313,21 @@ def _run_uncompressed(reason):
     atexit.register(write)
 
 
+#: the modules multiprocessing starts its own helper processes from (``python -c "from multiprocessing.X import
+#: main; main(...)"``): they never train, and in them gact would import torch for nothing and leave a stats file of
+#: its own, written after gact-run merged the others (a script that started one spawn worker: 3 files, 2 merged)
+_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker", "multiprocessing.forkserver")
+
+
+def _multiprocessing_helper():
+    """Whether this process is one of multiprocessing's helpers (_MP_HELPERS), not a worker that runs the script's
+    code (a spawned Process, a DataLoader worker, torch.multiprocessing.spawn's ranks)."""
+    argv = getattr(sys, "orig_argv", None) or []
+    return "-c" in argv and any(m in a for a in argv for m in _MP_HELPERS)
+
+
 _chain_shadowed_sitecustomize()
-if os.environ.get("GACT_RUN") == "1":
+if os.environ.get("GACT_RUN") == "1" and not _multiprocessing_helper():
     try:
         _install()
     except Exception as e:  # noqa: BLE001 - any reason gact cannot run here stops this process
