@@ -189,6 +189,24 @@ def test_expanded_and_overlapping_saved_views_backward():
 
 # ---- in-place changes --------------------------------------------------------------------------------
 
+def test_the_in_place_error_names_the_node_as_torch_does():
+    """A stored save changed in place raises torch's error with torch's words, the node that made the tensor as it is
+    now included (", which is output 0 of AddBackward0,": the change itself)."""
+    lin = nn.Linear(64, 128)
+    x = torch.randn(32, 64)
+    messages = []
+    for comp in (None, gact.Compressor(lin, bits=4)):
+        with comp if comp is not None else contextlib.nullcontext():
+            h = lin(x)
+            z = h.pow(3).sum()  # (pow saves h)
+        h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as e:
+            z.backward()
+        messages.append(str(e.value))
+    assert ", which is output 0 of AddBackward0, is at version 1; expected version 0" in messages[0], messages[0]
+    assert ", which is output 0 of AddBackward0, is at version 1; expected version 0" in messages[1], messages[1]
+
+
 def _inplace_raises(make, change, bits=4, **kw):
     comp = gact.Compressor(bits=bits, **kw)
     with comp:

@@ -320,6 +320,12 @@ def _modified_error(t: Any, version: int, now: int) -> RuntimeError:
     while saved-tensor hooks are active, so gact does, with the version recorded at pack). ``t``: the tensor, or
     what was saved of it (shape, dtype, device)."""
     kind = t.type() if isinstance(t, torch.Tensor) else torch.empty(0, dtype=t.dtype, device=t.device).type()
+    # (torch names the node that made the tensor as it is now: the saved tensor itself, or the one a _Packed follows)
+    src = t if isinstance(t, torch.Tensor) else getattr(t, "ref", None)
+    if src is not None and not isinstance(src, torch.Tensor):
+        src = src()
+    node = src.grad_fn if src is not None else None
+    made = f", which is output {src.output_nr} of {type(node).__name__}," if node is not None else ""
     hint = ("Hint: the backtrace further above shows the operation that failed to compute its gradient. The "
             "variable in question was changed in there or anywhere later. Good luck!"
             if torch.is_anomaly_enabled() else
@@ -327,7 +333,7 @@ def _modified_error(t: Any, version: int, now: int) -> RuntimeError:
             "torch.autograd.set_detect_anomaly(True).")
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{kind} {list(t.shape)}] is at version {now}; expected version {version} instead. {hint}")
+        f"[{kind} {list(t.shape)}]{made} is at version {now}; expected version {version} instead. {hint}")
 
 
 def _predicate_of(t: torch.Tensor, pred: tuple) -> torch.Tensor:
