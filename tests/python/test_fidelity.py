@@ -3876,8 +3876,9 @@ def test_a_mean_squared_error_near_its_target_reads_both_sides_exact(form):
     """F.mse_loss saves its input and target and its backward reads 2·(input − target): a residual denoiser at σ =
     0.005 (its output within 0.005 of the target, values of order 1) had that difference swamped by either side's
     rounding step: 1.76 of the gradient's norm at 8 bits, 30 at 4, at every step (the same loss written
-    ((D − x0) ** 2).mean(), which saves the difference: 0.01). Measured at step 0 (saved.near_ratio: the step over the
-    difference's rms, 6 here), both sides are exact from step 1: 0.006 at 8 bits, the network's own."""
+    ((D − x0) ** 2).mean(), which saves the difference: 0.01). Measured (saved.near_ratio: the step over the
+    difference's rms, 6 here) at each call on the host, both sides are exact at once: 0.006 at 8 bits, the network's
+    own; on a device (tests/python/device_rules.py) measured at step 0 and read at step(), exact from step 1."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 64))
     x0, n, sigma = torch.randn(32, 64), torch.randn(32, 64), 0.005
@@ -3889,7 +3890,65 @@ def test_a_mean_squared_error_near_its_target_reads_both_sides_exact(form):
         return loss_of(xn + sigma * net(xn)) / sigma ** 2
 
     errs = _errors_by_step(net, loss, steps=3)
-    assert errs[0] > 0.5 and max(errs[1:]) < 0.03, errs  # (the first: measured, then decided)
+    if gact.saved._DEVICE_RULES_ON_HOST:
+        assert errs[0] > 0.5 and max(errs[1:]) < 0.03, errs  # (the first: measured, then decided)
+    else:
+        assert max(errs) < 0.03, errs
+
+
+@pytest.mark.parametrize("case", ["a_term_before_it_on_some_steps", "tasks_on_alternate_steps", "a_term_from_step_2"])
+def test_a_squared_difference_near_its_target_is_decided_for_its_own_call(case):
+    """The near-target decision for mse_loss's sides was taken at step 0 (and every 64 steps) and applied by key,
+    "<none>:n" outside modules: a term computed before the loss on some steps only moved the loss's keys onto
+    other saves; two task losses on alternate steps shared one key and step 0's decision (the far task's); a loss that
+    appeared after step 0 waited for step 64. At 8 bits such steps were 0.2-0.9 of the gradient's norm off, against
+    0.001. On the host each call is now decided at once; on a device (tests/python/device_rules.py), where the
+    measurement is read at step(), a key whose call it has not measured is measured at once and decided from its next
+    occurrence (two tasks alternating under one key still share a decision there: README)."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+    heads = nn.ModuleList([nn.Linear(128, 64), nn.Linear(128, 64)])
+    net = nn.ModuleDict(dict(trunk=trunk, heads=heads))
+    x = torch.randn(256, 64)
+    with torch.no_grad():
+        h = trunk(x)
+        near = heads[1](h) * 1.003  # (within 0.3 % of the prediction)
+    far = torch.randn(256, 64)
+    device = gact.saved._DEVICE_RULES_ON_HOST
+    if case == "a_term_before_it_on_some_steps":
+        plan = [(1, False), (1, True), (1, False), (1, True), (1, True)]
+        settled = [2, 3, 4] if device else range(5)  # (each layout measured once before)
+    elif case == "tasks_on_alternate_steps":
+        if device:
+            pytest.skip("a device decides by key from an earlier step: two tasks under one key share it (README)")
+        plan, settled = [(0, False), (1, False)] * 3, range(6)
+    else:
+        plan = [(0, False), (0, False), (2, False), (2, False), (2, False)]
+        settled = [1, 3, 4] if device else range(5)
+
+    def loss(m, task, extra):
+        if task == 2:  # (the near term added to the far one from step 2: a consistency loss switched on)
+            return F.mse_loss(m["heads"][0](m["trunk"](x)), far) + 100 * F.mse_loss(m["heads"][1](m["trunk"](x)), near)
+        out = m["heads"][task](m["trunk"](x))
+        return (1e-3 * torch.tanh(out).pow(2).mean() if extra else 0) + F.mse_loss(out, near if task else far)
+
+    def grad(m):
+        return torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    comp = gact.Compressor(net, bits=8, seed=0)
+    errs = []
+    for task, extra in plan:
+        net.zero_grad()
+        loss(net, task, extra).backward()
+        ref = grad(net)
+        net.zero_grad()
+        with comp:
+            out = loss(net, task, extra)
+        out.backward()
+        comp.step()
+        errs.append(float((grad(net) - ref).norm() / ref.norm()))
+    comp.close()
+    assert max(errs[i] for i in settled) < 0.01, errs
 
 
 def test_an_unreduced_squared_error_weighted_per_sample_is_measured_per_sample():
@@ -4418,9 +4477,10 @@ def test_a_clamp_between_trained_bounds_gives_each_bound_its_own_side(form):
 
 def test_a_mean_squared_error_a_little_off_its_target_stores_its_sides_at_8_bits():
     """A distilled feature a little off its teacher's (their difference half their rms): at 4 bits the sides' rounding
-    step is above a quarter of the difference's rms (near_ratio 0.6), at 8 bits far below: from step 1 the sides are
-    stored at 8 bits, not kept exact (a partly trained student kept 2.1 MB a step exact for an error 8 bits also
-    reaches), and the gradient's error falls from the 4-bit rounding's to the 8-bit's."""
+    step is above a quarter of the difference's rms (near_ratio 0.6), at 8 bits far below: the sides are stored at 8
+    bits, not kept exact (a partly trained student kept 2.1 MB a step exact for an error 8 bits also reaches), and the
+    gradient's error falls from the 4-bit rounding's (0.05) to the 8-bit's (0.01): on the host at once, on a device
+    (tests/python/device_rules.py) from step 1."""
     torch.manual_seed(0)
     student = nn.Linear(64, 256)
     x = torch.randn(256, 64)
@@ -4436,7 +4496,10 @@ def test_a_mean_squared_error_a_little_off_its_target_stores_its_sides_at_8_bits
         exact.append(comp.stats()["store"]["skipped"]["exact"]["bytes"] - before)
     comp.close()
     assert max(exact) < 256 * 256 * 4, exact  # (neither side, 256 KiB each, kept exact)
-    assert max(errs[1:]) < errs[0] / 5, errs
+    if gact.saved._DEVICE_RULES_ON_HOST:
+        assert errs[0] > 0.03 and max(errs[1:]) < errs[0] / 5, errs
+    else:
+        assert max(errs) < 0.02, errs
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])

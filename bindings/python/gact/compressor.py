@@ -806,6 +806,8 @@ class Compressor:
         self._conditioned_step = -1
         self._qk_sigmas: list[tuple] = []
         self._qk_next = 0  # the step that measures them next
+        # a device's squared-difference keys and the call measured under each (one not measured is measured at once)
+        self._near_calls: dict[str, str] = {}
         # a device's normalization inputs whose blocks' shifts would lose too much in bfloat16 (_norm_params): stored as
         # plain values from the step after their measurement; the measurements of this step, (key, verdict tensor)
         self._plain_norm: set[str] = set()
@@ -904,6 +906,7 @@ class Compressor:
         self._install_module_hooks(model)
         self._qk_exact.clear()  # (keyed by module names from now on: measured again at once)
         self._qk_floor.clear()
+        self._near_calls.clear()
         self._divided_exact.clear()
         self._plain_norm.clear()
         self._ste_keys.clear()
@@ -1440,12 +1443,23 @@ class Compressor:
             d, kind = _saved._QUADRATIC, _saved.VALUES
         elif kind == _saved.NORMALIZED:
             d, kind = _saved._VALUES, _saved.VALUES
-        if d.qk:  # (an attention's q or k: kept exact where its rounding would move the scores too far, _measure_qk)
+        if d.qk == 5 and frame is not None and not (t.is_cuda or _DEFERRED_CHECKS):
+            # a squared difference's side on the host: its call decided at once, at every step (reading the measurement
+            # costs no sync here), not by key from an earlier step, where a save made before it on some steps only,
+            # another task's loss under the same key or a loss that appears later got another call's decision
+            near = self._near_now(frame, key, t.numel())
+            if near == 2:
+                return self._keep(t, "exact")
+            if near == 1:
+                d = d._replace(min_bits=8)
+        elif d.qk:  # (an attention's q or k: kept exact where its rounding would move the scores too far, _measure_qk)
             if d.qk == 4:  # (a fused call's v or output: decided with its q and k)
                 if frame is not None and frame.qk_keys is not None:
                     frame.qk_keys.append(key)
-            elif frame is not None and self._step >= self._qk_next and len(self._qk_sigmas) < self.QK_MEASURED_MAX:
-                if d.qk == 5:
+            elif frame is not None and len(self._qk_sigmas) < self.QK_MEASURED_MAX and (
+                    self._step >= self._qk_next or (d.qk == 5 and self._near_calls.get(key) != frame.name)):
+                if d.qk == 5:  # (and a key whose call was not measured yet: from the next step, not the next check)
+                    self._near_calls[key] = frame.name
                     self._measure_near(key, t.numel(), frame)
                 else:
                     self._measure_qk(t, key, d.qk, frame)  # (kept ones too: a head that calmed down is stored again)
@@ -1617,6 +1631,18 @@ class Compressor:
             sigma = _saved.attention_sigma(sq, sk, _saved.attention_scale(frame, t), shared=role == 3)
             keys = frame.qk_keys = [kq, kk]  # (and a fused call's v and output, saved after them: Decision.qk 4)
             self._qk_sigmas.append((keys, sigma, _saved.ATTENTION_SIGMA_MAX, _saved.ATTENTION_SIGMA_MAX))
+
+    def _near_now(self, frame: Any, key: str, numel: int) -> int:
+        """_measure_near's decision for a host call, taken now, once per call: 2 keep its sides exact, 1 store them at 8
+        bits at least, 0 as the run's bits."""
+        near = frame.near
+        if near is None:
+            ratio = _saved.near_ratio(frame, 8, self.group_size)
+            value = float(ratio) if ratio is not None else 0.0
+            scale = ((1 << max(1, min(8, self._bits_for(key, numel)))) - 1) / 255
+            near = frame.near = 2 if not value <= _saved.NEAR_STEP_MAX else \
+                1 if value > _saved.NEAR_STEP_MAX * scale else 0  # (NaN: exact)
+        return near
 
     def _measure_near(self, key: str, numel: int, frame: Any) -> None:
         """Record a squared difference's side (mse_loss's input or target, Decision.qk 5): its call is measured once

@@ -2025,7 +2025,7 @@ class Frame:
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
     __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
-                 "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected")
+                 "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected", "near")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -2046,6 +2046,7 @@ class Frame:
         self.mapped = False  # an attention call that saved its probabilities (the math path)
         self.stored: list | None = None  # the call's stored saves, as the Compressor's _store listed them
         self.selected = False  # a SELECTING_CALLS call whose input's chain was served exact (Compressor._pack)
+        self.near: int | None = None  # a host squared difference's decision for its sides (Compressor._near_now)
 
     @property
     def wrapped(self) -> bool:
