@@ -698,6 +698,12 @@ activation_store::encoded activation_store::encode(tensor_view const& v, put_par
   }
   if (r.refused != codec::refusal::none) {
     out.blob.reset();
+    if (out.boundary) {
+      // (a boundary blob that met NaN/Inf, float64 float32 cannot hold or a group too wide: the raw values below serve
+      // no predicate, which a later save of the memory would otherwise be handed and fail to decode)
+      out.boundary = false;
+      out.pred = {};
+    }
     if (r.refused == codec::refusal::nonfinite || r.refused == codec::refusal::float64_range ||
         r.refused == codec::refusal::wide) {
       // NaN/Inf, float64 values float32 cannot hold, or a group too wide to quantize (a mask's fill): kept exact

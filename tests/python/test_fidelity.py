@@ -4377,13 +4377,14 @@ def test_a_masked_softmax_s_row_correction_adds_no_bias():
     assert ratio < 4.5, (ratio, float(g.mean() / ref))  # (|t| over 4.5 with 63 degrees of freedom: 3e-5 when unbiased)
 
 
-def test_a_softmax_result_is_a_boundary_blob_only_where_it_holds_a_zero():
+@pytest.mark.parametrize("bits", [4, 1])
+def test_a_softmax_result_is_a_boundary_blob_only_where_it_holds_a_zero(bits):
     """On the host the boundary blob, which spends a code on the 0, is for a result that holds a zero; a row with none
     keeps plain groups (none of its values decodes to 0, and the row's excess goes to all of them). Both decode to rows
-    that sum to one, the masked zeros exact."""
+    that sum to one, the masked zeros exact; at 1 bit too (the boundary blob then takes 2)."""
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)) * 3
     for masked in (False, True):
-        comp = gact.Compressor(None, bits=4, min_bytes=0, seed=1)
+        comp = gact.Compressor(None, bits=bits, min_bytes=0, seed=1)
         before = comp.stats()["store"]["boundary_blobs"]
         xx = x.masked_fill(torch.arange(256) >= 200, float("-inf")) if masked else x
         xx = xx.clone().requires_grad_()

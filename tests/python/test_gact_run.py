@@ -326,21 +326,24 @@ def test_one_optimizer_with_a_graph_kept_alive_still_ends_every_step(tmp_path):
     assert store["leaks"] > 0, store
 
 
-def test_multiprocessing_helpers_are_left_alone(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_multiprocessing_trackers_are_left_alone_and_workers_are_not(tmp_path, method):
     """A script that starts a process with the spawn context also starts multiprocessing's resource tracker, a
     Python process of its own: gact was installed there too, imported torch for nothing and wrote a third stats file
-    after gact-run had merged the other two. The tracker is left alone now; the spawned worker, which runs the
-    script's code, is still one of the processes."""
+    after gact-run had merged the other two. The tracker is left alone now; the workers, which run the script's code
+    (spawned, or forked by the forkserver, which is installed for them), are compressed."""
     script = tmp_path / "spawns.py"
     script.write_text(textwrap.dedent("""
         import multiprocessing as mp
+        import sys
         import torch
 
         def work(q):
-            q.put(torch.ones(2).sum().item())
+            y = torch.tanh(torch.randn(256, 256, requires_grad=True))
+            q.put(("gact" in sys.modules, type(y.grad_fn._saved_result).__name__))
 
         if __name__ == "__main__":
-            ctx = mp.get_context("spawn")
+            ctx = mp.get_context(sys.argv[1])
             q = ctx.Queue()
             p = ctx.Process(target=work, args=(q,))
             p.start()
@@ -353,11 +356,13 @@ def test_multiprocessing_helpers_are_left_alone(tmp_path):
             opt.step()
     """))
     stats = tmp_path / "stats.json"
-    r = gact_run(["--bits", "4", "--stats", str(stats)], [sys.executable, str(script)])
+    r = gact_run(["--bits", "4", "--stats", str(stats)], [sys.executable, str(script), method])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "worker 2.0" in r.stdout
+    assert "worker (True, 'Tensor')" in r.stdout, r.stdout  # (gact loaded there, its hooks installed)
     files = sorted(tmp_path.glob("stats.pid*.json"))
     argvs = [load(f)["run"]["argv"] for f in files]
-    assert len(files) == 2, argvs  # the script and its worker
-    assert load(stats)["merged"]["files"] == 2
+    if method == "spawn":  # (the forkserver, a `python -c` process too, writes its own)
+        assert ["-c"] not in argvs, argvs  # (no tracker's file: `python -c CMD` leaves argv ['-c'])
+        assert len(files) == 2, argvs  # the script and its worker
+        assert load(stats)["merged"]["files"] == 2
     assert load(stats)["store"]["tensors_in"] > 0

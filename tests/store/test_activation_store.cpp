@@ -518,6 +518,38 @@ TEST_CASE("roles: a boundary values save of data outside the range stores plain 
   CHECK(f.arena.allocated_bytes() == 0);
 }
 
+TEST_CASE("roles: a boundary values save refused by the codec is raw values, and serves no predicate") {
+  // (NaN in a clamp's output: the boundary encode is refused, the values kept raw; a raw entry told it held the
+  // predicate handed a later predicate save a blob no predicate decodes from)
+  fixture f;
+  auto x = randn(4096, 13);
+  for (auto& v : x) v = std::max(v, 0.f);
+  x[100] = std::numeric_limits<float>::quiet_NaN();
+  gact::codec::predicate_params const gt{std::uint32_t(gact::codec::predicate::gt_or_nan), 0.f, 0.f, 0.f};
+  put_params vals = bits(4);
+  vals.boundary = true;
+  vals.pred = gt;
+  auto v = f.store.put(view(x.data(), dtype::float32, {4096}), vals);
+  CHECK_FALSE(v.upgraded);
+  auto info = f.store.info(v.h);
+  CHECK(info.codec == codec_id::raw);
+  CHECK_FALSE(info.predicate);
+  CHECK(f.store.stats_json()["boundary_blobs"] == 0);
+  put_params mask = bits(4);
+  mask.what = gact::store::role::predicate;
+  mask.pred = gt;
+  auto m = f.store.put(view(x.data(), dtype::float32, {4096}), mask);
+  gact::store::get_params pg;
+  pg.predicate = true;
+  auto pa = f.store.get_shared(m.h, pg);  // (threw "a predicate was asked of a raw blob" when served by v)
+  auto const* pd = static_cast<float const*>(pa->data());
+  for (std::size_t i = 0; i < x.size(); ++i) REQUIRE(pd[i] == (x[i] > 0.f || std::isnan(x[i]) ? 1.f : 0.f));
+  pa.reset();
+  f.store.release(v.h);
+  f.store.release(m.h);
+  CHECK(f.arena.allocated_bytes() == 0);
+}
+
 TEST_CASE("stats: the last step's bytes stored, encoded and decoded") {
   fixture f;
   auto x = randn(2048, 12);

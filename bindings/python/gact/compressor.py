@@ -1780,15 +1780,16 @@ class Compressor:
         # a learned temperature of a causal attention was 5.5 % off at 4 bits and 0.19 % at 8, 10x what noise leaves
         # in 64 seeds. A boundary blob spends one code of the grid on the 0 (steps 1.07x wider at 4 bits, 1.5x at 2):
         # on the host only where the result holds a zero (a masked row; the rest keep plain groups, where no value
-        # decodes to 0), on a device, where that read would cost a sync, always. (At 1 bit, where a boundary blob would
-        # take 2: plain, and no correction, unbiased.)
+        # decodes to 0), on a device, where that read would cost a sync, always; at 1 bit it takes 2 (the store's
+        # narrowest boundary blob: uncorrected, the rows' sums leak a component every key shares into the query's
+        # gradient, which the correction is for).
         # simplex: 0 no correction; 1 plain groups, none holding a zero; 2 a boundary blob asked for
         simplex = 0
         if d.simplex is not None and role == "values" and norm is None:
             # (its values are at least 0: a zero is its minimum, one reduction pass with no temporary)
             if not (t.is_cuda or _saved._DEVICE_RULES_ON_HOST or bool(t.amin() == 0)):
                 simplex = 1
-            elif bits >= 2:
+            else:
                 simplex, pred, boundary = 2, _SIMPLEX_BOUNDARY, True
         if self._deferred and role == "values":
             waiting = self._take_deferred(t) if norm is None and kind == _saved.VALUES else None

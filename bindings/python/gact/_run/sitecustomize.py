@@ -2,7 +2,7 @@
 
 Python imports this module at start-up because gact-run puts its folder first on
 PYTHONPATH, so it runs in every Python process of the command. It does nothing unless
-GACT_RUN=1, nor in multiprocessing's own helper processes (_MP_HELPERS). Then it:
+GACT_RUN=1, nor in multiprocessing's trackers (_MP_HELPERS). Then it:
 
 1. chains to the sitecustomize this one shadows (Debian ships one), if any;
 2. builds a model-less ``gact.Compressor`` from the GACT_* options and installs its
@@ -313,17 +313,21 @@ def _run_uncompressed(reason):
     atexit.register(write)
 
 
-#: the modules multiprocessing starts its own helper processes from (``python -c "from multiprocessing.X import
-#: main; main(...)"``): they never train, and in them gact would import torch for nothing and leave a stats file of
-#: its own, written after gact-run merged the others (a script that started one spawn worker: 3 files, 2 merged)
-_MP_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.semaphore_tracker", "multiprocessing.forkserver")
+#: the commands multiprocessing starts its trackers with (``python -c "from multiprocessing.resource_tracker import
+#: main;main(5)"``): they never train, and in them gact would import torch for nothing and leave a stats file of its
+#: own, written after gact-run merged the others (a script that started one spawn worker: 3 files, 2 merged). Not the
+#: forkserver, whose forked children are workers that train.
+_MP_HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.semaphore_tracker import")
 
 
 def _multiprocessing_helper():
-    """Whether this process is one of multiprocessing's helpers (_MP_HELPERS), not a worker that runs the script's
-    code (a spawned Process, a DataLoader worker, torch.multiprocessing.spawn's ranks)."""
-    argv = getattr(sys, "orig_argv", None) or []
-    return "-c" in argv and any(m in a for a in argv for m in _MP_HELPERS)
+    """Whether this process is one of multiprocessing's trackers (_MP_HELPERS: the command given to -c), not a worker
+    that runs the script's code (a spawned Process, a DataLoader worker, torch.multiprocessing.spawn's ranks).
+    (sys.orig_argv: Python 3.10 on; before, every process is installed.)"""
+    argv = list(getattr(sys, "orig_argv", None) or [])
+    if "-c" not in argv or argv.index("-c") + 1 >= len(argv):
+        return False
+    return argv[argv.index("-c") + 1].startswith(_MP_HELPERS)
 
 
 _chain_shadowed_sitecustomize()
