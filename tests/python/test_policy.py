@@ -2514,3 +2514,28 @@ def test_the_probe_models_a_save_normalized_per_row_as_the_store_keeps_it():
     assert torch.allclose(z * std, t, rtol=1e-5)
     assert comp._probe_rows(t, 256) is None  # (rows as long as a group: plain groups, nothing normalized)
     comp.close()
+
+
+def test_the_model_s_hooks_can_tell_the_probe_s_replays_from_the_steps():
+    """bits="auto" replays samples through the model at the steps that re-estimate (inside step()): the model's forward
+    hooks, backward hooks and tensor hooks run there too, and a hook that accumulates (a K-FAC statistic) counted them
+    (12 forward calls for 1 step). gact.probing() is true exactly during those replays."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    seen = {True: 0, False: 0}
+    grads_seen = {True: 0, False: 0}
+    model[0].register_forward_hook(lambda m, i, o: seen.__setitem__(gact.probing(), seen[gact.probing()] + 1))
+    model[2].weight.register_hook(lambda g: grads_seen.__setitem__(gact.probing(), grads_seen[gact.probing()] + 1))
+    comp = gact.Compressor(model, bits="auto", seed=0)
+    x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
+    assert not gact.probing()
+    for _ in range(3):
+        with comp:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        comp.step()
+        model.zero_grad()
+    comp.close()
+    assert seen[False] == 3 and grads_seen[False] == 3, (seen, grads_seen)
+    assert seen[True] > 0 and grads_seen[True] > 0, (seen, grads_seen)  # (the probe ran, and said so)
+    assert not gact.probing()

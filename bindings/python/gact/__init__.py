@@ -37,6 +37,7 @@ except ImportError as e:  # pragma: no cover - depends on the installation
 from . import codecs
 from . import policy
 from .allocator import cpu_allocator_installed, use_allocator, use_cpu_allocator
+from . import compressor as _compressor
 from .compressor import Compressor
 from .options import configure, options
 
@@ -56,6 +57,7 @@ __all__ = [
     "use_cpu_allocator",
     "cpu_allocator_installed",
     "empty_cache",
+    "probing",
     "options",
     "configure",
     "codecs",
@@ -64,6 +66,14 @@ __all__ = [
     "OutOfMemoryError",
     "__version__",
 ]
+
+
+def probing() -> bool:
+    """Whether a ``bits="auto"`` Compressor is replaying samples through its model to estimate sensitivities (its probe,
+    at the steps that re-estimate, inside ``Compressor.step()``), on any thread. The model's own hooks run on those
+    replays as on a step: a hook that accumulates state (K-FAC statistics, per-sample gradients, a captured activation)
+    returns early when this is true, as it would skip an evaluation pass."""
+    return _compressor._probing > 0
 
 
 def empty_cache() -> None:

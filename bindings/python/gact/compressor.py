@@ -172,6 +172,8 @@ def _read_back(values: list) -> list:
 
 #: tests: decide a host tensor's normalization as a device's is decided (from the next step, by _read_qk)
 _DEFERRED_CHECKS = False
+#: how many policy probes are replaying samples through their models now (gact.probing())
+_probing = 0
 
 
 class _TensorRef(weakref.ref):
@@ -1180,7 +1182,12 @@ class Compressor:
         self._step += 1
         self._step_open = False
         if self._policy is not None and hasattr(self._policy, "on_step"):
-            self._policy.on_step(self._step)
+            global _probing
+            _probing += 1  # (the policy's estimates replay samples through the model: gact.probing())
+            try:
+                self._policy.on_step(self._step)
+            finally:
+                _probing -= 1
         return leaks
 
     def abort_step(self) -> int:
