@@ -407,7 +407,7 @@ class _Packed:
 
     __slots__ = ("handle", "shape", "stride", "offset", "dtype", "device", "key", "decode", "ref", "version",
                  "alias", "pending", "owner", "vref", "aborted", "hold", "pred", "ptr", "sref", "logged", "view",
-                 "simplex", "__weakref__")
+                 "simplex", "dkey", "__weakref__")
 
     def __init__(self, handle: int, t: torch.Tensor, key: str, decode: tuple | None = None, owner: int = 0,
                  stride: tuple | None = None) -> None:
@@ -439,6 +439,7 @@ class _Packed:
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
         self.simplex: int | None = None  # a softmax's result: decoded rows along this dimension made to sum to one
+        self.dkey: tuple | None = None  # its key for the decisions taken by key (Compressor._next_key), where known
         # a view's base and the storage the view was saved from, both held weakly, and the view's geometry (base ref,
         # storage ref, size, stride, offset): a frozen matrix used through a view (f @ E.t()) is served from the base
         # while it lives unchanged on that storage
@@ -1338,12 +1339,21 @@ class Compressor:
             return _Kept(k, k._version)
         return _Kept(k, t._version)
 
-    def _next_key(self, s: list | None = None) -> str:
+    def _next_key(self, s: list | None = None, frame: Any = None) -> str:
+        """The next save's key, "module:n" (n: its order among the module's saves in the step); and, for the decisions
+        taken by key from one step to the next (_divided_exact), its order among the module's saves by the same
+        function, left in the thread's ``dkey`` for the save's _store: a loop of another function before it in the
+        module (a recurrence over a batch's own length) moves the first, not the second."""
         if s is None:
             s = self._stack()
         name = s[-1][0] if s else "<none>"
-        n = self._key_counts.get(name, 0)
-        self._key_counts[name] = n + 1
+        counts = self._key_counts
+        n = counts.get(name, 0)
+        counts[name] = n + 1
+        op = (name, frame.name if frame is not None else "")
+        m = counts.get(op, 0)
+        counts[op] = m + 1
+        self._local.dkey = (*op, m)
         return f"{name}:{n}"
 
     def _pack(self, t: Any) -> Any:
@@ -1389,7 +1399,7 @@ class Compressor:
             # over one with 8x its elements is exact), which a replay of fewer rows changes; the keys of the
             # saves after it must not move with it
             if t.dtype in _KEYED_DTYPES:
-                self._next_key(s)
+                self._next_key(s, frame)
             if self._by_node and _saved.divides_by(t, frame):  # (empty without _gact_torch's graph calls)
                 self._exact_read(t)
             if frame is not None and frame.name in _saved.SPECTRAL_CALLS:
@@ -1407,11 +1417,12 @@ class Compressor:
         # sizes or identities, so that an estimator's replay of fewer rows (smaller tensors; its cut
         # batch requires grad) keys each tensor as the step did. Such a replay scales min_bytes by its
         # share of the step's rows, so that it also stores what the step stored.
-        key = self._next_key(s)
+        key = self._next_key(s, frame)
         n = t.numel()
         if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
-        if key in self._divided_exact and t.grad_fn is not None:
+        if self._divided_exact and t.grad_fn is not None and (
+                local.dkey in self._divided_exact or key in self._divided_exact):
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
@@ -1571,7 +1582,7 @@ class Compressor:
                 if q is None or not q.handle or q.alias is not None:
                     continue
                 if len(self._divided_exact) < self.DIVIDED_EXACT_MAX:
-                    self._divided_exact.add(q.key)
+                    self._divided_exact.add(q.dkey if q.dkey is not None else q.key)
                 # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can
                 # put another storage at its address, as _Packed.unpack checks)
                 src = q.ref() if values and q.ref is not None else None
@@ -1836,6 +1847,8 @@ class Compressor:
         # (owned at once: an exception from here on, a Ctrl-C in the middle of a forward, drops p, whose __del__
         # releases the handle; before, one landing before p was made orphaned the blob for good)
         p = _Packed(h, t, key, decode, self._owner, strides)
+        local = self._local
+        p.dkey, local.dkey = getattr(local, "dkey", None), None  # (the save _pack keyed last: taken once)
         if simplex == 1 or (simplex == 2 and (upgraded or _C.store_info(h)["variant"] == "boundary")):
             # (a boundary blob refused, a value out of its range, or an earlier plain blob of the memory serving it:
             # uncorrected)
