@@ -2529,13 +2529,17 @@ def test_the_model_s_hooks_can_tell_the_probe_s_replays_from_the_steps():
     comp = gact.Compressor(model, bits="auto", seed=0)
     x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
     assert not gact.probing()
-    for _ in range(3):
-        with comp:
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        comp.step()
+
+    def train_step():
         model.zero_grad()
+        with comp:
+            out = model(x)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        return comp.step()
+
+    leaks = [train_step() for _ in range(3)]
     comp.close()
+    assert leaks == [0, 0, 0]
     assert seen[False] == 3 and grads_seen[False] == 3, (seen, grads_seen)
     assert seen[True] > 0 and grads_seen[True] > 0, (seen, grads_seen)  # (the probe ran, and said so)
     assert not gact.probing()

@@ -492,14 +492,19 @@ TEST_CASE("roles: values stored as a boundary blob serve the ReLU's predicate sa
   CHECK(g.arena.allocated_bytes() == 0);
 }
 
+/// A values save of `x` (4096 floats) asked to be a boundary blob for the predicate `pred`, at 4 bits.
+gact::store::put_result put_boundary_values(fixture& f, std::vector<float> const& x, gact::codec::predicate pred) {
+  put_params vals = bits(4);
+  vals.boundary = true;
+  vals.pred = {std::uint32_t(pred), 0.f, 0.f, 0.f};
+  return f.store.put(view(x.data(), dtype::float32, {4096}), vals);
+}
+
 TEST_CASE("roles: a boundary values save of data outside the range stores plain values; its mask is its own") {
   fixture f;
   auto x = randn(4096, 11);  // negative values too: not a clamp's output
   gact::codec::predicate_params const gt{std::uint32_t(gact::codec::predicate::gt), 0.f, 0.f, 0.f};
-  put_params vals = bits(4);
-  vals.boundary = true;
-  vals.pred = gt;
-  auto v = f.store.put(view(x.data(), dtype::float32, {4096}), vals);
+  auto v = put_boundary_values(f, x, gact::codec::predicate::gt);
   CHECK_FALSE(v.upgraded);
   auto info = f.store.info(v.h);
   CHECK(info.codec == codec_id::quant);
@@ -526,10 +531,7 @@ TEST_CASE("roles: a boundary values save refused by the codec is raw values, and
   for (auto& v : x) v = std::max(v, 0.f);
   x[100] = std::numeric_limits<float>::quiet_NaN();
   gact::codec::predicate_params const gt{std::uint32_t(gact::codec::predicate::gt_or_nan), 0.f, 0.f, 0.f};
-  put_params vals = bits(4);
-  vals.boundary = true;
-  vals.pred = gt;
-  auto v = f.store.put(view(x.data(), dtype::float32, {4096}), vals);
+  auto v = put_boundary_values(f, x, gact::codec::predicate::gt_or_nan);
   CHECK_FALSE(v.upgraded);
   auto info = f.store.info(v.h);
   CHECK(info.codec == codec_id::raw);
