@@ -3008,12 +3008,14 @@ _DIVIDED_RESULTS = {
     "tanh_squash": lambda o: (lambda a: (-0.2 * torch.log(1 - a.pow(2) + 1e-6).sum(-1) - a.sum(-1)).mean())(
         torch.tanh(o * 10 + 0.5 * _NOISE)),
 }
-def test_a_read_served_exact_from_the_next_step_is_found_after_a_loop_of_changing_length():
+@pytest.mark.parametrize("relu_between", [False, True])
+def test_a_read_served_exact_from_the_next_step_is_found_after_a_loop_of_changing_length(relu_between):
     """-log(softplus(h @ w - c) + eps) with some rates near 0 serves the saves it was computed through exact from the
     next step, by key. In a module whose forward first runs a recurrence over the batch's own length (h = h + 0.1 tanh(h)
     T times), every save after the loop took another key at each T, so the saves that needed it were stored: 1-8x the
     gradient's norm off at 8 bits at every step, against 0.001 with T fixed. The decision is kept by the save's order
-    among the module's saves by the same function, which the loop does not move."""
+    among the module's saves by the same function, which the loop does not move; also where a ReLU's mask, which waits
+    for a values save of its tensor, is stored in between."""
     torch.manual_seed(0)
 
     class Rate(nn.Module):
@@ -3025,7 +3027,9 @@ def test_a_read_served_exact_from_the_next_step_is_found_after_a_loop_of_changin
             h = self.inp(x)
             for _ in range(steps):
                 h = h + 0.1 * torch.tanh(h)
-            return -torch.log(F.softplus(h @ self.w - torch.linspace(0.0, 12.0, 8)) + 1e-6).mean()
+            z = h @ self.w - torch.linspace(0.0, 12.0, 8)
+            aux = F.relu(z * 2).sum() * 1e-9 if relu_between else 0.0
+            return -torch.log(F.softplus(z) + 1e-6).mean() + aux
 
     m, x = Rate(), torch.randn(512, 16)
     comp = gact.Compressor(m, bits=8, seed=0)

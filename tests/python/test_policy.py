@@ -2046,10 +2046,10 @@ def test_keys_follow_the_saves_when_a_decision_depends_on_the_batch(monkeypatch)
     real = gact.Compressor._next_key
 
     def spy(self, *stack):
-        key = real(self, *stack)
+        key, dkey = real(self, *stack)
         frame = self._local.tracker.current()
         seen.append((key, frame.name if frame is not None else None))
-        return key
+        return key, dkey
 
     monkeypatch.setattr(gact.Compressor, "_next_key", spy)
 

@@ -911,7 +911,7 @@ def test_a_model_with_a_live_compressor_pickles_copies_and_scripts(bits, tmp_pat
     # the Compressor still sees the modules: keys carry their names
     keys = []
     orig = comp._next_key
-    comp._next_key = lambda *stack: keys.append(orig(*stack)) or keys[-1]
+    comp._next_key = lambda *stack: (r := orig(*stack), keys.append(r[0]))[0]  # (its key, its decision key)
     with comp:
         loss = model(x).square().mean()
     loss.backward()

@@ -174,6 +174,7 @@ def _read_back(values: list) -> list:
 _DEFERRED_CHECKS = False
 #: how many policy probes are replaying samples through their models now (gact.probing())
 _probing = 0
+_probing_lock = threading.Lock()
 
 
 class _TensorRef(weakref.ref):
@@ -786,7 +787,7 @@ class Compressor:
         self._global_depth = 0  # install_global: hooks for the whole process
         self._param_ptrs: frozenset[int] = frozenset()
         self._excluded_ptrs: frozenset[int] = frozenset()
-        self._key_counts: dict[str, int] = {}
+        self._key_counts: dict = {}  # module name -> its saves so far; (module, function) -> theirs (_next_key)
         self._input_ptrs: set[int] = set()
         # the tensors this step stored as a call's own result or inner tensor, while they live (saved.correlation_group):
         # a later call that reads one for its own gradient gets a blob of its own
@@ -802,7 +803,7 @@ class Compressor:
         self._qk_floor: set[str] = set()  # ... and those stored at 8 bits at least (_measure_near)
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
         # kept exact from the next step on
-        self._divided_exact: set[str] = set()
+        self._divided_exact: set = set()  # (their decision keys, _next_key: a key where a save had none)
         self._spectral_step = -1  # the last step that ran a spectral decomposition (_saved.SPECTRAL_CALLS)
         self._rounded_step = -1  # the last step that rounded a tensor with a graph (_on_round)
         # the last step that factored, inverted or solved with a product of activations (_saved.conditioned_matrix)
@@ -1184,11 +1185,13 @@ class Compressor:
         self._step_open = False
         if self._policy is not None and hasattr(self._policy, "on_step"):
             global _probing
-            _probing += 1  # (the policy's estimates replay samples through the model: gact.probing())
+            with _probing_lock:
+                _probing += 1  # (the policy's estimates replay samples through the model: gact.probing())
             try:
                 self._policy.on_step(self._step)
             finally:
-                _probing -= 1
+                with _probing_lock:
+                    _probing -= 1
         return leaks
 
     def abort_step(self) -> int:
@@ -1339,11 +1342,11 @@ class Compressor:
             return _Kept(k, k._version)
         return _Kept(k, t._version)
 
-    def _next_key(self, s: list | None = None, frame: Any = None) -> str:
-        """The next save's key, "module:n" (n: its order among the module's saves in the step); and, for the decisions
-        taken by key from one step to the next (_divided_exact), its order among the module's saves by the same
-        function, left in the thread's ``dkey`` for the save's _store: a loop of another function before it in the
-        module (a recurrence over a batch's own length) moves the first, not the second."""
+    def _next_key(self, s: list | None = None, frame: Any = None) -> tuple:
+        """The next save's key, "module:n" (n: its order among the module's saves in the step), and its key for the
+        decisions taken by key from one step to the next (_divided_exact): (module, function, its order among the
+        module's saves by the same function), which a loop of another function before it in the module (a recurrence
+        over a batch's own length) does not move."""
         if s is None:
             s = self._stack()
         name = s[-1][0] if s else "<none>"
@@ -1353,8 +1356,7 @@ class Compressor:
         op = (name, frame.name if frame is not None else "")
         m = counts.get(op, 0)
         counts[op] = m + 1
-        self._local.dkey = (*op, m)
-        return f"{name}:{n}"
+        return f"{name}:{n}", (*op, m)
 
     def _pack(self, t: Any) -> Any:
         global _compiled_saves
@@ -1417,12 +1419,12 @@ class Compressor:
         # sizes or identities, so that an estimator's replay of fewer rows (smaller tensors; its cut
         # batch requires grad) keys each tensor as the step did. Such a replay scales min_bytes by its
         # share of the step's rows, so that it also stores what the step stored.
-        key = self._next_key(s, frame)
+        key, dkey = self._next_key(s, frame)
         n = t.numel()
         if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
         if self._divided_exact and t.grad_fn is not None and (
-                local.dkey in self._divided_exact or key in self._divided_exact):
+                dkey in self._divided_exact or key in self._divided_exact):
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
@@ -1444,6 +1446,7 @@ class Compressor:
             else:
                 # Wait for the layer's statistics (saved after its input, in the same call).
                 p = _Packed(0, t, key, owner=self._owner)
+                p.dkey = dkey
                 self._note_live(p)
                 p.pending = t
                 p.vref = _watch(t)
@@ -1452,11 +1455,11 @@ class Compressor:
                 frame.pending.append(p)
                 return p
         if kind == _saved.DERIVATIVE:
-            q = self._store_derivative(t, key, _saved.activation_call(t))
+            q = self._store_derivative(t, key, _saved.activation_call(t), dkey)
             if q is not None:
                 return q
         if kind == _saved.EXP:
-            return self._store_exp(t, key, d)
+            return self._store_exp(t, key, d, dkey)
         if kind == _saved.DERIVATIVE:  # (f'(x) could not be computed: x, read through the curve, as above)
             d, kind = _saved._QUADRATIC, _saved.VALUES
         elif kind == _saved.NORMALIZED:
@@ -1475,7 +1478,8 @@ class Compressor:
                 if frame is not None and frame.qk_keys is not None:
                     frame.qk_keys.append(key)
             elif frame is not None and len(self._qk_sigmas) < self.QK_MEASURED_MAX and (
-                    self._step >= self._qk_next or (d.qk == 5 and self._near_calls.get(key) != frame.name)):
+                    self._step >= self._qk_next or (d.qk == 5 and self._near_calls.get(key) != frame.name
+                                                    and len(self._near_calls) < self.DIVIDED_EXACT_MAX)):
                 if d.qk == 5:  # (and a key whose call was not measured yet: from the next step, not the next check)
                     self._near_calls[key] = frame.name
                     self._measure_near(key, t.numel(), frame)
@@ -1489,8 +1493,8 @@ class Compressor:
         group = _saved.correlation_group(t, frame, self._results) if kind == _saved.VALUES or kind == _saved.LOG else 0
         if d.rows:
             norm, held = self._row_params(t, d.rows)  # (held: the statistics' tensors, alive through the encode)
-            return self._store(t, key, d, norm, group=group)
-        return self._store(t, key, d, group=group)
+            return self._store(t, key, d, norm, group=group, dkey=dkey)
+        return self._store(t, key, d, group=group, dkey=dkey)
 
     _pack._gact_pack = True  # (a Compressor's pack hook: _compat.track_saved_hooks)
 
@@ -1685,7 +1689,7 @@ class Compressor:
         first, at least 8 bits above the second; one read per device; the next measurement ATTENTION_CHECK_EVERY steps
         on."""
         entries, self._qk_sigmas = self._qk_sigmas, []
-        if entries:
+        if entries and self._step >= self._qk_next:  # (a key measured out of turn, _near_calls, moves no schedule)
             self._qk_next = self._step + _saved.ATTENTION_CHECK_EVERY
         if self._norm_checks or self._ste_checks:
             self._checks_next = self._step + _saved.ATTENTION_CHECK_EVERY
@@ -1711,7 +1715,7 @@ class Compressor:
                 else:
                     self._qk_floor.difference_update(keys)
 
-    def _store_exp(self, t: torch.Tensor, key: str, d: Any) -> Any:
+    def _store_exp(self, t: torch.Tensor, key: str, d: Any, dkey: tuple | None = None) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded
         with log; where exp(t) cannot be computed (no memory for it), ``t`` as log-space values."""
         try:
@@ -1722,8 +1726,8 @@ class Compressor:
                     # codec, which refuses float64 outside that range and would keep the tensor raw)
                     e.masked_fill_(e < _FLOAT32_TINY, 0.0)
         except RuntimeError:  # out of memory (torch's, or gact's CPU allocator's)
-            return self._store(t, key, _saved._LOG)
-        q = self._store(e, key, d, keep=t)
+            return self._store(t, key, _saved._LOG, dkey=dkey)
+        q = self._store(e, key, d, keep=t, dkey=dkey)
         if isinstance(q, _Packed):
             q.logged = True
             if q.handle and q.ref is not None:
@@ -1733,7 +1737,7 @@ class Compressor:
                 q.ref, q.ptr, q.sref = weakref.ref(t), t.data_ptr(), _held_storage(t)
         return q
 
-    def _store_derivative(self, t: torch.Tensor, key: str, call: Any) -> Any:
+    def _store_derivative(self, t: torch.Tensor, key: str, call: Any, dkey: tuple | None = None) -> Any:
         """Store the activation's derivative f'(t) for the stand-in ``call`` in place of its input ``t`` (a
         temporary of t's size, freed once encoded); the arena without room for the blob: ``t`` kept as it is.
         None where f'(t) cannot be computed (no memory for the temporary): ``t`` is then stored as values."""
@@ -1745,18 +1749,18 @@ class Compressor:
                 warnings.warn(f"gact: the derivative of the activation saving '{key}' could not be computed ({e}); "
                               "such inputs are stored as values", RuntimeWarning, stacklevel=4)
             return None
-        q = self._store(dt, key, _saved._VALUES, keep=t)
+        q = self._store(dt, key, _saved._VALUES, keep=t, dkey=dkey)
         if isinstance(q, _Packed):
             call.stored = True
         return q
 
     def _store(self, t: torch.Tensor, key: str, d: Any, norm: Any = None, min_bits: int = 0,
                normalized: bool = False, keep: torch.Tensor | None = None, defer: bool = True,
-               group: int = 0) -> Any:
+               group: int = 0, dkey: tuple | None = None) -> Any:
         """Store `t` as `d` says; a _Packed, or `t` itself (`keep`, when given) when the arena could not hold
         it. `min_bits`: the fewest bits it is stored with; `normalized`: a normalization layer's input (told to
         the policy); `group`: the store's group of a correlated call's saves (saved.correlation_group), 0 for the
-        storage's common blobs."""
+        storage's common blobs; `dkey`: the save's key for the decisions taken by key (_next_key)."""
         kind = d.kind
         min_bits = max(min_bits, d.min_bits)
         role, pred, window, decode = "values", None, None, None
@@ -1773,7 +1777,7 @@ class Compressor:
             # by gact-run, where backward's first unpack and step() do)
             if defer and d.clamped and keep is None and self._probe is None and not _mutation_allowed() and \
                     (self._global_depth > 0 or getattr(self._local, "depth", 0) > 0) and t.is_floating_point():
-                return self._defer(t, key, d)
+                return self._defer(t, key, d, dkey)
             role, pred, decode = "predicate", d.pred, d.decode
             bits = self._bits_for(key, t.numel()) if pred[0] == "ne" else 1  # `ne` may fall back to values
         elif kind == _saved.INDICES:
@@ -1847,8 +1851,7 @@ class Compressor:
         # (owned at once: an exception from here on, a Ctrl-C in the middle of a forward, drops p, whose __del__
         # releases the handle; before, one landing before p was made orphaned the blob for good)
         p = _Packed(h, t, key, decode, self._owner, strides)
-        local = self._local
-        p.dkey, local.dkey = getattr(local, "dkey", None), None  # (the save _pack keyed last: taken once)
+        p.dkey = dkey
         if simplex == 1 or (simplex == 2 and (upgraded or _C.store_info(h)["variant"] == "boundary")):
             # (a boundary blob refused, a value out of its range, or an earlier plain blob of the memory serving it:
             # uncorrected)
@@ -1965,9 +1968,10 @@ class Compressor:
             self._verdicts = collections.deque(keep)
             self._verdict_bytes = sum(n for _, n in keep)
 
-    def _defer(self, t: torch.Tensor, key: str, d: Any) -> "_Packed":
+    def _defer(self, t: torch.Tensor, key: str, d: Any, dkey: tuple | None = None) -> "_Packed":
         """A clamp's output saved for its predicate: wait for a values save of the same tensor (see _deferred)."""
         p = _Packed(0, t, key, d.decode, self._owner)
+        p.dkey = dkey
         self._note_live(p)
         p.vref = _watch(t)
         entry = (weakref.ref(p), t, key, d)
