@@ -157,6 +157,12 @@ def _shift_residual_verdict(mean: torch.Tensor, rstd: torch.Tensor) -> torch.Ten
     return (off > NORM_SHIFT_TOLERANCE) & (plain < 6.0 + 2.0 * off)
 
 
+def _verdict(value: float, limit: float, floor: float) -> int:
+    """A measured bound against its limits (Compressor._read_qk, _near_now): 2 keep exact (above ``limit``, NaN too), 1
+    store at 8 bits at least (above ``floor``), 0 as the run's bits."""
+    return 2 if not value <= limit else 1 if value > floor else 0
+
+
 def _read_back(values: list) -> list:
     """The 0-dimensional tensors ``values`` as Python floats, in order: one stack and one read per device (a step's
     measurements, read at step(): no sync per save on a GPU)."""
@@ -440,7 +446,7 @@ class _Packed:
         self.pred: Any = None  # the predicate a `decode` reads (to evaluate it on `hold`)
         self.logged = False  # stored as exp(x) (a log-probability): decoded with log
         self.simplex: int | None = None  # a softmax's result: decoded rows along this dimension made to sum to one
-        self.dkey: tuple | None = None  # its key for the decisions taken by key (Compressor._next_key), where known
+        self.dkey: tuple | None = None  # its key for the decisions taken by key (Compressor._next_key)
         # a view's base and the storage the view was saved from, both held weakly, and the view's geometry (base ref,
         # storage ref, size, stride, offset): a frozen matrix used through a view (f @ E.t()) is served from the base
         # while it lives unchanged on that storage
@@ -803,7 +809,7 @@ class Compressor:
         self._qk_floor: set[str] = set()  # ... and those stored at 8 bits at least (_measure_near)
         # keys of saves read (through elementwise calls) by a reader kept exact that divides by them (_exact_read):
         # kept exact from the next step on
-        self._divided_exact: set = set()  # (their decision keys, _next_key: a key where a save had none)
+        self._divided_exact: set[tuple] = set()  # (their decision keys, _next_key)
         self._spectral_step = -1  # the last step that ran a spectral decomposition (_saved.SPECTRAL_CALLS)
         self._rounded_step = -1  # the last step that rounded a tensor with a graph (_on_round)
         # the last step that factored, inverted or solved with a product of activations (_saved.conditioned_matrix)
@@ -1423,8 +1429,7 @@ class Compressor:
         n = t.numel()
         if n * t.element_size() < self._min_store_bytes() or n == 0:
             return self._keep(t, "small")
-        if self._divided_exact and t.grad_fn is not None and (
-                dkey in self._divided_exact or key in self._divided_exact):
+        if dkey in self._divided_exact and t.grad_fn is not None:
             return self._keep(t, "exact")
         if self._spectral_step == self._step and t.grad_fn is not None and _saved.near_spectral(t):
             return self._keep(t, "exact")
@@ -1586,7 +1591,7 @@ class Compressor:
                 if q is None or not q.handle or q.alias is not None:
                     continue
                 if len(self._divided_exact) < self.DIVIDED_EXACT_MAX:
-                    self._divided_exact.add(q.dkey if q.dkey is not None else q.key)
+                    self._divided_exact.add(q.dkey)
                 # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can
                 # put another storage at its address, as _Packed.unpack checks)
                 src = q.ref() if values and q.ref is not None else None
@@ -1660,11 +1665,15 @@ class Compressor:
         near = frame.near
         if near is None:
             ratio = _saved.near_ratio(frame, 8, self.group_size)
-            value = float(ratio) if ratio is not None else 0.0
-            scale = ((1 << max(1, min(8, self._bits_for(key, numel)))) - 1) / 255
-            near = frame.near = 2 if not value <= _saved.NEAR_STEP_MAX else \
-                1 if value > _saved.NEAR_STEP_MAX * scale else 0  # (NaN: exact)
+            near = frame.near = _verdict(float(ratio) if ratio is not None else 0.0, *self._near_limits(key, numel))
         return near
+
+    def _near_limits(self, key: str, numel: int) -> tuple:
+        """A squared difference's limits on saved.near_ratio (its rounding step at 8 bits over the difference's rms):
+        exact above NEAR_STEP_MAX, at least 8 bits above the same for the key's own bits (whose step is 255/(2^b − 1)
+        8 bits')."""
+        scale = ((1 << max(1, min(8, self._bits_for(key, numel)))) - 1) / 255
+        return _saved.NEAR_STEP_MAX, _saved.NEAR_STEP_MAX * scale
 
     def _measure_near(self, key: str, numel: int, frame: Any) -> None:
         """Record a squared difference's side (mse_loss's input or target, Decision.qk 5): its call is measured once
@@ -1677,8 +1686,7 @@ class Compressor:
         ratio = _saved.near_ratio(frame, 8, self.group_size)
         if ratio is not None:
             keys = frame.qk_keys = [key]
-            scale = ((1 << max(1, min(8, self._bits_for(key, numel)))) - 1) / 255  # (the key's step is 255/(2^b − 1) 8 bits')
-            self._qk_sigmas.append((keys, ratio, _saved.NEAR_STEP_MAX, _saved.NEAR_STEP_MAX * scale))
+            self._qk_sigmas.append((keys, ratio, *self._near_limits(key, numel)))
 
     #: attention calls measured in one step at most (_measure_qk): a program that never calls step() does not grow the
     #: list without end
@@ -1705,15 +1713,9 @@ class Compressor:
             else:
                 keys.discard(key)
         for (keys, _, limit, floor), value in zip(entries, values[len(checks):]):
-            if not value <= limit:  # (NaN too: exact)
-                self._qk_exact.update(keys)
-                self._qk_floor.difference_update(keys)
-            else:
-                self._qk_exact.difference_update(keys)
-                if value > floor:
-                    self._qk_floor.update(keys)
-                else:
-                    self._qk_floor.difference_update(keys)
+            verdict = _verdict(value, limit, floor)
+            (self._qk_exact.update if verdict == 2 else self._qk_exact.difference_update)(keys)
+            (self._qk_floor.update if verdict == 1 else self._qk_floor.difference_update)(keys)
 
     def _store_exp(self, t: torch.Tensor, key: str, d: Any, dkey: tuple | None = None) -> Any:
         """Store a log-probability tensor ``t`` as exp(t) (a temporary of t's size, freed once encoded), decoded
@@ -2001,7 +2003,7 @@ class Compressor:
         p = ref()
         if p is None or p.aborted:
             return  # its graph is gone: nothing reads it
-        q = self._store(t, key, d, keep=None, defer=False, group=group)
+        q = self._store(t, key, d, keep=None, defer=False, group=group, dkey=p.dkey)
         if isinstance(q, _Packed) and self._adopt(p, q):
             # (served by that very blob: a storage whose .data was taken gets blobs of its own, a mask here)
             if values and p.handle == values and d.pred[0] in ("gt", "gt_or_nan") and d.pred[1] == 0.0 \
@@ -2068,12 +2070,12 @@ class Compressor:
                 mb = _saved.norm_floor(block)
             other = t if src is not t else None
             try:
-                q = self._store(src, p.key, _saved._VALUES, norm, mb, True, keep=other)
+                q = self._store(src, p.key, _saved._VALUES, norm, mb, True, keep=other, dkey=p.dkey)
             except ValueError:
                 if norm is None:
                     raise
                 # statistics the codec refuses: plain values
-                q = self._store(src, p.key, _saved._VALUES, None, 0, True, keep=other)
+                q = self._store(src, p.key, _saved._VALUES, None, 0, True, keep=other, dkey=p.dkey)
             del keep
             if not isinstance(q, _Packed):
                 p.alias = q.t if isinstance(q, _Kept) else q  # the arena could not hold it: kept as it is
