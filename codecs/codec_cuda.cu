@@ -321,15 +321,31 @@ __device__ __forceinline__ bool encode_group(typename dev_io<Dt>::storage const*
     std::uint64_t word = 0;
     if (quantize) {
       hd::philox_block const r = hd::noise_block(a.seed, a.key, e / 8);
+      // (a 16-bit output's codes are chosen against the values its decode rounds to: hd::quantize_u16; a
+      // normalized group's against the input itself, loaded again, and its block's decoded statistics)
+      constexpr bool narrow = Dt == 1 || Dt == 2;
+      constexpr bool half = Dt == 1;
+      float x[8];
+      if constexpr (narrow && V == k_normalized) load_chunk<Dt, Vec>(src, e, end, x);
+      dev_block_cursor cur(e, V == k_normalized ? a.count : 1, V == k_normalized ? a.inner : 1);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         if (e + std::uint64_t(j) < end) {
           std::int32_t q;
-          if constexpr (V == k_boundary)
-            q = hd::quantize_boundary(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p,
-                                      hd::noise_uniform(hd::noise_lane(r, j)));
-          else
-            q = hd::quantize(v[i][j], p, hd::noise_lane(r, j));
+          float const u = hd::noise_uniform(hd::noise_lane(r, j));
+          if constexpr (V == k_boundary && narrow) {
+            q = hd::quantize_boundary16<half>(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p, u);
+          } else if constexpr (V == k_boundary) {
+            q = hd::quantize_boundary(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p, u);
+          } else if constexpr (V == k_normalized && narrow) {
+            float const sh = hd::round_bf16(a.shift[cur.block]), sc = hd::round_bf16(a.scale[cur.block]);
+            q = hd::quantize_normalized16<half>(x[j], v[i][j], p, sh, hd::inverse_scale(sc), u);
+            cur.next();
+          } else if constexpr (narrow) {
+            q = hd::quantize_u16<half>(v[i][j], p, u);
+          } else {
+            q = hd::quantize_u(v[i][j], p, u);
+          }
           word |= std::uint64_t(q) << (j * a.bits);
         }
       }

@@ -364,6 +364,71 @@ GACT_LOOP void quantize_group(float const* __restrict x, float const* __restrict
   for (int i = 0; i < n; ++i) q[i] = hd::quantize_u(x[i], p, u[i]);
 }
 
+/// Whether a dtype's decode narrows to 16 bits: its codes are chosen against the decoded values
+/// (hd::quantize_u16), in the per-element loops below (the fused AVX-512 blocks are float32's).
+template <dtype Dt>
+inline constexpr bool k_narrow = Dt == dtype::float16 || Dt == dtype::bfloat16;
+/// The fused AVX-512 blocks' narrowing of a dtype: 0 none, 1 float16, 2 bfloat16.
+template <dtype Dt>
+inline constexpr int k_narrow_kind = Dt == dtype::float16 ? 1 : Dt == dtype::bfloat16 ? 2 : 0;
+
+#if defined(__AVX2__) && defined(__F16C__)
+/// hd::narrow16 on 8 lanes, for finite values: F16C's conversions (hd::float_to_half's bits for every non-NaN
+/// value, see widen<float16> below), and bfloat16's round to nearest even as hd::float_to_bf16 computes it.
+template <bool Half>
+inline __m256 narrow8(__m256 v) {
+  if constexpr (Half) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    __m256i const x = _mm256_castps_si256(v);
+    __m256i const lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i const r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(std::int32_t(0xFFFF0000u))));
+  }
+}
+
+/// A group's constants on 8 lanes (hd::group_params).
+struct params8 {
+  __m256 s, lo_s, hi_s, step, levels, unscale;
+  explicit params8(group_params const& p)
+      : s(_mm256_set1_ps(p.s)), lo_s(_mm256_set1_ps(p.lo_s)), hi_s(_mm256_set1_ps(p.hi_s)),
+        step(_mm256_set1_ps(p.step)), levels(_mm256_set1_ps(p.levels)), unscale(_mm256_set1_ps(p.unscale)) {}
+  /// hd::dequantize (mul, add, min, mul; no FMA)
+  __m256 dequantize(__m256i q) const {
+    __m256 const xs = _mm256_min_ps(_mm256_add_ps(lo_s, _mm256_mul_ps(_mm256_cvtepi32_ps(q), step)), hi_s);
+    return _mm256_mul_ps(xs, unscale);
+  }
+};
+
+/// hd::quantize_u16 on 8 lanes, operation by operation (the same codes as the per-element loop).
+template <bool Half>
+inline __m256i quantize8_narrow(__m256 x, __m256 u, params8 const& g) {
+  __m256 v = _mm256_div_ps(_mm256_sub_ps(_mm256_mul_ps(x, g.s), g.lo_s), g.step);
+  v = _mm256_max_ps(v, _mm256_setzero_ps());  // v > 0 ? v : +0 (NaN: +0)
+  v = _mm256_min_ps(v, g.levels);             // v < levels ? v : levels
+  __m256i const k = _mm256_cvttps_epi32(v);
+  __m256i const k1 = _mm256_add_epi32(k, _mm256_set1_epi32(1));
+  __m256 const d0 = narrow8<Half>(g.dequantize(k)), d1 = narrow8<Half>(g.dequantize(k1));
+  __m256 const below = _mm256_cmp_ps(_mm256_cvtepi32_ps(k), g.levels, _CMP_LT_OQ);
+  __m256 const up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(d1, d0)), _mm256_sub_ps(x, d0), _CMP_LT_OQ);
+  return _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_and_ps(below, up)));  // (a true lane is -1)
+}
+#endif
+
+template <dtype Dt>
+GACT_LOOP void quantize_group16(float const* __restrict x, float const* __restrict u, int n, group_params const p,
+                                std::int32_t* __restrict q) {
+  constexpr bool half = Dt == dtype::float16;
+  int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  params8 const g(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        quantize8_narrow<half>(_mm256_loadu_ps(x + i), _mm256_loadu_ps(u + i), g));
+#endif
+  for (; i < n; ++i) q[i] = hd::quantize_u16<half>(x[i], p, u[i]);
+}
+
 /// Pack codes q[0, 8*nchunks) (zero past the group's end) into nchunks*Bits bytes, element e at bit e*Bits.
 template <int Bits>
 void pack_codes(std::int32_t const* __restrict q, int nchunks, std::uint8_t* __restrict out) {
@@ -508,6 +573,7 @@ inline void transpose_block(float const* __restrict x, __m512 (&t)[8]) {
 /// boundary group, its bounds and top code.
 struct fused_group {
   __m512 s, lo_s, step, levels;
+  __m512 hi_s, unscale;  // (a 16-bit output's decoded values: hd::dequantize)
   __m512 lo, hi;  // boundary: codes 0 (x <= lo) and top (x >= hi)
   __m512i top;
   bool live;      // step > 0
@@ -516,24 +582,53 @@ struct fused_group {
 
 inline fused_group make_fused(group_params const& p, float lo, float hi, std::int32_t top) {
   return {_mm512_set1_ps(p.s),  _mm512_set1_ps(p.lo_s), _mm512_set1_ps(p.step), _mm512_set1_ps(p.levels),
+          _mm512_set1_ps(p.hi_s), _mm512_set1_ps(p.unscale),
           _mm512_set1_ps(lo),   _mm512_set1_ps(hi),     _mm512_set1_epi32(top), p.step > 0.0f,
           p.s != 1.0f};
 }
 
-/// hd::quantize_u on 16 lanes.
+/// hd::narrow16 on 16 lanes (finite values; Narrow 1: float16, 2: bfloat16), as narrow8.
+template <int Narrow>
+inline __m512 narrow16x(__m512 v) {
+  if constexpr (Narrow == 1) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    __m512i const x = _mm512_castps_si512(v);
+    __m512i const lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i const r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(std::int32_t(0xFFFF0000u))));
+  }
+}
+
+/// hd::dequantize on 16 lanes (mul, add, min, mul; no FMA).
+inline __m512 dequantize16x(__m512i q, fused_group const& g) {
+  __m512 const xs = _mm512_min_ps(_mm512_add_ps(g.lo_s, _mm512_mul_ps(_mm512_cvtepi32_ps(q), g.step)), g.hi_s);
+  return _mm512_mul_ps(xs, g.unscale);
+}
+
+/// hd::quantize_u on 16 lanes; with Narrow (a 16-bit output), hd::quantize_u16.
+template <int Narrow = 0>
 inline __m512i quantize16(__m512 x, __m512 u, fused_group const& g) {
   __m512 v = _mm512_div_ps(_mm512_sub_ps(g.halved ? _mm512_mul_ps(x, g.s) : x, g.lo_s), g.step);
   v = _mm512_max_ps(v, _mm512_setzero_ps());  // v > 0 ? v : +0
   v = _mm512_min_ps(v, g.levels);             // v < levels ? v : levels
   __m512i const k = _mm512_cvttps_epi32(v);
-  __m512 const frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(k));
-  __mmask16 const up = _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ);
+  __mmask16 up;
+  if constexpr (Narrow != 0) {
+    __m512 const d0 = narrow16x<Narrow>(dequantize16x(k, g));
+    __m512 const d1 = narrow16x<Narrow>(dequantize16x(_mm512_add_epi32(k, _mm512_set1_epi32(1)), g));
+    up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(d1, d0)), _mm512_sub_ps(x, d0), _CMP_LT_OQ) &
+         _mm512_cmp_ps_mask(_mm512_cvtepi32_ps(k), g.levels, _CMP_LT_OQ);
+  } else {
+    __m512 const frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(k));
+    up = _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ);
+  }
   return _mm512_mask_add_epi32(k, up, k, _mm512_set1_epi32(1));
 }
 
 /// One 128-element block's codes from its transposed values and its chunks' Philox words
 /// (a, b, d, e: lane k = chunk k), written to out[0, 16*Bits).
-template <int Bits, bool Boundary>
+template <int Bits, bool Boundary, int Narrow>
 inline void encode_block(__m512 const (&t)[8], __m512i a, __m512i b, __m512i d, __m512i e, fused_group const& g,
                          std::uint8_t* __restrict out) {
   __m512i const words[4] = {a, b, d, e};
@@ -546,11 +641,11 @@ inline void encode_block(__m512 const (&t)[8], __m512i a, __m512i b, __m512i d, 
     __m512i q;
     if constexpr (Boundary) {
       // hd::quantize_boundary: 0 at or below lo, top at or above hi, else 1 + the interior code
-      q = g.live ? _mm512_add_epi32(quantize16(t[j], u, g), _mm512_set1_epi32(1)) : _mm512_set1_epi32(1);
+      q = g.live ? _mm512_add_epi32(quantize16<Narrow>(t[j], u, g), _mm512_set1_epi32(1)) : _mm512_set1_epi32(1);
       q = _mm512_mask_mov_epi32(q, _mm512_cmp_ps_mask(t[j], g.hi, _CMP_GE_OQ), g.top);
       q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(t[j], g.lo, _CMP_GT_OQ), q);
     } else {
-      q = quantize16(t[j], u, g);
+      q = quantize16<Narrow>(t[j], u, g);
     }
     constexpr int per = Bits == 8 ? 4 : 8;  // codes per 32-bit lane
     acc[j / per] = _mm512_or_si512(acc[j / per], _mm512_slli_epi32(q, unsigned(Bits * (j % per))));
@@ -571,7 +666,7 @@ inline void encode_block(__m512 const (&t)[8], __m512i a, __m512i b, __m512i d, 
 
 /// The codes of nblocks whole 128-element blocks x[0, 128*nblocks) whose first chunk is c0, two
 /// blocks' Philox interleaved at a time.
-template <int Bits, bool Boundary>
+template <int Bits, bool Boundary, int Narrow>
 GACT_LOOP void encode_blocks(float const* __restrict x, int nblocks, fused_group const g, std::uint64_t seed,
                              std::uint64_t key, std::uint64_t c0, std::uint8_t* __restrict out) {
   std::uint32_t const k0 = std::uint32_t(seed), k1 = std::uint32_t(seed >> 32);
@@ -583,7 +678,7 @@ GACT_LOOP void encode_blocks(float const* __restrict x, int nblocks, fused_group
     for (int v = 0; v < 2; ++v) {
       __m512 t[8];
       transpose_block(x + 128 * (i + v), t);
-      encode_block<Bits, Boundary>(t, a[v], b[v], d[v], e[v], g, out + 16 * Bits * (i + v));
+      encode_block<Bits, Boundary, Narrow>(t, a[v], b[v], d[v], e[v], g, out + 16 * Bits * (i + v));
     }
   }
   if (i < nblocks) {
@@ -591,7 +686,7 @@ GACT_LOOP void encode_blocks(float const* __restrict x, int nblocks, fused_group
     philox_w<lanes16, 1>(k0, k1, t0, t1, c0 + 16 * std::uint64_t(i), a, b, d, e);
     __m512 t[8];
     transpose_block(x + 128 * i, t);
-    encode_block<Bits, Boundary>(t, a[0], b[0], d[0], e[0], g, out + 16 * Bits * i);
+    encode_block<Bits, Boundary, Narrow>(t, a[0], b[0], d[0], e[0], g, out + 16 * Bits * i);
   }
 }
 #endif
@@ -711,6 +806,49 @@ GACT_LOOP void quantize_boundary_group(float const* __restrict x, float const* _
   }
 }
 
+/// quantize_boundary_group for a 16-bit output (hd::quantize_boundary16 element by element).
+template <dtype Dt>
+GACT_LOOP void quantize_boundary_group16(float const* __restrict x, float const* __restrict u, int n, float lo,
+                                         float hi, std::int32_t top, group_params const p,
+                                         std::int32_t* __restrict q) {
+  constexpr bool half = Dt == dtype::float16;
+  int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  // the interior code on every lane, then 0 at or below lo and top at or above hi selected over it
+  params8 const g(p);
+  bool const live = p.step > 0.0f;
+  __m256 const vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+  __m256i const one = _mm256_set1_epi32(1), vtop = _mm256_set1_epi32(top);
+  for (; i + 8 <= n; i += 8) {
+    __m256 const xv = _mm256_loadu_ps(x + i);
+    __m256i c = live ? _mm256_add_epi32(quantize8_narrow<half>(xv, _mm256_loadu_ps(u + i), g), one) : one;
+    c = _mm256_blendv_epi8(c, vtop, _mm256_castps_si256(_mm256_cmp_ps(xv, vhi, _CMP_GE_OQ)));
+    c = _mm256_and_si256(c, _mm256_castps_si256(_mm256_cmp_ps(xv, vlo, _CMP_GT_OQ)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), c);
+  }
+#endif
+  for (; i < n; ++i) q[i] = hd::quantize_boundary16<half>(x[i], lo, hi, true, top, p, u[i]);
+}
+
+/// A normalized group's codes for a 16-bit output: z[i] = normalize(in[i]) quantized against the decoded
+/// values (hd::quantize_normalized16), with each statistics block's shift and inverse scale as the decoder
+/// computes them.
+template <dtype Dt>
+void quantize_normalized_group16(typename io<Dt>::storage const* __restrict in, float const* __restrict z,
+                                 float const* __restrict u, int n, group_params const p, quant_job const& job,
+                                 std::uint64_t e0, std::int32_t* __restrict q) {
+  std::uint64_t block = (e0 / job.inner) % job.count, pos = e0 % job.inner;
+  for (int i = 0; i < n;) {
+    int const run = int(job.inner - pos < std::uint64_t(n - i) ? job.inner - pos : std::uint64_t(n - i));
+    float const shift = job.statsf[2 * block], inv = hd::inverse_scale(job.statsf[2 * block + 1]);
+    for (int j = i; j < i + run; ++j)
+      q[j] = hd::quantize_normalized16<Dt == dtype::float16>(io<Dt>::load(in[j]), z[j], p, shift, inv, u[j]);
+    i += run;
+    pos = 0;
+    block = block + 1 == job.count ? 0 : block + 1;
+  }
+}
+
 /// Values of boundary codes (hd::dequantize_boundary element by element).
 template <dtype Dt>
 GACT_LOOP void dequantize_boundary_group(std::int32_t const* __restrict q, int n, float lo, float hi, bool has_hi,
@@ -793,14 +931,17 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
 #if defined(__AVX512F__)
       if constexpr (Bits > 1) {  // (boundary blobs have 2, 4 or 8 bits)
         if (n % 128 == 0) {
-          encode_blocks<Bits, true>(x, n / 128, make_fused(p, job.boundary.lo, hi_or_inf, top), job.seed, job.key,
+          encode_blocks<Bits, true, k_narrow_kind<Dt>>(x, n / 128, make_fused(p, job.boundary.lo, hi_or_inf, top), job.seed, job.key,
                                     e0 / 8, out);
           continue;
         }
       }
 #endif
       group_noise(job.seed, job.key, e0 / 8, nchunks, u);
-      quantize_boundary_group(x, u, n, job.boundary.lo, hi_or_inf, top, p, q);
+      if constexpr (k_narrow<Dt>)
+        quantize_boundary_group16<Dt>(x, u, n, job.boundary.lo, hi_or_inf, top, p, q);
+      else
+        quantize_boundary_group(x, u, n, job.boundary.lo, hi_or_inf, top, p, q);
       for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
       pack_codes<Bits>(q, nchunks, out);
     } else {
@@ -817,13 +958,19 @@ bool encode_groups(void const* src, quant_job const& job, std::uint64_t g0, std:
       group_params const p = hd::make_params(lo, hi, Bits);
       if (p.step > 0.0f) {
 #if defined(__AVX512F__)
-        if (n % 128 == 0) {
-          encode_blocks<Bits, false>(x, n / 128, make_fused(p, 0.0f, 0.0f, 0), job.seed, job.key, e0 / 8, out);
+        // (a normalized group's 16-bit codes read the input itself beside z: the per-element loop)
+        if (!(k_narrow<Dt> && V == k_normalized) && n % 128 == 0) {
+          encode_blocks<Bits, false, k_narrow_kind<Dt>>(x, n / 128, make_fused(p, 0.0f, 0.0f, 0), job.seed, job.key, e0 / 8, out);
           continue;
         }
 #endif
         group_noise(job.seed, job.key, e0 / 8, nchunks, u);
-        quantize_group(x, u, n, p, q);
+        if constexpr (k_narrow<Dt> && V == k_normalized)
+          quantize_normalized_group16<Dt>(in + e0, x, u, n, p, job, e0, q);
+        else if constexpr (k_narrow<Dt>)
+          quantize_group16<Dt>(x, u, n, p, q);
+        else
+          quantize_group(x, u, n, p, q);
         for (int i = n; i < nchunks * 8; ++i) q[i] = 0;
         pack_codes<Bits>(q, nchunks, out);
       } else {
