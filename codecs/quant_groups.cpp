@@ -410,7 +410,9 @@ inline __m256i quantize8_narrow(__m256 x, __m256 u, params8 const& g) {
   __m256i const k1 = _mm256_add_epi32(k, _mm256_set1_epi32(1));
   __m256 const d0 = narrow8<Half>(g.dequantize(k)), d1 = narrow8<Half>(g.dequantize(k1));
   __m256 const below = _mm256_cmp_ps(_mm256_cvtepi32_ps(k), g.levels, _CMP_LT_OQ);
-  __m256 const up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(d1, d0)), _mm256_sub_ps(x, d0), _CMP_LT_OQ);
+  // (in the scaled domain, as hd::quantize_u16)
+  __m256 const xs = _mm256_mul_ps(x, g.s), d0s = _mm256_mul_ps(d0, g.s), d1s = _mm256_mul_ps(d1, g.s);
+  __m256 const up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(d1s, d0s)), _mm256_sub_ps(xs, d0s), _CMP_LT_OQ);
   return _mm256_sub_epi32(k, _mm256_castps_si256(_mm256_and_ps(below, up)));  // (a true lane is -1)
 }
 #endif
@@ -615,9 +617,15 @@ inline __m512i quantize16(__m512 x, __m512 u, fused_group const& g) {
   __m512i const k = _mm512_cvttps_epi32(v);
   __mmask16 up;
   if constexpr (Narrow != 0) {
-    __m512 const d0 = narrow16x<Narrow>(dequantize16x(k, g));
-    __m512 const d1 = narrow16x<Narrow>(dequantize16x(_mm512_add_epi32(k, _mm512_set1_epi32(1)), g));
-    up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(d1, d0)), _mm512_sub_ps(x, d0), _CMP_LT_OQ) &
+    __m512 d0 = narrow16x<Narrow>(dequantize16x(k, g));
+    __m512 d1 = narrow16x<Narrow>(dequantize16x(_mm512_add_epi32(k, _mm512_set1_epi32(1)), g));
+    __m512 xs = x;
+    if (g.halved) {  // (in the scaled domain, as hd::quantize_u16; x * 1 is x)
+      xs = _mm512_mul_ps(x, g.s);
+      d0 = _mm512_mul_ps(d0, g.s);
+      d1 = _mm512_mul_ps(d1, g.s);
+    }
+    up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(d1, d0)), _mm512_sub_ps(xs, d0), _CMP_LT_OQ) &
          _mm512_cmp_ps_mask(_mm512_cvtepi32_ps(k), g.levels, _CMP_LT_OQ);
   } else {
     __m512 const frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(k));

@@ -115,8 +115,12 @@ GACT_HD float dequantize(std::int32_t q, group_params const& p) {
 // d1 = R(x^(k + 1)) with R the output's rounding:
 //   q = k + [u * (d1 - d0) < x - d0]
 // x is a value of the dtype between the two grid values, so d0 <= x <= d1 (R is monotone and
-// leaves x as it is) and E[x^] = d0 + (x - d0) = x. d1 - d0 and x - d0 are exact in float32 (values
-// of 8 or 11 significant bits close together); d0 = d1 means x = d0, whose code is then k.
+// leaves x as it is) and E[x^] = d0 + (x - d0) = x, up to the float32 rounding of the grid itself (a
+// value below 2^-24 of the range can fall just outside [d0, d1], as it could before); d0 = d1 means
+// x = d0, whose code is then k. The comparison is made in the group's scaled domain (x*s, d*s: exact
+// scalings by a power of two), where d1 - d0 cannot overflow (a halved group's range exceeds FLT_MAX)
+// and a tiny group's differences are not subnormal; a normalized group's decoded values, in the
+// input's units, are compared halved.
 
 /// The output rounding R of a float16 (Half) or bfloat16 decode, as a float.
 template <bool Half>
@@ -144,7 +148,7 @@ template <bool Half>
 GACT_HD std::int32_t quantize_u16(float x, group_params const& p, float u) {
   std::int32_t const k = floor_code(x, p);
   float const d0 = narrow16<Half>(dequantize(k, p)), d1 = narrow16<Half>(dequantize(k + 1, p));
-  return round_between(k, p.levels, x, d0, d1, u);
+  return round_between(k, p.levels, mul_rn(x, p.s), mul_rn(d0, p.s), mul_rn(d1, p.s), u);
 }
 
 /// Metadata of a group as the decoder accepts it: finite lo <= hi, or both NaN (non-finite group).
@@ -169,7 +173,7 @@ GACT_HD std::int32_t quantize_normalized16(float x, float z, group_params const&
   std::int32_t const k = floor_code(z, p);
   float const d0 = narrow16<Half>(denormalize(dequantize(k, p), shift, inv));
   float const d1 = narrow16<Half>(denormalize(dequantize(k + 1, p), shift, inv));
-  return round_between(k, p.levels, x, d0, d1, u);
+  return round_between(k, p.levels, mul_rn(x, 0.5f), mul_rn(d0, 0.5f), mul_rn(d1, 0.5f), u);
 }
 /// A block's statistics are stored as bfloat16 (shift, scale), 4 bytes: exactness does not matter to
 /// unbiasedness (encoder and decoder use the same stored values), only consistency does.

@@ -430,35 +430,39 @@ TEST_CASE("boundary quant: interior values unbiased over seeds") {
   CHECK(bad == 0);
 }
 
-/// The largest |mean - x| over seeds, in units of the mean's own standard error (its sample deviation over
-/// sqrt(n)), over every element of ``t`` encoded with ``p`` and n seeds (groups of 256). Unbiased codes give at
-/// most 6 (about 1e-9 per element of going past it). An element that decoded the same at every seed moves with a
-/// probability q below 15 / n (else that happens with a chance under e^-15), by at most its group's distance
-/// between decoded values, 2 sigma_max (sigma_max: the group's largest deviation): its mean is within
-/// 30 sigma_max / n of x, and the measure is its error over that.
+/// The largest |mean - x| over n seeds' decodes of ``t`` encoded with ``p`` (groups of 256), in standard errors of an
+/// unbiased rounding: an element decodes to the two values a < b around x (those seen), b with probability
+/// q = (x - a) / (b - a), so its mean has the standard error (b - a) sqrt(q (1 - q) / n), taken at least
+/// (b - a) sqrt(4 / n) / sqrt(n) (a count of a few, where the normal approximation says nothing: 6 of them is
+/// at least 12 moves off, a chance below 1e-6 at any q). An element that decoded to one value only moved with a
+/// probability below 15 / n (or that happened with a chance under e^-15), by at most its group's widest pair of
+/// values seen: its measure is its error over 6 / 15 of that bound. Unbiased codes stay below 6.
 double worst_bias(bytes const& t, dtype dt, std::vector<std::int64_t> const& shape, encode_params p, int n) {
   std::size_t count = 1;
   for (auto d : shape) count *= std::size_t(d);
   auto const x = values(dt, t.data(), count);
-  std::vector<double> sum(count, 0.0), sq(count, 0.0);
+  std::vector<double> sum(count, 0.0), lo(count, 1e300), hi(count, -1e300);
   for (int s = 0; s < n; ++s) {
     p.seed = std::uint64_t(s) * 7919u + 3;
     auto const y = decode_all(encode_ok(t, dt, shape, p));
     for (std::size_t i = 0; i < count; ++i) {
       sum[i] += y[i];
-      sq[i] += y[i] * y[i];
+      lo[i] = std::min(lo[i], y[i]);
+      hi[i] = std::max(hi[i], y[i]);
     }
   }
-  std::vector<double> sd(count), group_sd((count + 255) / 256, 0.0);
-  for (std::size_t i = 0; i < count; ++i) {
-    double const m = sum[i] / n;
-    sd[i] = std::sqrt(std::max(0.0, sq[i] / n - m * m) * n / (n - 1));
-    group_sd[i / 256] = std::max(group_sd[i / 256], sd[i]);
-  }
+  std::vector<double> widest((count + 255) / 256, 0.0);
+  for (std::size_t i = 0; i < count; ++i) widest[i / 256] = std::max(widest[i / 256], hi[i] - lo[i]);
   double worst = 0;
   for (std::size_t i = 0; i < count; ++i) {
-    double const err = std::fabs(sum[i] / n - x[i]);
-    double const unit = sd[i] > 0 ? sd[i] / std::sqrt(double(n)) : 30.0 * group_sd[i / 256] / (6.0 * n);
+    double const err = std::fabs(sum[i] / n - x[i]), d = hi[i] - lo[i];
+    double unit;
+    if (d > 0) {
+      double const q = std::min(1.0, std::max(0.0, (x[i] - lo[i]) / d));
+      unit = d * std::sqrt(std::max(q * (1 - q), 4.0 / n) / n);
+    } else {
+      unit = 6.0 / 15.0 * 15.0 / n * widest[i / 256];
+    }
     worst = std::max(worst, unit > 0 ? err / unit : (err > 1e-6 * std::fabs(x[i]) ? 1e9 : 0.0));
   }
   return worst;
@@ -479,6 +483,24 @@ TEST_CASE("16-bit outputs: boundary and normalized codes are unbiased against th
     encode_params plain;
     plain.bits = 8;
     CHECK(worst_bias(make_tensor(dt, k.x), dt, {std::int64_t(k.x.size())}, plain, 400) < 6.0);
+  }
+  // The scaled domains: a bfloat16 group whose range exceeds FLT_MAX (halved: the two decoded values' difference
+  // overflowed, and every value decoded to lo at 1 bit) and one whose range is below 2^-100 (scaled by 2^64)
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> wide(-3.3e38, 3.3e38), tiny(1e-31, 6e-31);
+  std::vector<float> huge(256), small(256);
+  for (std::size_t i = 0; i < 256; ++i) {
+    huge[i] = float(wide(rng));
+    small[i] = float(tiny(rng));
+  }
+  huge[0] = -3.3895314e38f;
+  huge[1] = 3.3895314e38f;
+  for (int bits : {1, 2, 4, 8}) {
+    CAPTURE(bits);
+    encode_params p;
+    p.bits = bits;
+    CHECK(worst_bias(make_tensor(dtype::bfloat16, huge), dtype::bfloat16, {256}, p, 400) < 6.0);
+    CHECK(worst_bias(make_tensor(dtype::bfloat16, small), dtype::bfloat16, {256}, p, 400) < 6.0);
   }
 }
 
