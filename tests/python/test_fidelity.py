@@ -3113,39 +3113,27 @@ def test_reads_a_division_amplifies_are_exact_from_the_next_step(name):
     assert max(errs[1:]) < 0.05, errs
 
 
-def test_a_gradient_penalty_reads_its_activations_exact_from_step_1():
+def test_a_gradient_penalty_keeps_its_activations_stored():
     """A backward with create_graph=True keeps what it saves exact, and those saves read the forward's stored
-    activations, which an eikonal penalty ((|dy/dx| - 1)^2) then differentiates again: their rounding squared, biased.
-    From step 1 the activations that backward decoded are kept exact by key (and what it did not read stays stored):
-    the penalty's value is the run's without gact from then on, and the bytes encoded a step are steady, below step
-    0's."""
+    activations: they are no call that divides, so the forward's saves stay stored at the next steps (a first version
+    of the exact reads above kept every one of them exact from step 1: 9x the bytes)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
     x = torch.randn(128, 64, requires_grad=True)
-
-    def penalty():
-        out = m(x)
-        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
-        return out, ((g.norm(dim=1) - 1) ** 2).mean()
-
-    ref = penalty()[1].item()
     comp = gact.Compressor(m, bits=4, seed=1)
-    encoded, values = [], []  # (bytes encoded, bytes kept exact) so far; the penalty at each step
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (said once: test_gradients.py)
-        for _ in range(3):
-            with comp:
-                out, pen = penalty()
-                (out.mean() + pen).backward()
-            values.append(pen.item())
-            del out, pen
-            comp.step()
-            st = comp.stats()["store"]
-            encoded.append((st["bytes_encoded"], st["skipped"]["exact"]["bytes"]))
+    encoded = []  # (bytes encoded, bytes kept exact) so far
+    for _ in range(3):
+        with comp:
+            out = m(x)
+            g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = out.mean() + ((g.norm(dim=1) - 1) ** 2).mean()
+            loss.backward()
+        comp.step()
+        st = comp.stats()["store"]
+        encoded.append((st["bytes_encoded"], st["skipped"]["exact"]["bytes"]))
     comp.close()
     per_step = [encoded[0]] + [(b[0] - a[0], b[1] - a[1]) for a, b in zip(encoded, encoded[1:])]
-    assert per_step[0][0] > 0 and per_step[1] == per_step[2] and per_step[1][0] < per_step[0][0], per_step
-    assert values[0] != ref and values[1] == ref and values[2] == ref, (values, ref)
+    assert per_step[0][0] > 0 and per_step[1] == per_step[0] and per_step[2] == per_step[0], per_step
 
 
 @pytest.mark.parametrize("name", ["rms_norm_by_hand", "layer_norm_by_hand", "layer_norm_by_product", "swish_by_hand",

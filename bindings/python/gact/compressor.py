@@ -227,31 +227,13 @@ def _warn_create_graph(key: str) -> None:
         return
     _warned_create_graph = True
     warnings.warn(
-        f"gact: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML, an SDF's "
-        f"normals) read the activation '{key}', which gact stored quantized. A loss built on that gradient reads the "
-        f"rounding squared or twice (through a curve's derivative such as tanh or sigmoid, a normalization, a weight "
-        f"gradient), and a forward that uses the gradient as a value computes with it: biased (an R1 penalty through "
-        f"BatchNorm measured 2x its value at 2 bits; an SDF renderer's gradient 2.5 % off at 8 bits). From the next "
-        f"step on, gact keeps the activations such a backward reads exact (counted as 'exact' in the stats); this "
-        f"step's gradient carries their rounding. Said once.", RuntimeWarning, stacklevel=2)
-
-
-#: the live Compressors by their store owner id: a save read by a backward with create_graph=True tells its own
-#: Compressor to keep that save's key exact from the next step on (_read_with_create_graph)
-_by_owner: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-
-
-def _read_with_create_graph(p: Any) -> None:
-    """A backward with create_graph=True decodes the stored values of ``p``: the gradient it computes is itself
-    differentiated (a penalty on it) or used as a value (an SDF's normals in a NeuS renderer), and carries the rounding
-    there, squared or through a threshold, biased whatever the width (R1 through BatchNorm 2.06x its value at 2 bits; a
-    NeuS renderer 2.5 % of its gradient at 8, where a normal's cosine crossed a ReLU's kink). Its key is kept exact from
-    the next step on, as _exact_read's are. A mask (a predicate decode) is exact whatever reads it: not concerned."""
-    if p.decode is not None or p.dkey is None:
-        return
-    c = _by_owner.get(p.owner)
-    if c is not None and len(c._divided_exact) < c.DIVIDED_EXACT_MAX:
-        c._divided_exact.add(p.dkey)
+        f"gact: a backward with create_graph=True (a gradient penalty, a Hessian-vector product, MAML) read the "
+        f"activation '{key}', which gact stored quantized. Where the gradient that loss is built on depends on it (through "
+        f"a curve's derivative such as tanh, sigmoid or SiLU, a normalization, a weight gradient), the loss reads its "
+        f"rounding squared or twice and its gradient is biased (an R1 penalty through BatchNorm measured 2x its value "
+        f"at 2 bits, 1.04x at 4); a penalty on the input gradient of ReLU or LeakyReLU layers reads only exact masks "
+        f"and weights and is not. If it does: run that forward outside the Compressor, exclude its modules "
+        f"(exclude=), or use bits=8 (README, Known limits). Said once.", RuntimeWarning, stacklevel=2)
 
 try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
     from _gact_torch import VersionRef as _VersionRef, version_ref as _version_ref
@@ -498,10 +480,8 @@ class _Packed:
         self.hold = None
         if self.alias is not None:  # (kept exact by another thread meanwhile)
             return self.alias
-        if torch.is_grad_enabled():  # (grad mode is on in a backward only with create_graph=True)
-            _read_with_create_graph(self)
-            if not _warned_create_graph:
-                _warn_create_graph(self.key)
+        if not _warned_create_graph and torch.is_grad_enabled():
+            _warn_create_graph(self.key)  # (grad mode is on in a backward only with create_graph=True)
         if self.handle == 0:
             if self.aborted:
                 raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
@@ -858,7 +838,6 @@ class Compressor:
             all(p.is_cuda for p in model.parameters())
         _allocator._default_cpu_allocator(warn=not on_gpu)
         self._owner = _C.store_new_owner()  # this Compressor's own counters in the store (stats())
-        _by_owner[self._owner] = self
         self._warned_memory = False
         self._warned_derivative = False
         self._live: list = []
