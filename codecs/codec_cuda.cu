@@ -323,8 +323,8 @@ __device__ __forceinline__ bool encode_group(typename dev_io<Dt>::storage const*
       hd::philox_block const r = hd::noise_block(a.seed, a.key, e / 8);
       // (a 16-bit output's codes are chosen against the values its decode rounds to: hd::quantize_u16; a
       // normalized group's against the input itself, loaded again, and its block's decoded statistics)
-      constexpr bool narrow = Dt == 1 || Dt == 2;
-      constexpr bool half = Dt == 1;
+      constexpr int kind = Dt == 1 ? 1 : Dt == 2 ? 2 : 0;  // (hd::quantize_as: 0 float32's rounding, 1 float16, 2 bf16)
+      constexpr bool narrow = kind != 0;
       float x[8];
       if constexpr (narrow && V == k_normalized) load_chunk<Dt, Vec>(src, e, end, x);
       dev_block_cursor cur(e, V == k_normalized ? a.count : 1, V == k_normalized ? a.inner : 1);
@@ -333,18 +333,14 @@ __device__ __forceinline__ bool encode_group(typename dev_io<Dt>::storage const*
         if (e + std::uint64_t(j) < end) {
           std::int32_t q;
           float const u = hd::noise_uniform(hd::noise_lane(r, j));
-          if constexpr (V == k_boundary && narrow) {
-            q = hd::quantize_boundary16<half>(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p, u);
-          } else if constexpr (V == k_boundary) {
-            q = hd::quantize_boundary(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p, u);
+          if constexpr (V == k_boundary) {
+            q = hd::quantize_boundary<kind>(v[i][j], a.boundary.lo, a.boundary.hi, has_hi, top, p, u);
           } else if constexpr (V == k_normalized && narrow) {
             float const sh = hd::round_bf16(a.shift[cur.block]), sc = hd::round_bf16(a.scale[cur.block]);
-            q = hd::quantize_normalized16<half>(x[j], v[i][j], p, sh, hd::inverse_scale(sc), u);
+            q = hd::quantize_normalized16<kind == 1>(x[j], v[i][j], p, sh, hd::inverse_scale(sc), u);
             cur.next();
-          } else if constexpr (narrow) {
-            q = hd::quantize_u16<half>(v[i][j], p, u);
           } else {
-            q = hd::quantize_u(v[i][j], p, u);
+            q = hd::quantize_as<kind>(v[i][j], p, u);
           }
           word |= std::uint64_t(q) << (j * a.bits);
         }

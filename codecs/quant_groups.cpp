@@ -814,14 +814,14 @@ GACT_LOOP void quantize_boundary_group(float const* __restrict x, float const* _
   }
 }
 
-/// quantize_boundary_group for a 16-bit output (hd::quantize_boundary16 element by element).
+/// quantize_boundary_group for a 16-bit output (hd::quantize_boundary<narrow> element by element).
 template <dtype Dt>
 GACT_LOOP void quantize_boundary_group16(float const* __restrict x, float const* __restrict u, int n, float lo,
                                          float hi, std::int32_t top, group_params const p,
                                          std::int32_t* __restrict q) {
-  constexpr bool half = Dt == dtype::float16;
   int i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
+  constexpr bool half = Dt == dtype::float16;
   // the interior code on every lane, then 0 at or below lo and top at or above hi selected over it
   params8 const g(p);
   bool const live = p.step > 0.0f;
@@ -835,7 +835,7 @@ GACT_LOOP void quantize_boundary_group16(float const* __restrict x, float const*
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), c);
   }
 #endif
-  for (; i < n; ++i) q[i] = hd::quantize_boundary16<half>(x[i], lo, hi, true, top, p, u[i]);
+  for (; i < n; ++i) q[i] = hd::quantize_boundary<k_narrow_kind<Dt>>(x[i], lo, hi, true, top, p, u[i]);
 }
 
 /// A normalized group's codes for a 16-bit output: z[i] = normalize(in[i]) quantized against the decoded

@@ -85,10 +85,15 @@ GACT_HD float noise_uniform(std::uint32_t r16) {
 }
 
 /// Code of x (finite, lo <= x <= hi) for a group with step > 0, given the uniform u = noise_uniform(r).
-GACT_HD std::int32_t quantize_u(float x, group_params const& p, float u) {
+/// x's position on the grid, v = (x*s - lo*s) / step clamped to [0, levels].
+GACT_HD float grid_position(float x, group_params const& p) {
   float v = div_rn(sub_rn(mul_rn(x, p.s), p.lo_s), p.step);
   v = v > 0.0f ? v : 0.0f;
-  v = v < p.levels ? v : p.levels;
+  return v < p.levels ? v : p.levels;
+}
+
+GACT_HD std::int32_t quantize_u(float x, group_params const& p, float u) {
+  float const v = grid_position(x, p);
   std::int32_t const k = std::int32_t(v);  // v >= 0, so truncation is floor
   float const frac = sub_rn(v, float(k));
   return k + (u < frac ? 1 : 0);
@@ -129,13 +134,8 @@ GACT_HD float narrow16(float v) {
   else return bf16_to_float(float_to_bf16(v));
 }
 
-/// The floor code k of x: v = (x*s - lo*s) / step clamped to [0, levels], truncated (quantize_u's).
-GACT_HD std::int32_t floor_code(float x, group_params const& p) {
-  float v = div_rn(sub_rn(mul_rn(x, p.s), p.lo_s), p.step);
-  v = v > 0.0f ? v : 0.0f;
-  v = v < p.levels ? v : p.levels;
-  return std::int32_t(v);
-}
+/// The floor code k of x (quantize_u's).
+GACT_HD std::int32_t floor_code(float x, group_params const& p) { return std::int32_t(grid_position(x, p)); }
 
 /// k, or k + 1 with probability (x - d0) / (d1 - d0) (u uniform in (0, 1)); never past levels.
 GACT_HD std::int32_t round_between(std::int32_t k, float levels, float x, float d0, float d1, float u) {
@@ -149,6 +149,13 @@ GACT_HD std::int32_t quantize_u16(float x, group_params const& p, float u) {
   std::int32_t const k = floor_code(x, p);
   float const d0 = narrow16<Half>(dequantize(k, p)), d1 = narrow16<Half>(dequantize(k + 1, p));
   return round_between(k, p.levels, mul_rn(x, p.s), mul_rn(d0, p.s), mul_rn(d1, p.s), u);
+}
+
+/// The code of x for an output that keeps float32 (Narrow 0: quantize_u), float16 (1) or bfloat16 (2).
+template <int Narrow>
+GACT_HD std::int32_t quantize_as(float x, group_params const& p, float u) {
+  if constexpr (Narrow == 0) return quantize_u(x, p, u);
+  else return quantize_u16<Narrow == 1>(x, p, u);
 }
 
 /// Metadata of a group as the decoder accepts it: finite lo <= hi, or both NaN (non-finite group).
@@ -206,23 +213,15 @@ GACT_HD float boundary_levels(int bits, bool has_hi) {
   return float((1u << bits) - 2u - (has_hi ? 1u : 0u));
 }
 
-/// Code of x in a boundary group: 0 for x <= lo, L for x >= hi (has_hi), else 1 + the interior code.
+/// Code of x in a boundary group: 0 for x <= lo, L for x >= hi (has_hi), else 1 + the interior code (for a
+/// 16-bit output, Narrow 1 or 2, against the interior's decoded values: quantize_as).
+template <int Narrow = 0>
 GACT_HD std::int32_t quantize_boundary(float x, float lo, float hi, bool has_hi, std::int32_t top,
                                        group_params const& interior, float u) {
   if (x <= lo) return 0;
   if (has_hi && x >= hi) return top;
   if (!(interior.step > 0.0f)) return 1;
-  return 1 + quantize_u(x, interior, u);
-}
-
-/// quantize_boundary for a 16-bit output: the interior's code against its decoded values (quantize_u16).
-template <bool Half>
-GACT_HD std::int32_t quantize_boundary16(float x, float lo, float hi, bool has_hi, std::int32_t top,
-                                         group_params const& interior, float u) {
-  if (x <= lo) return 0;
-  if (has_hi && x >= hi) return top;
-  if (!(interior.step > 0.0f)) return 1;
-  return 1 + quantize_u16<Half>(x, interior, u);
+  return 1 + quantize_as<Narrow>(x, interior, u);
 }
 
 /// Value of code q in a boundary group.
