@@ -330,6 +330,22 @@ struct storage_ref {
   }
 };
 
+/// Both of the above for one saved tensor, made by one call (a save pays for one object, not two): the tensor's version
+/// counter (`current()`, as version_ref's) and its storage held weakly (`same(impl)`, as storage_ref's; true for any
+/// tensor where the saved one had no storage, as a missing storage_ref checks nothing).
+struct saved_ref {
+  c10::VariableVersion counter;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+  std::int64_t current() const { return counter.enabled() ? std::int64_t(counter.current_version()) : -1; }
+  bool same(std::uintptr_t impl) const {
+    if (!storage) return true;
+    if (impl == 0) return false;
+    auto const* t = reinterpret_cast<c10::TensorImpl const*>(impl);
+    if (!t->has_storage()) return false;
+    return t->storage().unsafeGetStorageImpl() == storage->_unsafe_get_target();
+  }
+};
+
 }  // namespace
 
 #ifdef GACT_TORCH_GRAPH
@@ -397,4 +413,20 @@ PYBIND11_MODULE(_gact_torch, m) {
       },
       py::arg("impl"),
       "The storage of the tensor whose TensorImpl is at `impl` (torch.Tensor._cdata), held weakly; None without one.");
+  py::class_<saved_ref>(m, "SavedRef", "A saved tensor's version counter and storage, held without it (saved_ref).")
+      .def("current", &saved_ref::current, "The counter's value now; -1 for a tensor without one.")
+      .def("same", &saved_ref::same, py::arg("impl"),
+           "Whether the tensor whose TensorImpl is at `impl` uses the saved tensor's storage now (true where that "
+           "tensor had none).");
+  m.def(
+      "saved_ref",
+      [](std::uintptr_t impl) {
+        if (impl == 0) throw py::value_error("saved_ref: a null TensorImpl address");
+        auto const* t = reinterpret_cast<c10::TensorImpl const*>(impl);
+        saved_ref r{t->version_counter(), std::nullopt};
+        if (t->has_storage()) r.storage = t->storage().getWeakStorageImpl();
+        return r;
+      },
+      py::arg("impl"),
+      "version_ref and storage_ref of the tensor whose TensorImpl is at `impl` (torch.Tensor._cdata) in one object.");
 }

@@ -1544,6 +1544,28 @@ def test_a_frozen_tensor_used_through_a_view_is_served_from_its_base():
     loss.backward()  # (decoded: the base is gone)
 
 
+def test_a_stored_tensors_one_reference_follows_its_version_and_its_storage():
+    """A stored save holds one object for its version counter and its storage (_gact_torch.saved_ref): current()
+    follows changes made through any alias, same() tells the saved storage from another one put under the tensor
+    (`t.data = other`), and a tensor without storage (sparse) checks nothing, as a missing storage reference did."""
+    saved_ref = gact.compressor._saved_ref
+    if saved_ref is None:
+        pytest.skip("_gact_torch is not built")
+    t = torch.randn(8, 8)
+    r = saved_ref(t._cdata)
+    assert r.current() == t._version and r.same(t._cdata)
+    t.detach().add_(1.0)  # (through an alias: the counter is shared)
+    assert r.current() == t._version == 1
+    v = t[2:]
+    assert r.same(v._cdata)  # (a view uses the same storage)
+    t.data = torch.randn(8, 8)
+    assert not r.same(t._cdata) and not r.same(0)
+    sparse = torch.eye(4).to_sparse()
+    assert saved_ref(sparse._cdata).same(t._cdata)
+    with pytest.raises(ValueError, match="null TensorImpl"):
+        saved_ref(0)
+
+
 def test_a_saved_view_is_made_from_its_base_only_while_they_share_the_storage_saved():
     """The base is compared by its storage itself, not its address: `E.data = empty` then `E.data = other` can put
     another storage at the freed address (the CUDA caching allocator hands the same block back), and a view made from

@@ -245,6 +245,10 @@ try:  # a tensor's storage held weakly (torch_cpu.cpp): a saved view is made aga
     from _gact_torch import storage_ref as _storage_ref
 except ImportError:
     _storage_ref = None
+try:  # both in one object, for a stored tensor (a _gact_torch built before it: the two apart)
+    from _gact_torch import SavedRef as _SavedRef, saved_ref as _saved_ref
+except ImportError:
+    _SavedRef = _saved_ref = None
 try:  # autograd nodes by address (torch_graph.cpp; absent without autograd's headers: no _exact_read then)
     from _gact_torch import graph_ancestors as _graph_ancestors, graph_node as _graph_node
 except ImportError:
@@ -316,7 +320,7 @@ def _check_version(watch: Any, version: int, saved: Any) -> None:
     was at ``version``; ``saved`` (shape, dtype, device) names it."""
     if watch is None:
         return
-    if watch.__class__ is _VersionRef:
+    if watch.__class__ is _SavedRef or watch.__class__ is _VersionRef:
         now = watch.current()
         if now >= 0 and now != version:
             raise _modified_error(saved, version, now)
@@ -1869,15 +1873,21 @@ class Compressor:
         p.offset = offset
         if device >= 0 or self._VERDICTS_ON_HOST:
             self._await_verdict(p, src, pred)
-        v = t if keep is None else keep
+        mutable = _mutation_allowed()
+        both = None
         if keep is not None:
             p.version = keep._version
-        p.vref = _watch(v)
-        if dense and not _mutation_allowed():
+            p.vref = _watch(keep)
+        elif dense and not mutable and _saved_ref is not None:
+            # (the tensor's version counter and its storage in one object: one call and one object a save)
+            both = p.vref = _saved_ref(t._cdata)
+        else:
+            p.vref = _watch(t)
+        if dense and not mutable:
             p.ptr = ptr
             try:
                 p.ref = r = _TensorRef(t, _forget_ref)
-                p.sref = _held_storage(t)
+                p.sref = both if both is not None else _held_storage(t)
                 r.handle = h
             except TypeError:
                 _C.store_forget(h)

@@ -2024,7 +2024,7 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "_name",
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "all_views", "_name",
                  "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected", "near")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -2038,6 +2038,7 @@ class Frame:
         self.group = 0  # the store's group of its correlated saves (correlation_group), once it has one
         self.operands: list | None = None  # _operands(self), once a save asked (an LSTM cell's call saves 26 tensors)
         self.views: tuple | None = None  # _views(self), once a stored save asked
+        self.all_views: dict | None = None  # _all_views(self), once asked
         self._name: str | None = None
         self._wrapped: bool | None = None
         self.qk: dict | None = None  # an attention call's q and k measured so far: {role: (key, statistics)}
@@ -2882,20 +2883,43 @@ def _dense(a: torch.Tensor) -> bool:
 
 
 def _views(frame: Frame) -> tuple:
-    """The call's operands by memory, for _view_of against each of them at once: {(data pointer, element count,
-    dtype): operands with it}, and the operands that are no leaf (have a graph). A tensor t is a whole view of an
-    operand a, as _view_of says, where t is a or t's key is a's (the operands are all dense and unwrapped)."""
+    """The call's operands by memory, for _view_of against each of them at once: ({(data pointer, element count,
+    dtype): operands with it}, the operands that are no leaf (have a graph)). A tensor t is a whole view of an operand
+    a, as _view_of says, where t is a or t's key is a's (the operands are all dense and unwrapped). A leaf that requires
+    grad (a parameter, which stays a leaf) is not indexed: correlated() reads only the operands with a graph, and a
+    layer's weight and bias would cost three reads each; _all_views has them."""
     v = frame.views
     if v is None:
         index: dict = {}
+        ops = []
         for a in _operands(frame):
+            if a.is_leaf:
+                if a.requires_grad:
+                    continue
+            else:
+                ops.append(a)
             try:
                 key = (a.data_ptr(), a.numel(), a.dtype)
             except RuntimeError:  # (a subclass without storage: only itself is itself)
                 key = (id(a),)
             index.setdefault(key, []).append(a)
-        v = frame.views = (index, [a for a in _operands(frame) if not a.is_leaf])
+        v = frame.views = (index, ops)
     return v
+
+
+def _all_views(frame: Frame) -> dict:
+    """_views' index with the leaves that require grad too."""
+    index = frame.all_views
+    if index is None:
+        index = {}
+        for a in _operands(frame):
+            try:
+                key = (a.data_ptr(), a.numel(), a.dtype)
+            except RuntimeError:
+                key = (id(a),)
+            index.setdefault(key, []).append(a)
+        frame.all_views = index
+    return index
 
 
 _GROUPS = itertools.count(1)
@@ -2926,7 +2950,7 @@ _PRODUCTS_OF_READS = frozenset({"bilinear", "_trilinear"})
 def _given_twice(t: torch.Tensor, frame: Frame) -> bool:
     """Whether the call was given ``t``'s memory (t, or a whole view of it) as two of its operands."""
     if t.layout is torch.strided and not _compat.is_functorch_wrapped(t):
-        return len(_views(frame)[0].get((t.data_ptr(), t.numel(), t.dtype), ())) >= 2
+        return len(_all_views(frame).get((t.data_ptr(), t.numel(), t.dtype), ())) >= 2
     return sum(1 for a in _operands(frame) if a is t) >= 2
 
 
@@ -2991,14 +3015,19 @@ def correlated(t: torch.Tensor, frame: Frame | None, results: dict | None = None
     views, ops = _views(frame)
     if t.layout is torch.strided and not _compat.is_functorch_wrapped(t):
         key = (t.data_ptr(), t.numel(), t.dtype)
+        if not ops:
+            if results is not None and key not in _all_views(frame):
+                _record(results, t)  # (a result of operands that need no gradient: see below)
+            return False
         same = views.get(key, ())
     else:  # (no memory to compare: only t itself is t)
         key, same = None, [a for a in _operands(frame) if a is t]
-    if not ops:
-        if results is not None and not same:
-            _record(results, t)  # (a result of operands that need no gradient: see below)
-        return False
-    same = [a for a in same if not a.is_leaf]  # (in the operands' order)
+        if not ops:
+            if results is not None and not same:
+                _record(results, t)
+            return False
+    if same:
+        same = [a for a in same if not a.is_leaf]  # (in the operands' order)
     if len(same) >= 2:
         return True  # the same memory twice (p * p)
     if len(ops) == 1 and same:
