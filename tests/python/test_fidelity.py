@@ -401,7 +401,10 @@ def test_a_reduction_the_backward_divides_by_is_kept_exact(op):
             exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
             assert exact >= result_bytes, (op, comp.stats()["store"])
             if op.startswith("cdist") and op not in _WHOLLY_EXACT:
-                assert exact < points_bytes, (op, exact)  # the points (64 features) and their copies are stored
+                if gact.saved._DEVICE_RULES_ON_HOST:  # (on a device wide points are kept exact: saved.near_points)
+                    assert exact >= points_bytes, (op, exact)
+                else:
+                    assert exact < points_bytes, (op, exact)  # the points (64 features) and their copies are stored
             if op in _WHOLLY_EXACT:
                 assert exact >= points_bytes, (op, exact)  # signs, the maximum's place, |x|^(p-2): the input too
             comp.close()
@@ -546,7 +549,9 @@ def test_a_number_over_an_activation_reads_what_it_was_computed_through_exact(sp
 
 def test_pdist_keeps_its_distances_exact():
     """pdist's backward divides by each distance: rows with norms from 1e-4 to 10 (200 rows, 19 900
-    distances, not held by the program); the distances are kept exact, the rows (64 features, not positions) stored.
+    distances, not held by the program); the distances are kept exact. The rows (64 features, not positions) were
+    stored; their distances down to 1e-4 are under NEAR_POINTS_SHARE of their range, and they are now served exact from
+    the call's operand (saved.near_points; on a device, kept exact at once).
     Measured cosines of the gradient to fp32's: 0.987-0.989 at 4 bits and 0.77-0.79 at 2 with the distances exact,
     0.08-0.16 and 0.13-0.21 with them stored (4 seeds); asserted, mean of two seeds: >= 0.95 at 4 bits, >= 0.6 at 2,
     finite at 1."""
@@ -573,7 +578,10 @@ def test_pdist_keeps_its_distances_exact():
             comp.close()
             # the distances, the per-row scale the rows are multiplied by (a broadcast factor), and the weight each
             # distance is multiplied by (one value per distance, needing no gradient)
-            assert st["skipped"]["exact"]["bytes"] == 2 * (200 * 199 // 2 * 4) + 200 * 4, st["skipped"]
+            device = gact.saved._DEVICE_RULES_ON_HOST
+            assert st["skipped"]["exact"]["bytes"] == 2 * (200 * 199 // 2 * 4) + 200 * 4 + device * 200 * 64 * 4, \
+                st["skipped"]
+            assert device or st["unstored"]["held"]["tensors"] == 1, st["unstored"]
             assert torch.isfinite(g).all(), bits
             cos.append(_cos(g, g0))
         assert floor is None or sum(cos) / 2 >= floor, (bits, cos)
@@ -1440,11 +1448,6 @@ _QUADRATIC_CALLS = {
     "__pow__1.5": lambda x: x.abs() ** 1.5,
     # (inputs read through a curve: exp(-x²), 1/(1+x²), exp, cosh, sigmoid)
     "erf": lambda x: torch.erf(x),
-    "special_erfc": lambda x: torch.special.erfc(x),
-    "atan": lambda x: torch.atan(x),
-    "asinh": lambda x: torch.asinh(x),
-    "sinh": lambda x: torch.sinh(x),
-    "cosh": lambda x: torch.cosh(x),
     "elu": lambda x: torch.nn.functional.elu(x),
     "celu": lambda x: torch.nn.functional.celu(x, 0.5),
     "logsigmoid": lambda x: torch.nn.functional.logsigmoid(x),
@@ -1460,6 +1463,92 @@ _QUADRATIC_CALLS = {
 }
 _RECURRENT = {"lstm": torch.nn.LSTM(256, 64), "gru": torch.nn.GRU(256, 64), "rnn_tanh": torch.nn.RNN(256, 64),
               "lstm_cell": torch.nn.LSTMCell(256, 64), "gru_cell": torch.nn.GRUCell(256, 64)}
+
+
+#: inputs read through a curve of unit width over an unbounded range (exp(-x²), 1/(1+x²), 1/sqrt(1+x²), cosh)
+_STEEP_CALLS = {
+    "special_erfc": lambda x: torch.special.erfc(x),
+    "atan": lambda x: torch.atan(x),
+    "asinh": lambda x: torch.asinh(x),
+    "sinh": lambda x: torch.sinh(x),
+    "cosh": lambda x: torch.cosh(x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STEEP_CALLS))
+def test_an_input_read_through_a_unit_width_curve_keeps_eight_bits(name):
+    """erfc, atan, asinh, sinh and cosh read their input through a curve about one unit wide, and nothing bounds the
+    input: at 4 bits a group spanning tens of units rounds in steps wider than the curve. At 2 bits their saves keep 8."""
+    base = _widths_at_two_bits(lambda a: a, derivatives=False)
+    quant = _widths_at_two_bits(_STEEP_CALLS[name], derivatives=False)
+    assert quant["2"] == base["2"] and quant["8"] > base["8"], (name, base, quant)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_an_arctan_surrogate_over_a_wide_membrane_is_unbiased_at_four_bits(alpha):
+    """A spiking network's arctan surrogate written with torch ops, atan(π/2·α·v) / π, read in backward through
+    1 / (1 + x²): over a membrane potential of ±5 (α = 2: x over ±16) 4 bits' step of about 2 was wider than the curve, and
+    the 16-seed mean of the layer's gradient was 0.40 of its norm off (3.4x what noise leaves; 6.6x at 64 seeds). Its
+    input keeps 8 bits: the mean of 8 seeds is within 0.02 (at 8 bits one seed is 0.007 off)."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 256, dtype=torch.float64)
+    c = torch.randn(128, 256, dtype=torch.float64)
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 256).double()
+    with torch.no_grad():
+        lin.weight.mul_(4.0)
+
+    def forward():
+        v = lin(x) - 1.0
+        sg = torch.atan(math.pi / 2 * alpha * v) / math.pi + 0.5
+        return (((v > 0).double() + sg - sg.detach()) * c).sum()
+
+    def grad(comp=None):
+        lin.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = forward()
+        loss.backward()
+        return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+
+    ref = grad()
+    gs = []
+    for seed in range(8):
+        comp = gact.Compressor(lin, bits=4, seed=seed)
+        gs.append(grad(comp))
+        comp.close()
+    err = float((torch.stack(gs).mean(0) - ref).norm() / ref.norm())
+    assert err < 0.02, err
+
+
+@pytest.mark.parametrize("k", [5.0, 25.0])
+def test_a_quotient_by_a_divisor_computed_from_its_dividend_reads_it_exact(k):
+    """A softsign written by hand, a / (1 + |a|) with a = k·h (a spiking network's fast-sigmoid surrogate): a's gradient
+    is 1/b - a·b'/b², two terms that nearly cancel where b grows with |a|, and only the second read the rounded dividend,
+    stored as values because every |b| >= 1: one seed 0.028 and 0.15 of the gradient's norm off at 8 bits (k = 5, 25),
+    where F.softsign is exact and a Linear + ReLU layer 0.004. A dividend whose divisor is computed from it is kept
+    exact: the layer's gradient is fp64's at 4 bits."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, dtype=torch.float64)
+    c = torch.randn(64, 256, dtype=torch.float64)
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 256).double()
+
+    def forward():
+        a = k * lin(x)  # (gone before backward: a tensor the program still holds is read as it is)
+        return (a / (1 + a.abs()) * c).sum()
+
+    def grad(comp=None):
+        lin.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = forward()
+        loss.backward()
+        return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+
+    ref = grad()
+    comp = gact.Compressor(lin, bits=4, seed=0)
+    err = float((grad(comp) - ref).norm() / ref.norm())
+    comp.close()
+    assert err < 1e-9, err
 
 
 @pytest.mark.parametrize("name", sorted(_QUADRATIC_CALLS))
@@ -3611,6 +3700,48 @@ def test_pairwise_distances_read_their_points_exact():
 
     near, far = errors(0.0), errors(150.0)
     assert max(far) < 0.06 and max(far) < 2 * max(near), (near, far)
+
+
+@pytest.mark.parametrize("gap", [0.0, 1e-3, 3.0])
+def test_features_near_their_codes_read_their_points_exact(gap):
+    """cdist over feature vectors (wider than POINT_DIMS_MAX: stored as values, their distances being about their range)
+    divides each difference by its distance. Prototypes 1e-3 from a sample (a converged prototype classifier or soft VQ)
+    made the gradient 0.37 of its norm off at 4 bits and 0.019 at 8, and prototypes equal to samples (a codebook reset
+    to batch samples, whose distance the matrix-product path computes as 1e-7, not 0) 5.8e4 and 3.1e3. A distance
+    under NEAR_POINTS_SHARE of the points' range serves the points exact, in the step it happens: 0.06 and 0.004, the
+    rest of the network's. Prototypes 3 away (farther than the features' range) leave the features stored."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 16)).double()
+    x = torch.randn(256, 8, dtype=torch.float64)
+    with torch.no_grad():
+        f = net(x)
+        direction = F.normalize(torch.randn(32, 16, dtype=torch.float64), dim=-1)
+        protos = nn.Parameter(f[:32] + (gap * direction if gap >= 1 else gap * torch.randn(32, 16, dtype=torch.float64)))
+    y = torch.randint(0, 32, (256,))
+    y[:32] = torch.arange(32)
+    model = nn.ModuleList([net, nn.ParameterList([protos])])
+
+    def grad(comp=None):
+        model.zero_grad()
+        with comp if comp is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(-torch.cdist(net(x), protos) / 0.1, y)
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    ref = grad()
+    for bits, bound in ((4, 0.15), (8, 0.02)):
+        comp = gact.Compressor(model, bits=bits, seed=0)
+        err = float((grad(comp) - ref).norm() / ref.norm())
+        st = comp.stats()["store"]
+        held, exact = st["unstored"].get("held", {}).get("tensors", 0), st["skipped"]["exact"]["bytes"]
+        comp.close()
+        near = gap < 1
+        if near:
+            assert err < bound, (bits, err)
+        if gact.saved._DEVICE_RULES_ON_HOST:  # (on a device wide points are kept exact at once: 256 and 32 rows)
+            assert exact >= (256 + 32) * 16 * 8, (bits, exact)
+        else:
+            assert (held >= 1) == near, (bits, held)
 
 
 _NEAREST = {

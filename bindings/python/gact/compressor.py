@@ -1416,6 +1416,12 @@ class Compressor:
                 self._next_key(s, frame)
             if self._by_node and _saved.divides_by(t, frame):  # (empty without _gact_torch's graph calls)
                 self._exact_read(t)
+            if frame is not None and frame.stored and frame.name in _saved.POINT_DISTANCE_CALLS and \
+                    _saved.near_points(t, frame):
+                for r, values in frame.stored:  # (the call's points, stored before its distances: its operands)
+                    q = r()
+                    if q is not None:
+                        self._serve_held(q, values)
             if frame is not None and frame.name in _saved.SPECTRAL_CALLS:
                 self._spectral_step = self._step  # (the reads of its outputs after it: _saved.near_spectral)
             if self._by_node and frame is not None and frame.name in _saved.CONDITIONED_CALLS and not frame.selected:
@@ -1598,19 +1604,27 @@ class Compressor:
                     continue
                 if len(self._divided_exact) < self.DIVIDED_EXACT_MAX:
                     self._divided_exact.add(q.dkey)
-                # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can
-                # put another storage at its address, as _Packed.unpack checks)
-                src = q.ref() if values and q.ref is not None else None
-                if src is None or src._version != q.version or src.data_ptr() != q.ptr or \
-                        (q.sref is not None and not q.sref.same(src._cdata)):
-                    # (a view gone, its base still held unchanged: the view made again from it, as unpack does; the
-                    # transposed operand of z.t() @ z, whose z lives on)
-                    if values and q.view is not None:
-                        q.alias_from_base()
-                    continue
-                q.alias = src.detach()
-                _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
-                q.release()
+                self._serve_held(q, values)
+
+    @staticmethod
+    def _serve_held(q: _Packed, values: bool) -> None:
+        """Serve the stored save ``q`` exact from its tensor where the program still holds it unchanged (``values``:
+        q stores that tensor's values, not a function of them), and release its blob."""
+        if not q.handle or q.alias is not None:
+            return
+        # (the tensor stored, still held unchanged on the same storage: `t.data = a` then `t.data = b` can put
+        # another storage at its address, as _Packed.unpack checks)
+        src = q.ref() if values and q.ref is not None else None
+        if src is None or src._version != q.version or src.data_ptr() != q.ptr or \
+                (q.sref is not None and not q.sref.same(src._cdata)):
+            # (a view gone, its base still held unchanged: the view made again from it, as unpack does; the
+            # transposed operand of z.t() @ z, whose z lives on)
+            if values and q.view is not None:
+                q.alias_from_base()
+            return
+        q.alias = src.detach()
+        _C.store_note_unstored("held", _compat.held_bytes(src), q.owner)
+        q.release()
 
     #: how far back _exact_read looks: elementwise nodes, and nodes in all
     EXACT_READ_DEPTH = 8

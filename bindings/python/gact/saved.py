@@ -1003,13 +1003,26 @@ def _divisor(t, args, kwargs, frame) -> Decision:
             return _EXACT
         if _per_row(other, a):
             return Decision(VALUES, rows=a.shape[-1])
-        if _own_divisor(t, args, kwargs) and _below_one(other):
+        if _own_divisor(t, args, kwargs) and (_below_one(other) or _computed_from(other, a)):
             # a divisor of its own per element (a Normal's variance in log_prob, -(x - loc)² / (2 var)): the dividend's
             # rounding enters the divisor's gradient as δa / b², where a small b_i has a small a_i, whose group step
-            # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step). Not where
-            # every |b| >= 1 (a swish by hand, h / (1 + exp(-h))): nothing is amplified there
+            # is large beside it (SAC's tanh-squashed Normal: 2x the gradient's norm at 8 bits, every step). Where
+            # every |b| >= 1, a divisor computed from the dividend: a's gradient is 1/b - a·b'/b², two terms that
+            # nearly cancel where b grows with |a| (a softsign by hand, a / (1 + k·|a|): 1/b² left), and only the
+            # second reads the rounded a (a spiking network's fast-sigmoid surrogate at k = 25: 0.15 of the gradient's
+            # norm at 8 bits in one layer, 10x through its membrane's time steps)
             return _EXACT
     return _VALUES
+
+
+def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether the divisor ``b`` is computed from the dividend ``a`` (a's node among the CORRELATION_DEPTH nodes behind
+    b's, as correlated() walks)."""
+    if b.grad_fn is None:
+        return False
+    if a.grad_fn is None:
+        return a.requires_grad and _reaches_to([b], leaf=a)
+    return _reaches_to([b], targets=[a])
 
 
 #: the nodes a divisor reaches its norm through (a clamp, an epsilon added, a broadcast, a scale)
@@ -1775,13 +1788,16 @@ _add("erf special_erf logsigmoid log_sigmoid", "input through exp(-x²), sigmoid
      "the derivative f'(x) as values where gact's stand-in runs (torch.erf, Tensor.erf, F.logsigmoid; `derivatives` "
      f"option); otherwise values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased",
      _or_derivative(lambda *a: _QUADRATIC))
-_add("erf_ erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh "
-     "sinh_ cosh cosh_ tanhshrink glu i0 i0_ special_i0 igamma igamma_ igammac "
-     "igammac_ special_gammainc special_gammaincc",
-     "input through a curve (exp(-x²), 1/(1+x²), cosh, sigmoid, i1; tanhshrink's result through its square)",
-     f"values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased by its rounding variance "
-     "(erf 5.5x, atan 4.3x what noise leaves at 2 bits; 4 bits leave a bias of 0.3-2.5 % of the gradient)",
+_add("tanhshrink glu i0 i0_ special_i0 igamma igamma_ igammac igammac_ special_gammainc special_gammaincc",
+     "input through a curve (sigmoid, i1; tanhshrink's result through its square)",
+     f"values (>= {QUADRATIC_MIN_BITS} bits): a curve of a rounded value is biased by its rounding variance",
      lambda *a: _QUADRATIC)
+_add("erf_ erfc erfc_ special_erfc atan atan_ arctan arctan_ asinh asinh_ arcsinh arcsinh_ sinh sinh_ cosh cosh_",
+     "input through a curve of unit width (exp(-x²), 1/(1+x²), 1/sqrt(1+x²), cosh) over an unbounded input",
+     "values at >= 8 bits: a curve of a rounded value is biased by its rounding variance, and 4 bits' step over an input "
+     "spanning tens of units is wider than the curve (erf 5.5x, atan 4.3x what noise leaves at 2 bits; an arctan "
+     "surrogate over a membrane of +-5: 0.40 of the gradient's norm at 4 bits, 0.007 at 8)",
+     lambda *a: _STEEP_CURVE)
 _add("tan tan_", "result through 1 + y²",
      "exact: its range has no bound (tan 1.5 = 14), and a group that reaches the pole rounds in steps of 1.9 at 4 bits, "
      "whose variance raised the small values' 1 + y² by up to 90 % (a layer's bias gradient 12 % off, 18x what noise "
@@ -1877,7 +1893,12 @@ def _distance_points(t, args, kwargs, frame) -> Decision:
     x1 = _arg(args, kwargs, 0, "x1" if frame.name == "cdist" else "input")
     if not isinstance(x1, torch.Tensor) or x1.dim() < 1:
         return _EXACT
-    points = _EXACT if x1.shape[-1] <= POINT_DIMS_MAX else _VALUES
+    # (wide points exact too where near_points cannot serve them: on a device, where reading the distances back would
+    # wait for it; without _gact_torch's graph calls, where the Compressor does not list a call's stored saves; under
+    # allow_mutation_on_saved_tensors, where a point may change before backward)
+    wide = x1.shape[-1] > POINT_DIMS_MAX and x1.device.type == "cpu" and not _DEVICE_RULES_ON_HOST and \
+        _graph_reaches is not None and not _compat.mutation_allowed()
+    points = _VALUES if wide else _EXACT
     if frame.name == "pdist":
         return _EXACT if t.dim() == 1 else points
     x2 = _arg(args, kwargs, 1, "x2")
@@ -1886,12 +1907,59 @@ def _distance_points(t, args, kwargs, frame) -> Decision:
     return _EXACT if t.dim() >= 2 and tuple(t.shape[-2:]) == (x1.shape[-2], x2.shape[-2]) else points
 
 
+#: the calls whose wide points near_points serves exact
+POINT_DISTANCE_CALLS = frozenset({"cdist", "pdist"})
+#: the smallest distance, as a share of the points' range, under which near_points keeps wide points exact
+NEAR_POINTS_SHARE = 1.0 / 16.0
+
+
+def near_points(t: torch.Tensor, frame: Frame) -> bool:
+    """Whether ``t``, saved by a cdist or pdist call of order 2 over points of more than POINT_DIMS_MAX coordinates
+    (stored as values by _distance_points, on the host), is the call's distances, and the smallest of them is under
+    NEAR_POINTS_SHARE of the points' range. The backward divides each difference of two points by their distance, so
+    the points' rounding, in steps of their range, is amplified by range / distance: features near their codes or
+    prototypes (a VQ layer near convergence, a codebook reset to batch samples, whose distance the matrix-product path
+    computes as 1e-7, not 0) made a soft VQ's codebook gradient 20x its norm off at 8 bits and 3e4x where a code equals
+    a sample. Then the call's point saves, stored before its distances, are served exact from the operands
+    (Compressor._pack)."""
+    name = frame.name
+    if name not in POINT_DISTANCE_CALLS or not _is_float(t) or t.numel() == 0 or t.device.type != "cpu" or \
+            _DEVICE_RULES_ON_HOST or not _divides(frame.args, frame.kwargs, frame):
+        return False
+    x1 = _arg(frame.args, frame.kwargs, 0, "x1" if name == "cdist" else "input")
+    x2 = _arg(frame.args, frame.kwargs, 1, "x2") if name == "cdist" else x1
+    if not isinstance(x1, torch.Tensor) or not isinstance(x2, torch.Tensor) or x1.dim() < 2 or x2.dim() < 2 or \
+            x1.shape[-1] <= POINT_DIMS_MAX or x1.numel() == 0 or x2.numel() == 0:
+        return False
+    if name == "cdist":
+        if t.dim() < 2 or tuple(t.shape[-2:]) != (x1.shape[-2], x2.shape[-2]):
+            return False
+    elif t.dim() != 1:
+        return False
+    if t.grad_fn is None or type(t.grad_fn).__name__ not in _DISTANCE_RESULTS:
+        return False  # (a point save, or a copy of one, whose shape is the distances')
+    with torch.no_grad():
+        def span(x: torch.Tensor) -> float:
+            lo, hi = torch.aminmax(x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float())
+            return float(hi - lo)
+        d = t.detach()
+        d = d if d.dtype in (torch.float32, torch.float64) else d.float()
+        # (a distance of exactly 0, a point given twice, amplifies nothing: the backward masks it)
+        near = float(torch.where(d > 0, d, d.new_tensor(float("inf"))).amin())
+        return near < NEAR_POINTS_SHARE * max(span(x1), span(x2))
+
+
+#: the autograd nodes that make a cdist's or pdist's distances (the call's result, which near_points reads)
+_DISTANCE_RESULTS = frozenset({"CdistBackward0", "EuclideanDistBackward0", "PdistBackward0"})
+
+
 _add("cdist pdist", "points through their differences; the distances through a division",
      f"the distances exact, and points of at most {POINT_DIMS_MAX} coordinates: the backward divides each difference "
      "of two points by their distance, so a position's rounding, in steps of its range, is amplified by range / "
      "distance (atoms 150 Å from the origin at 1.2 Å: 0.25 of the gradient's norm at 8 bits, 6x the same molecule at the "
-     "origin; points 0.05 from their targets under a Chamfer loss: 0.12); wider points (feature vectors) as values "
-     "(all exact at an order other than 2)", _distance_points)
+     "origin; points 0.05 from their targets under a Chamfer loss: 0.12); wider points (feature vectors) as values, "
+     f"exact where a distance is under {NEAR_POINTS_SHARE:g} of their range (features near their codes: near_points; "
+     "on a device always) (all exact at an order other than 2)", _distance_points)
 _add("binary_cross_entropy gaussian_nll_loss poisson_nll_loss cosine_embedding_loss triplet_margin_loss "
      "triplet_margin_with_distance_loss atan2 atan2_ arctan2 arctan2_ logit logit_ special_logit renorm renorm_ "
      "lp_pool1d lp_pool2d lp_pool3d",
@@ -2024,8 +2092,8 @@ class Frame:
     """One torch function call seen by the tracker; saves that need the call's other saves
     (a normalization input waiting for the layer's statistics) wait here until it returns."""
 
-    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "all_views", "_name",
-                 "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected", "near")
+    __slots__ = ("func", "args", "kwargs", "pending", "stats", "seen", "count", "group", "operands", "views", "all_views",
+                 "name", "_wrapped", "qk", "qk_keys", "mapped", "stored", "selected", "near")
 
     def __init__(self, func: Any, args: tuple, kwargs: dict) -> None:
         self.func = func
@@ -2039,7 +2107,11 @@ class Frame:
         self.operands: list | None = None  # _operands(self), once a save asked (an LSTM cell's call saves 26 tensors)
         self.views: tuple | None = None  # _views(self), once a stored save asked
         self.all_views: dict | None = None  # _all_views(self), once asked
-        self._name: str | None = None
+        # the function's name, as the storage table keys it: an operator called as ``torch.ops.aten.relu.default`` is
+        # ``relu``; one of another library's namespace ``ns::op`` (a custom op, whose backward gact does not know) is
+        # ``ns::op`` (no row: kept exact, see decide). (An attribute, not a property: a stored save reads it about six
+        # times, a call is made once)
+        self.name: str = _function_name(func)
         self._wrapped: bool | None = None
         self.qk: dict | None = None  # an attention call's q and k measured so far: {role: (key, statistics)}
         # an attention call's keys decided with its measured q and k (theirs, its value's and output's: Decision.qk 4)
@@ -2062,16 +2134,6 @@ class Frame:
                 w = any(_compat.is_functorch_wrapped(a) or _nested(a) for a in _tensor_args(self))
             self._wrapped = w
         return w
-
-    @property
-    def name(self) -> str:
-        """The function's name, as the storage table keys it: an operator called as ``torch.ops.aten.relu.default``
-        is ``relu``; one of another library's namespace ``ns::op`` (a custom op, whose backward gact does not know)
-        is ``ns::op`` (no row: kept exact, see decide)."""
-        n = self._name
-        if n is None:
-            n = self._name = _function_name(self.func)
-        return n
 
 
 _OP_TYPES = tuple(c for c in (getattr(getattr(torch, "_ops", None), "OpOverload", None),
