@@ -233,8 +233,9 @@ def _warn_create_graph(key: str) -> None:
         f"rounding squared or twice and its gradient is biased (an R1 penalty through BatchNorm measured 2x its value "
         f"at 2 bits, 1.04x at 4); a penalty on the input gradient of ReLU or LeakyReLU layers reads only exact masks "
         f"and weights and is not. If it does: run that forward outside the Compressor or exclude its modules "
-        f"(exclude=); bits=8 mends a penalty, not a forward that uses the gradient as a value (an SDF's normals "
-        f"under a threshold: 2.7 % of the gradient at 8 bits; README, Known limits). Said once.", RuntimeWarning,
+        f"(exclude=). 8 bits shrink a penalty's bias, not that of a loss that matches the gradient itself or uses it "
+        f"as a value (an interatomic potential trained on forces, -dE/dx: 4-30 % of the gradient at 8 bits; an "
+        f"SDF's normals under a threshold: 2.7 %; README, Known limits). Said once.", RuntimeWarning,
         stacklevel=2)
 
 try:  # a tensor's version counter held without the tensor (bindings/python/torch_cpu.cpp); None without _gact_torch
