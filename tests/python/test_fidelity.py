@@ -29,6 +29,7 @@ follow, then a zoo of models with gradient cosines at 8 and 4 bits.
 """
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -1465,6 +1466,15 @@ _RECURRENT = {"lstm": torch.nn.LSTM(256, 64), "gru": torch.nn.GRU(256, 64), "rnn
               "lstm_cell": torch.nn.LSTMCell(256, 64), "gru_cell": torch.nn.GRUCell(256, 64)}
 
 
+def _layer_grad(lin: nn.Linear, forward, comp=None) -> torch.Tensor:
+    """The gradient of ``lin``'s weight and bias (flat) from the loss ``forward()``, under ``comp`` if given."""
+    lin.zero_grad()
+    with comp if comp is not None else contextlib.nullcontext():
+        loss = forward()
+    loss.backward()
+    return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+
+
 #: inputs read through a curve of unit width over an unbounded range (exp(-x²), 1/(1+x²), 1/sqrt(1+x²), cosh)
 _STEEP_CALLS = {
     "special_erfc": lambda x: torch.special.erfc(x),
@@ -1503,12 +1513,7 @@ def test_an_arctan_surrogate_over_a_wide_membrane_is_unbiased_at_four_bits(alpha
         sg = torch.atan(math.pi / 2 * alpha * v) / math.pi + 0.5
         return (((v > 0).double() + sg - sg.detach()) * c).sum()
 
-    def grad(comp=None):
-        lin.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = forward()
-        loss.backward()
-        return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+    grad = functools.partial(_layer_grad, lin, forward)
 
     ref = grad()
     gs = []
@@ -1537,12 +1542,7 @@ def test_a_quotient_by_a_divisor_computed_from_its_dividend_reads_it_exact(k):
         a = k * lin(x)  # (gone before backward: a tensor the program still holds is read as it is)
         return (a / (1 + a.abs()) * c).sum()
 
-    def grad(comp=None):
-        lin.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = forward()
-        loss.backward()
-        return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+    grad = functools.partial(_layer_grad, lin, forward)
 
     ref = grad()
     comp = gact.Compressor(lin, bits=4, seed=0)
@@ -1573,12 +1573,7 @@ def test_a_tangent_s_result_is_kept_exact():
     def forward():
         return (torch.tan(lin(x).clamp(-1.5, 1.5)) * r).sum() / 64
 
-    def grad(comp=None):
-        lin.zero_grad()
-        with comp if comp is not None else contextlib.nullcontext():
-            loss = forward()
-        loss.backward()
-        return torch.cat([lin.weight.grad.flatten(), lin.bias.grad])
+    grad = functools.partial(_layer_grad, lin, forward)
 
     ref = grad()
     comp = gact.Compressor(lin, bits=4, seed=0)
