@@ -544,11 +544,13 @@ def ddp_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeout: float = 300.0) -> None:
+def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeout: float = 300.0,
+                grace: float = 30.0) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` with a deadline. gloo's teardown now and then
     leaves one rank hanging after both wrote their results (seen on a loaded 2-core machine: one rank
     gone, the other waiting for minutes), and ``spawn(join=True)`` waits forever. Once every path in
-    ``outputs`` exists the deadline is 30 s away at most (a hung teardown cost the suite 5 minutes). At the deadline the
+    ``outputs`` exists the deadline is ``grace`` seconds away at most (a hung teardown cost the suite 5 minutes). At the
+    deadline the
     ranks still running are killed; that is a failure naming them unless every path in ``outputs`` was
     written (the ranks did their work; only the teardown hung). A rank that raises fails as in spawn."""
     import time
@@ -562,7 +564,7 @@ def spawn_ranks(fn: Callable, args: tuple, outputs: list, nprocs: int = 2, timeo
         if not written and all(os.path.exists(o) for o in outputs):
             # (every rank did its work: only the teardown is left, which takes seconds when it does not hang)
             written = True
-            deadline = min(deadline, time.monotonic() + 30.0)
+            deadline = min(deadline, time.monotonic() + grace)
         if time.monotonic() < deadline:
             continue
         alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]

@@ -789,12 +789,11 @@ def _teardown_hang_worker(rank: int, out_dir: str, write: bool) -> None:
 def test_spawn_ranks_kills_a_rank_that_hangs(tmp_path):
     """The two-rank tests' helper: a rank still running at the deadline is killed; with every result written
     that is a pass (only the teardown hung), without them a failure naming the rank."""
-    import time
-
     outs = [tmp_path / f"out{r}" for r in range(2)]
-    t0 = time.monotonic()
-    k.spawn_ranks(_teardown_hang_worker, (str(tmp_path), True), outs, timeout=5)
-    assert time.monotonic() - t0 < 60 and all(o.exists() for o in outs)
+    # (the results written, the hung rank is killed a second later; the ranks' start, fresh interpreters importing
+    # torch, took over 5 s on a loaded machine, so the deadline before them is long)
+    k.spawn_ranks(_teardown_hang_worker, (str(tmp_path), True), outs, timeout=300, grace=1.0)
+    assert all(o.exists() for o in outs)
     for o in outs:
         o.unlink()
     # (rank 1 hangs; on a loaded machine rank 0's start, a fresh interpreter importing torch, can overrun 5 s too)
