@@ -1551,6 +1551,31 @@ def test_a_quotient_by_a_divisor_computed_from_its_dividend_reads_it_exact(k):
     assert err < 1e-9, err
 
 
+_EXPANDED_DIVISORS = {
+    "sum": lambda a: a / a.sum(-1, keepdim=True).expand_as(a),
+    "norm": lambda a: a / (a.norm(dim=-1, keepdim=True) + 1).expand_as(a),
+    "std": lambda a: (a - a.mean(0)) / (a.std(0, keepdim=True) + 1).expand_as(a),
+    "repeat": lambda a: a / (a.norm(dim=-1, keepdim=True) + 1).repeat(1, a.shape[-1]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_EXPANDED_DIVISORS))
+def test_a_statistic_expanded_to_its_dividend_leaves_the_dividend_stored(form):
+    """A row's or column's statistic expanded to the dividend's shape has as many elements as the dividend and is
+    computed from it, but through a reduction: each row is divided by one value, and nothing cancels per element as in
+    a softsign by hand. Its dividend stays stored; only a divisor made from it by elementwise calls keeps it exact."""
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    comp = gact.Compressor(None, bits=4, min_bytes=0)
+    with comp:
+        out = _EXPANDED_DIVISORS[form]((x * 1.0).exp() if form == "sum" else x * 1.0)
+    exact = comp.stats()["store"]["skipped"]["exact"]["bytes"]
+    del out
+    comp.close()
+    # (the divisor is exact: a row's value under expand, but a whole (64, 512) tensor once repeated)
+    divisor = 64 * 512 * 4 if form == "repeat" else 0
+    assert exact < divisor + 64 * 512 * 4, (form, exact)
+
+
 @pytest.mark.parametrize("name", sorted(_QUADRATIC_CALLS))
 def test_a_result_read_through_its_square_keeps_four_bits(name):
     """tanh and sigmoid read their result y through 1 - y² and y(1 - y), whose expectation under rounding misses by

@@ -1016,13 +1016,33 @@ def _divisor(t, args, kwargs, frame) -> Decision:
 
 
 def _computed_from(b: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether the divisor ``b`` is computed from the dividend ``a`` (a's node among the CORRELATION_DEPTH nodes behind
-    b's, as correlated() walks)."""
-    if b.grad_fn is None:
+    """Whether the divisor ``b`` is computed from the dividend ``a`` element for element: a's node within
+    CORRELATION_DEPTH nodes behind b's, through elementwise calls that keep the shape (_SAME_SHAPE_NODES). Not through
+    a reduction, a broadcast or a repeat: a row's statistic expanded to the dividend's shape (a / a.sum(-1,
+    keepdim=True).expand_as(a), a layer norm by hand over an expanded deviation) divides each row by one value, where
+    nothing cancels per element."""
+    target = a.grad_fn
+    if b.grad_fn is None or (target is None and not a.requires_grad):
         return False
-    if a.grad_fn is None:
-        return a.requires_grad and _reaches_to([b], leaf=a)
-    return _reaches_to([b], targets=[a])
+    frontier, held = [b.grad_fn], []  # (held: a node's Python object can be made anew and take a freed one's id)
+    seen: set = set()
+    for _ in range(CORRELATION_DEPTH):
+        nxt = []
+        for node in frontier:
+            if type(node).__name__ not in _SAME_SHAPE_NODES:
+                continue
+            for fn, _ in node.next_functions:
+                if fn is None or id(fn) in seen:
+                    continue
+                if fn is target or (target is None and getattr(fn, "variable", None) is a):
+                    return True
+                seen.add(id(fn))
+                held.append(fn)
+                nxt.append(fn)
+                if len(held) >= CORRELATION_NODES:
+                    return False
+        frontier = nxt
+    return False
 
 
 #: the nodes a divisor reaches its norm through (a clamp, an epsilon added, a broadcast, a scale)
@@ -1604,6 +1624,12 @@ ELEMENTWISE_NODES = VIEW_NODES | frozenset("""AddBackward0 AddBackward1 SubBackw
     CumsumBackward0 CloneBackward0 ToCopyBackward0 SqueezeBackward0 SqueezeBackward1 UnsqueezeBackward0 WhereBackward0
     MaskedFillBackward0 MaskedFillBackward1 ReluBackward0 ThresholdBackward0 GatherBackward0 IndexBackward0
     IndexSelectBackward0 FlipBackward0 RollBackward0 CatBackward0 StackBackward0""".split())
+
+#: the elementwise nodes that keep their input's shape, which _computed_from walks a divisor back through
+_SAME_SHAPE_NODES = ELEMENTWISE_NODES - VIEW_NODES - frozenset(
+    """SumBackward0 SumBackward1 MeanBackward0 MeanBackward1 CumsumBackward0 GatherBackward0 IndexBackward0
+    IndexSelectBackward0 CatBackward0 StackBackward0 FlipBackward0 RollBackward0 SqueezeBackward0 SqueezeBackward1
+    UnsqueezeBackward0""".split())
 
 #: calls whose backward divides by a saved operand, or by a function of it that vanishes where it does (log, a
 #: denominator, a square root, BCE's p(1 - p)): the operand they keep exact is where _exact_read starts
