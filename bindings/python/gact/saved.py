@@ -2986,13 +2986,17 @@ def _views(frame: Frame) -> tuple:
                     continue
             else:
                 ops.append(a)
-            try:
-                key = (a.data_ptr(), a.numel(), a.dtype)
-            except RuntimeError:  # (a subclass without storage: only itself is itself)
-                key = (id(a),)
-            index.setdefault(key, []).append(a)
+            index.setdefault(_memory_key(a), []).append(a)
         v = frame.views = (index, ops)
     return v
+
+
+def _memory_key(a: torch.Tensor) -> tuple:
+    """An operand's memory, as _views indexes it: (data pointer, element count, dtype)."""
+    try:
+        return (a.data_ptr(), a.numel(), a.dtype)
+    except RuntimeError:  # (a subclass without storage: only itself is itself)
+        return (id(a),)
 
 
 def _all_views(frame: Frame) -> dict:
@@ -3001,11 +3005,7 @@ def _all_views(frame: Frame) -> dict:
     if index is None:
         index = {}
         for a in _operands(frame):
-            try:
-                key = (a.data_ptr(), a.numel(), a.dtype)
-            except RuntimeError:
-                key = (id(a),)
-            index.setdefault(key, []).append(a)
+            index.setdefault(_memory_key(a), []).append(a)
         frame.all_views = index
     return index
 
