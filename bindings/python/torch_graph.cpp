@@ -266,9 +266,10 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
     return {out, !out.empty()};
   }
   // A matrix product with one operand that needs no gradient is a fixed linear map of the other (a Cox model's risk
-  // sets, R @ exp(h)): the walk passes it as it passes a sum (not where it ends at products).
+  // sets, R @ exp(h)), and so is a convolution with a fixed window and no trained bias (SSIM's Gaussian window over
+  // x * x): the walk passes them as it passes a sum (not where it ends at products).
   auto const linear_map = [&](Node& n, std::string const& name) {
-    if (products || g_products.count(name) == 0) return false;
+    if (products || (g_products.count(name) == 0 && name != "ConvolutionBackward0")) return false;
     int with_grad = 0;
     for (torch::autograd::Edge const& e : n.next_edges()) with_grad += e.function ? 1 : 0;
     return with_grad == 1;

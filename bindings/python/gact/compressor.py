@@ -1417,6 +1417,12 @@ class Compressor:
                 self._next_key(s, frame)
             if self._by_node and _saved.divides_by(t, frame):  # (empty without _gact_torch's graph calls)
                 self._exact_read(t)
+            if self._by_node and frame is not None and frame.name in _saved.INVERTING_CALLS:
+                partner = _saved.inverse_partner(t, frame)
+                if partner is not None:
+                    # (the divisor computed from t, or t's inverse factor: the saves it was computed through, a sqrt's
+                    # result under t / sqrt(1 + t²), read exact too, its rounding amplified as t's)
+                    self._exact_read(partner)
             if frame is not None and frame.stored and frame.name in _saved.POINT_DISTANCE_CALLS and \
                     _saved.near_points(t, frame):
                 for r, values in frame.stored:  # (the call's points, stored before its distances: its operands)
