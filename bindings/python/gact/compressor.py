@@ -1906,8 +1906,23 @@ class Compressor:
             p.vref = _watch(t)
         if dense and not mutable:
             p.ptr = ptr
+            b = t._base if keep is None and _storage_ref is not None else None
+            if b is not None:
+                # (the base's storage itself, held weakly, not its address: `b.data = x` then `b.data = y` can put
+                # another storage at the same address; and t must still use it: `t.data = other` keeps t's _base)
+                sref = _storage_ref(b._cdata)
+                if sref is None or not sref.same(t._cdata):
+                    b = None
             try:
-                p.ref = r = _TensorRef(t, _forget_ref)
+                if b is None:
+                    p.ref = r = _TensorRef(t, _forget_ref)
+                else:
+                    # A view: its storage's address is forgotten when the base dies, not the view (which holds the
+                    # base). A view made for one call, k.t() given to q @ k.t(), dies at once, and k's own save by
+                    # the next call (q * k) got a blob and a rounding of its own: InfoNCE's backward cancels
+                    # P·k̂ against k̂, and two roundings of k made one seed 14x the gradient's norm off at 4 bits.
+                    p.ref = weakref.ref(t)
+                    r = _TensorRef(b, _forget_ref)
                 p.sref = both if both is not None else _held_storage(t)
                 r.handle = h
             except TypeError:
@@ -1915,16 +1930,8 @@ class Compressor:
             else:
                 if _graph_node is not None:
                     self._list_stored(p, t if keep is None else None)
-                b = t._base
-                if b is not None and keep is None and _storage_ref is not None:
-                    # (the base's storage itself, held weakly, not its address: `b.data = x` then `b.data = y` can put
-                    # another storage at the same address; and t must still use it: `t.data = other` keeps t's _base)
-                    sref = _storage_ref(b._cdata)
-                    if sref is not None and sref.same(t._cdata):
-                        try:
-                            p.view = (weakref.ref(b), sref, t.shape, t.stride(), off)
-                        except TypeError:
-                            pass
+                if b is not None:
+                    p.view = (r, sref, t.shape, t.stride(), off)
         else:
             _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy
@@ -2053,7 +2060,8 @@ class Compressor:
             p.alias = q.alias
             return False
         p.handle, p.offset, p.stride, p.ref, p.ptr, p.sref = q.handle, q.offset, q.stride, q.ref, q.ptr, q.sref
-        q.handle, q.ref = 0, None
+        p.view = q.view  # (and a view's reference to its base, whose death forgets the storage's address)
+        q.handle, q.ref, q.view = 0, None, None
         if q.hold is not None:  # (q's entry in _verdicts is dropped as released)
             p.hold, p.pred, q.hold = q.hold, q.pred, None
             with self._verdict_lock:
