@@ -4555,6 +4555,28 @@ def test_an_ssim_loss_reads_its_image_exact_through_the_gaussian_window():
     assert max(errs[1:]) < 1e-9, errs
 
 
+@pytest.mark.parametrize("eps", [1e-12, 1e-6])
+def test_a_charbonnier_loss_reads_its_difference_exact_at_the_first_step(eps):
+    """BasicSR's Charbonnier loss, mean(sqrt((pred - target) ** 2 + eps)): the root divides by its result, and the
+    square's base, a difference gone before the root is called, was served exact from the next step only: one seed
+    24x the gradient's norm off at 4 bits and 1.1 at 8 on the first step of an SR network. A power's base is held for
+    a few stores, as a saturating activation's result is: exact from the first step."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 3, 3, padding=1).double()
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        target = conv(x) + 0.01 * torch.randn(2, 3, 32, 32, dtype=torch.float64)
+
+    def forward():
+        return torch.mean(torch.sqrt((conv(x) - target) ** 2 + eps))
+
+    ref = _layer_grad(conv, forward)
+    comp = gact.Compressor(conv, bits=4, seed=0)
+    err = float((_layer_grad(conv, forward, comp) - ref).norm() / ref.norm())
+    comp.close()
+    assert err < 1e-9, err
+
+
 class _ScoreNet(nn.Module):
     """A noise-conditional score network, its output divided by sigma (NCSN's)."""
 
