@@ -336,6 +336,9 @@ bool graph_complex_magnitude(std::uintptr_t impl) {
 /// (a saved tensor read through grad_fn._saved_*): autograd's own answer (GraphTask::keep_graph_).
 bool graph_keeps() { return torch::autograd::get_current_graph_task_keep_graph(); }
 
+/// Whether a backward is running on this thread (autograd's current graph task has its execution info).
+bool in_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+
 }  // namespace
 
 void register_graph(py::module_& m) {
@@ -345,6 +348,9 @@ void register_graph(py::module_& m) {
   m.def("graph_keeps", &graph_keeps,
         "Whether the backward running on this thread keeps its graph (retain_graph=True, create_graph=True); True "
         "outside a backward. Where it does not, each node's saved tensors are released once the node has run.");
+  m.def("in_backward", &in_backward,
+        "Whether a backward is running on this thread; False where a saved tensor is read through grad_fn._saved_* "
+        "outside one.");
   m.def("graph_node", &graph_node, py::arg("tensor"),
         "The address of the autograd node of the tensor at TensorImpl address `tensor` (0 without one).");
   m.def("graph_configure_ancestors", &graph_configure_ancestors, py::arg("elementwise"), py::arg("min_span"),

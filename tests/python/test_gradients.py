@@ -560,7 +560,8 @@ def test_a_create_graph_backward_that_decodes_a_compressed_save_says_so_once(mon
     """A loss built on a gradient taken with create_graph=True (R1 or WGAN-GP penalties, Hessian-vector products,
     MAML) reads the forward's rounding squared or twice: biased, which no seed averages away (an R1 penalty through
     BatchNorm measured 2.06x its value at 2 bits). gact cannot undo a rounding already made; it says so, once per
-    process, when such a backward decodes a compressed save, and nothing when an ordinary backward does."""
+    process, when such a backward decodes a compressed save, and nothing when an ordinary backward does, or a read of a
+    save through grad_fn._saved_* outside a backward (with grad mode on, as a create_graph backward has it)."""
     import gact.compressor as gc
     monkeypatch.setattr(gc, "_warned_create_graph", False)
     torch.manual_seed(0)
@@ -579,7 +580,19 @@ def test_a_create_graph_backward_that_decodes_a_compressed_save_says_so_once(mon
         comp.close()
         return [str(w.message) for w in seen if "create_graph" in str(w.message)]
 
+    def look():  # (a saved tensor read through grad_fn._saved_* outside a backward, grad mode on: a graph viewer's)
+        comp = gact.Compressor(critic, bits=2)
+        with comp:
+            out = critic(torch.randn(128, 32))  # (the tanh's result, gone: decoded from its blob)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert out.grad_fn._saved_mat1.shape == (128, 64)
+        comp.close()
+        return [str(w.message) for w in seen if "create_graph" in str(w.message)]
+
     assert penalty(False) == []
+    if gc._in_backward is not None:
+        assert look() == []
     said = penalty(True)
     assert len(said) == 1 and "biased" in said[0] and "exclude" in said[0], said
     assert penalty(True) == []  # once per process

@@ -262,6 +262,10 @@ try:  # whether the backward running keeps its graph (torch_graph.cpp); None wit
     from _gact_torch import graph_keeps as _graph_keeps
 except ImportError:
     _graph_keeps = None
+try:  # whether a backward is running on this thread (torch_graph.cpp); None without it
+    from _gact_torch import in_backward as _in_backward
+except ImportError:
+    _in_backward = None
 
 
 _len_modes = getattr(torch._C, "_len_torch_function_stack", None)
@@ -487,8 +491,10 @@ class _Packed:
         self.hold = None
         if self.alias is not None:  # (kept exact by another thread meanwhile)
             return self.alias
-        if not _warned_create_graph and torch.is_grad_enabled():
-            _warn_create_graph(self.key)  # (grad mode is on in a backward only with create_graph=True)
+        if not _warned_create_graph and torch.is_grad_enabled() and (_in_backward is None or _in_backward()):
+            # (grad mode is on in a backward only with create_graph=True; a read through grad_fn._saved_* outside a
+            # backward, a graph viewer's, is none)
+            _warn_create_graph(self.key)
         if self.handle == 0:
             if self.aborted:
                 raise RuntimeError(f"gact: saved tensor '{self.key}' belongs to a step given up with "
