@@ -251,6 +251,42 @@ bool is_gram(Node& node) {
   return a.first != nullptr && a == b && dynamic_cast<torch::autograd::AccumulateGrad*>(a.first) == nullptr;
 }
 
+int64_t as_int(int64_t v) { return v; }
+[[maybe_unused]] int64_t as_int(c10::SymInt const& v) { return v.expect_int(); }
+
+/// Whether autograd's InputMetadata shows its shape (torch 2.x; torch 1.13 keeps it private).
+template <typename M, typename = void>
+struct shows_shape : std::false_type {};
+template <typename M>
+struct shows_shape<M, std::void_t<decltype(std::declval<M const&>().shape_as_dim_vector())>> : std::true_type {};
+
+/// The channels (dimension 1) of the tensor whose metadata `m` is, or -1 where autograd does not show them.
+template <typename M>
+int64_t channels_of(M const& m) {
+  if constexpr (shows_shape<M>::value) {
+    auto const shape = m.shape_as_dim_vector();
+    return shape.size() >= 2 ? as_int(shape[1]) : -1;
+  } else {
+    return -1;
+  }
+}
+
+/// Whether the convolution node `n` reads one input channel per output channel: groups equal to its input's channels
+/// (a depthwise filter, or one over a single channel: fastMRI's SSIM window over one-channel images); where autograd
+/// does not show the input's shape (torch 1.13), a grouped convolution.
+bool channel_filter(Node& n) {
+  auto* conv = dynamic_cast<torch::autograd::generated::ConvolutionBackward0*>(&n);
+  auto const& edges = n.next_edges();
+  if (conv == nullptr || edges.empty() || !edges[0].function) return false;
+  int64_t const groups = as_int(conv->groups);
+  try {
+    int64_t const channels = channels_of(edges[0].function->input_metadata(edges[0].input_nr));
+    return channels >= 0 ? channels == groups : groups > 1;
+  } catch (std::exception const&) {  // (a nested tensor's shape, a symbolic size)
+    return false;
+  }
+}
+
 /// With `products`, the walk also ends at the matrix products (graph_configure_ancestors) it reaches, returns the Gram
 /// products of an activation among them (is_gram) with the elementwise nodes it passed, and tells whether there was
 /// one: the products a factorization's matrix is computed from (a covariance x @ x.T under cholesky).
@@ -266,13 +302,16 @@ std::pair<std::vector<std::uintptr_t>, bool> walk_ancestors(std::uintptr_t impl,
     return {out, !out.empty()};
   }
   // A matrix product with one operand that needs no gradient is a fixed linear map of the other (a Cox model's risk
-  // sets, R @ exp(h)), and so is a convolution with a fixed window and no trained bias (SSIM's Gaussian window over
-  // x * x): the walk passes them as it passes a sum (not where it ends at products).
+  // sets, R @ exp(h)), and so is a convolution whose fixed filter reads one input channel per output channel, with no
+  // trained bias (SSIM's Gaussian window over x * x, a blur): the walk passes them as it passes a sum (not where it
+  // ends at products). Not a frozen network's dense convolutions (a GAN's discriminator under requires_grad_(False)),
+  // whose activations would all be kept exact behind a BCE.
   auto const linear_map = [&](Node& n, std::string const& name) {
-    if (products || (g_products.count(name) == 0 && name != "ConvolutionBackward0")) return false;
+    bool const conv = name == "ConvolutionBackward0";
+    if (products || (g_products.count(name) == 0 && !conv)) return false;
     int with_grad = 0;
     for (torch::autograd::Edge const& e : n.next_edges()) with_grad += e.function ? 1 : 0;
-    return with_grad == 1;
+    return with_grad == 1 && (!conv || channel_filter(n));
   };
   if (elementwise.count(start->name()) == 0 && !linear_map(*start, start->name())) return {out, gram};
   std::set<Node*> seen{start.get()};
