@@ -4605,6 +4605,36 @@ def test_a_charbonnier_loss_reads_its_difference_exact_at_the_first_step(eps):
     assert err < 1e-9, err
 
 
+@pytest.mark.parametrize("form", ["mase", "mape"])
+def test_a_scale_free_forecasting_loss_keeps_its_weights_exact(form):
+    """N-BEATS's losses as its code writes them: MASE multiplies |y - f| by divide_no_nan(mask, masep[:, None]), a
+    (batch, horizon) tensor of 1 / each series' scale, MAPE by mask / y; over series of levels 10 to 1e4 the weights
+    span 1e3 and more in one group, and the small ones were rounded in the large ones' steps (15 % of the gradient's
+    norm at 8 bits from the loss alone). A weight of up to 65 536 values that needs no gradient is kept exact, as a
+    weight per sample is: the layer's gradient is fp64's."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    level = 10 ** (1 + 3 * torch.rand(256, 1, generator=g, dtype=torch.float64))
+    x = level * (1 + 0.1 * torch.randn(256, 30, generator=g, dtype=torch.float64))
+    y = level * (1 + 0.1 * torch.randn(256, 6, generator=g, dtype=torch.float64))
+    mask = torch.ones_like(y)
+    lin = nn.Linear(30, 6).double()
+
+    def forward():
+        f = lin(x)
+        if form == "mase":
+            masep = torch.mean(torch.abs(x[:, 1:] - x[:, :-1]), dim=1)
+            weights = mask / masep[:, None]
+            return torch.mean(torch.abs(y - f) * weights)
+        return torch.mean(torch.abs((f - y) * (mask / y)))
+
+    ref = _layer_grad(lin, forward)
+    comp = gact.Compressor(lin, bits=8, seed=0)
+    err = float((_layer_grad(lin, forward, comp) - ref).norm() / ref.norm())
+    comp.close()
+    assert err < 1e-9, err
+
+
 class _ScoreNet(nn.Module):
     """A noise-conditional score network, its output divided by sigma (NCSN's)."""
 

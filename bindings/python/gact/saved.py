@@ -806,10 +806,12 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
     if isinstance(other, torch.Tensor) and _complex_part(t) and _view_of(t, other):
         return _EXACT  # (X.real * X.real: a spectrum's squared magnitude, as X.real ** 2 is in _pow)
     if isinstance(other, torch.Tensor) and other.requires_grad and not t.requires_grad and \
-            (t.dim() == 1 or (t.dim() == 2 and t.shape[-1] == 1)) and 1 < t.numel() <= SHORT_BATCH_MAX:
-        # (a weight per sample that needs no gradient, times the per-sample losses: sigma² over a ladder of sigmas,
-        # EDM's λ(σ), importance weights, spanning orders of magnitude; rounded in steps of the largest, the small ones
-        # were 0 or a step at random: a score network's gradient 0.5-1.4 of its norm at 8 bits. Exact: one value a sample)
+            1 < t.numel() <= SHORT_BATCH_MAX:
+        # (a weight that needs no gradient, times the per-sample losses: sigma² over a ladder of sigmas, EDM's λ(σ),
+        # importance weights, spanning orders of magnitude; rounded in steps of the largest, the small ones were 0 or a
+        # step at random: a score network's gradient 0.5-1.4 of its norm at 8 bits. Exact: one value a sample. Or one
+        # per sample and horizon step, (B, H): N-BEATS's MASE and MAPE weights, 1 / each series' scale over series of
+        # levels 10 to 1e4, were 15 % of the gradient's norm at 8 bits from the loss alone)
         return _EXACT
     if isinstance(other, torch.Tensor) and other.requires_grad and _short_direction(t):
         # (a unit vector over fewer than ROW_MIN values times another, a dot product of face normals, (n0 * n1).sum(-1):
@@ -2164,8 +2166,8 @@ _add("flex_attention", "q, k, v, output; log-sum-exp through exp; what score_mod
 _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an operand broadcast over one with at "
      "least 8x its elements (a per-row scale, a gate) exact; the other factor of one requiring grad with one value per "
      "row normalized per row (h * rsqrt(mean(h²))); a complex tensor's part times itself exact (as its x²); a unit "
-     "vector over fewer than 16 values times a tensor requiring grad exact (a dot product of normals); a weight per "
-     "sample (one dimension, up to 65 536 values) that needs no gradient, times one that does, exact; both factors exact "
+     "vector over fewer than 16 values times a tensor requiring grad exact (a dot product of normals); a weight of up to "
+     "65 536 values that needs no gradient (per sample, per sample and step), times one that does, exact; both factors exact "
      "where one is the inverse of something computed from the other element for element (h * rsqrt(1 + h²)), with the "
      "saves that inverse was computed through",
      _broadcast_factor)
