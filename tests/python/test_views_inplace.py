@@ -435,6 +435,44 @@ def test_a_view_made_for_one_call_shares_its_blob_with_the_base():
     assert err < 0.05, err
 
 
+@pytest.mark.parametrize("saved", ["view", "tensor"])
+@pytest.mark.parametrize("how", ["resize", "out", "set"])
+def test_memory_given_up_by_a_live_tensor_never_serves_a_later_one(how, saved):
+    """x (or its transpose, a view gone at once) is saved; then x gives its memory up while it lives (resize_ grows it,
+    an out= call resizes it, set_ moves it), which moves no version counter, and a new tensor z is made at the old
+    address, at version 0. The store knows storages by address and version, and served z's save from x's blob: w's
+    gradient, which is z, came out as x's old values (5.0 off for z in [0, 1)). A blob serves only a save of the very
+    storage it was stored from (held weakly by its tensor's record): z gets a blob of its own."""
+    n = 512  # (z over 65 536 values: stored, not kept as a weight that needs no gradient)
+    torch.manual_seed(0)
+    comp = gact.Compressor(None, bits=4, seed=0)
+    with comp:
+        q = torch.randn(n, n, requires_grad=True)
+        x = torch.randn(n, n)
+        y1 = q @ (x.t() if saved == "view" else x)
+        old = x.data_ptr()
+        if how == "resize":
+            x.resize_(2 * n, n)
+        elif how == "out":
+            torch.cat([torch.randn(n, n), torch.randn(n, n)], out=x)
+        else:
+            with torch.no_grad():
+                x.set_(torch.empty(n, n))
+        z = torch.rand(n, n)
+        w = torch.randn(n, n, requires_grad=True)
+        y2 = w * z
+        reused = z.data_ptr() == old
+        expect = z.clone()
+        del z
+        loss = y2.sum() + (y1.sum() if how == "resize" else 0)  # (out= and set_ move x's version: y1 cannot backward)
+    loss.backward()
+    comp.close()
+    if not reused:
+        pytest.skip("the allocator did not put the new tensor at the old address")
+    # (4 bits over values in [0, 1): a step of 1/15 at most)
+    assert float((w.grad - expect).abs().max()) < 0.1
+
+
 # ---- pow and its kin ---------------------------------------------------------------------------------
 
 def test_handwritten_rmsnorm_pow_keeps_its_base_exact():

@@ -193,9 +193,17 @@ class _TensorRef(weakref.ref):
 
 def _forget_ref(r: _TensorRef, _store_forget=_C.store_forget) -> None:
     try:
+        _entry_storage.pop(r.handle, None)
         _store_forget(r.handle)
     except Exception:  # interpreter shutdown
         pass
+
+
+#: the storage (held weakly: _gact_torch's SavedRef or StorageRef) of the tensor each blob with an address was stored
+#: from, by handle, while that tensor (or a view's base) lives: a dedup hit is served only by a blob of the very storage
+#: the save uses. The store knows storages by address, and a tensor that lives can give its memory up (resize_, an out=
+#: call that resizes, set_): a tensor made at the old address was served the blob of the old values
+_entry_storage: dict = {}
 
 
 def _release(handle: int, _store_release=_C.store_release) -> None:
@@ -1878,10 +1886,18 @@ class Compressor:
                 self._resolve_one(waiting)
             return self._keep(t if keep is None else keep, "layout")
         try:
-            h, offset, shared, strides, upgraded = _C.store_put(
-                ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
-                ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
-                stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor, group)
+            args = (ptr, _DTYPE_NAMES[src.dtype], src.shape, src.stride(), device, src._version,
+                    ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
+                    stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor, group)
+            h, offset, shared, strides, upgraded = _C.store_put(*args)
+            if shared:
+                held = _entry_storage.get(h)
+                if held is not None and not held.same(src._cdata):
+                    # the blob of a storage given up at this address (its tensor lives on: resize_, set_): forgotten,
+                    # and the save stored afresh
+                    _C.store_forget(h)
+                    _release(h)
+                    h, offset, shared, strides, upgraded = _C.store_put(*args)
         except _C.OutOfMemoryError as e:
             if waiting is not None:
                 self._resolve_one(waiting)
@@ -1937,6 +1953,8 @@ class Compressor:
             except TypeError:
                 _C.store_forget(h)
             else:
+                if not shared and p.sref is not None:
+                    _entry_storage[h] = p.sref
                 if _graph_node is not None:
                     self._list_stored(p, t if keep is None else None)
                 if b is not None:
