@@ -1618,6 +1618,7 @@ _EXPANDED_DIVISORS = {
     "norm": lambda a: a / (a.norm(dim=-1, keepdim=True) + 1).expand_as(a),
     "std": lambda a: (a - a.mean(0)) / (a.std(0, keepdim=True) + 1).expand_as(a),
     "repeat": lambda a: a / (a.norm(dim=-1, keepdim=True) + 1).repeat(1, a.shape[-1]),
+    "other_slice": lambda a: a[:, :256] / (2 + torch.sigmoid(a[:, 256:])),
 }
 
 
@@ -1625,7 +1626,8 @@ _EXPANDED_DIVISORS = {
 def test_a_statistic_expanded_to_its_dividend_leaves_the_dividend_stored(form):
     """A row's or column's statistic expanded to the dividend's shape has as many elements as the dividend and is
     computed from it, but through a reduction: each row is divided by one value, and nothing cancels per element as in
-    a softsign by hand. Its dividend stays stored; only a divisor made from it by elementwise calls keeps it exact."""
+    a softsign by hand. Its dividend stays stored; only a divisor made from it by elementwise calls keeps it exact. So
+    does one made from another slice of the same tensor (h[:, :d] / (2 + sigmoid(h[:, d:]))): nothing cancels there."""
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).requires_grad_()
     comp = gact.Compressor(None, bits=4, min_bytes=0)
     with comp:

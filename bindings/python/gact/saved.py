@@ -1058,6 +1058,9 @@ def _walks_to(start: list, a: torch.Tensor) -> bool:
     targets = _view_sources(a)
     if not targets and not a.requires_grad:
         return False
+    # (a slice or select passed only where the dividend was cut the same way: h[:, :d] / (2 + sigmoid(h[:, d:])) divides
+    # by another part of h, where nothing cancels)
+    cuts = {_cut(g) for g in targets if type(g).__name__ in _CUTS}
     frontier, held = list(start), []  # (held: a node's Python object can be made anew and take a freed one's id)
     seen: set = set()
     for _ in range(CORRELATION_DEPTH):
@@ -1065,6 +1068,8 @@ def _walks_to(start: list, a: torch.Tensor) -> bool:
         for node in frontier:
             name = type(node).__name__
             if name not in _SAME_SHAPE_NODES and name not in _WALKED_VIEWS:
+                continue
+            if name in _CUTS and _cut(node) not in cuts:
                 continue
             for fn, _ in node.next_functions:
                 if fn is None or id(fn) in seen:
@@ -1078,6 +1083,18 @@ def _walks_to(start: list, a: torch.Tensor) -> bool:
                     return False
         frontier = nxt
     return False
+
+
+#: the view nodes that take a part of a tensor (_walks_to passes one only where the dividend was cut the same way)
+_CUTS = frozenset({"SliceBackward0", "SelectBackward0"})
+
+
+def _cut(node: Any) -> tuple:
+    """Which part of its input a slice or select node takes."""
+    if type(node).__name__ == "SelectBackward0":
+        return ("select", getattr(node, "_saved_dim", None), getattr(node, "_saved_index", None))
+    return ("slice", getattr(node, "_saved_dim", None), getattr(node, "_saved_start", None),
+            getattr(node, "_saved_end", None), getattr(node, "_saved_step", None))
 
 
 #: the nodes that invert what they are given, element for element (1 / b, b ** -p, rsqrt(b))
