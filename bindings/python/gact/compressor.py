@@ -191,12 +191,18 @@ class _TensorRef(weakref.ref):
     __slots__ = ("handle",)
 
 
-def _forget_ref(r: _TensorRef, _store_forget=_C.store_forget) -> None:
+def _forget_ref(r: _TensorRef) -> None:
     try:
-        _entry_storage.pop(r.handle, None)
-        _store_forget(r.handle)
+        _forget(r.handle)
     except Exception:  # interpreter shutdown
         pass
+
+
+def _forget(h: int, _store_forget=_C.store_forget) -> None:
+    """The store forgets the address blob ``h`` was stored from (no later save is served by it), and so does
+    _entry_storage."""
+    _entry_storage.pop(h, None)
+    _store_forget(h)
 
 
 #: the storage (held weakly: _gact_torch's SavedRef or StorageRef) of the tensor each blob with an address was stored
@@ -208,7 +214,8 @@ _entry_storage: dict = {}
 
 def _release(handle: int, _store_release=_C.store_release) -> None:
     try:
-        _store_release(handle)
+        if _store_release(handle) <= 0:  # (freed, or unknown: its storage's record goes too)
+            _entry_storage.pop(handle, None)
     except Exception:  # interpreter shutdown
         pass
 
@@ -1779,7 +1786,7 @@ class Compressor:
             if q.handle and q.ref is not None:
                 # the temporary's address must never match a later tensor's; the program's own tensor, if it still
                 # holds it unchanged at unpack (a language model's output), is used as it is
-                _C.store_forget(q.handle)
+                _forget(q.handle)
                 q.ref, q.ptr, q.sref = weakref.ref(t), t.data_ptr(), _held_storage(t)
         return q
 
@@ -1895,7 +1902,7 @@ class Compressor:
                 if held is not None and not held.same(src._cdata):
                     # the blob of a storage given up at this address (its tensor lives on: resize_, set_): forgotten,
                     # and the save stored afresh
-                    _C.store_forget(h)
+                    _forget(h)
                     _release(h)
                     h, offset, shared, strides, upgraded = _C.store_put(*args)
         except _C.OutOfMemoryError as e:
@@ -1951,7 +1958,7 @@ class Compressor:
                 p.sref = both if both is not None else _held_storage(t)
                 r.handle = h
             except TypeError:
-                _C.store_forget(h)
+                _forget(h)
             else:
                 if not shared and p.sref is not None:
                     _entry_storage[h] = p.sref
@@ -1960,7 +1967,7 @@ class Compressor:
                 if b is not None:
                     p.view = (r, sref, t.shape, t.stride(), off)
         else:
-            _C.store_forget(h)  # a temporary copy: its address must never match a later tensor's
+            _forget(h)  # a temporary copy: its address must never match a later tensor's
         policy = self._policy
         if policy is not None and role == "values" and kind not in (_saved.LOG, _saved.EXP) and \
                 hasattr(policy, "on_stored"):
@@ -2151,7 +2158,7 @@ class Compressor:
             if other is not None and q.handle and q.ref is not None:
                 # (the copy's address must never match a later tensor's; the program's own tensor, if it still
                 # holds it unchanged at unpack, is used as it is)
-                _C.store_forget(q.handle)
+                _forget(q.handle)
                 q.ref, q.ptr, q.sref = weakref.ref(t), t.data_ptr(), _held_storage(t)
             self._adopt(p, q)
 
