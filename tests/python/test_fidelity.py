@@ -1532,23 +1532,27 @@ def test_a_quotient_by_a_divisor_computed_from_its_dividend_reads_it_exact(k):
     stored as values because every |b| >= 1: one seed 0.028 and 0.15 of the gradient's norm off at 8 bits (k = 5, 25),
     where F.softsign is exact and a Linear + ReLU layer 0.004. A dividend whose divisor is computed from it is kept
     exact: the layer's gradient is fp64's at 4 bits."""
+    err = _quotient_grad_error(lambda a: a / (1 + a.abs()), k)
+    assert err < 1e-9, err
+
+
+def _quotient_grad_error(f, k: float) -> float:
+    """The 4-bit error of a Linear layer's gradient (relative to fp64's) under the loss sum(f(k · lin(x)) · c)."""
     torch.manual_seed(0)
     x = torch.randn(64, 256, dtype=torch.float64)
-    c = torch.randn(64, 256, dtype=torch.float64)
+    c = torch.randn(256, 256, dtype=torch.float64)
     torch.manual_seed(1)
     lin = nn.Linear(256, 256).double()
 
     def forward():
-        a = k * lin(x)  # (gone before backward: a tensor the program still holds is read as it is)
-        return (a / (1 + a.abs()) * c).sum()
+        o = f(k * lin(x))  # (k · lin(x) is gone before backward: a tensor the program still holds is read as it is)
+        return (o * c[:o.shape[0], :o.shape[1]]).sum()
 
-    grad = functools.partial(_layer_grad, lin, forward)
-
-    ref = grad()
+    ref = _layer_grad(lin, forward)
     comp = gact.Compressor(lin, bits=4, seed=0)
-    err = float((grad(comp) - ref).norm() / ref.norm())
+    err = float((_layer_grad(lin, forward, comp) - ref).norm() / ref.norm())
     comp.close()
-    assert err < 1e-9, err
+    return err
 
 
 #: quotients whose terms cancel element for element, written as users write them: over a divisor computed from a view
@@ -1572,23 +1576,7 @@ def test_a_saturating_quotient_in_any_form_reads_its_operands_exact(form):
     seed 0.08-0.14 of the gradient's norm off at 8 bits and 1.3-2.3 at 4 bits at |a| up to 25 (a Linear + ReLU layer
     0.004). The operands, and the saves the divisor was computed through, are read exact: the layer's gradient is
     fp64's at 4 bits."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 256, dtype=torch.float64)
-    c = torch.randn(256, 256, dtype=torch.float64)
-    torch.manual_seed(1)
-    lin = nn.Linear(256, 256).double()
-    f = _CANCELLING_QUOTIENTS[form]
-
-    def forward():
-        o = f(25.0 * lin(x))
-        return (o * c[:o.shape[0], :o.shape[1]]).sum()
-
-    grad = functools.partial(_layer_grad, lin, forward)
-
-    ref = grad()
-    comp = gact.Compressor(lin, bits=4, seed=0)
-    err = float((grad(comp) - ref).norm() / ref.norm())
-    comp.close()
+    err = _quotient_grad_error(_CANCELLING_QUOTIENTS[form], 25.0)
     assert err < 1e-9, err
 
 
