@@ -251,7 +251,7 @@ bool is_gram(Node& node) {
   return a.first != nullptr && a == b && dynamic_cast<torch::autograd::AccumulateGrad*>(a.first) == nullptr;
 }
 
-int64_t as_int(int64_t v) { return v; }
+[[maybe_unused]] int64_t as_int(int64_t v) { return v; }
 [[maybe_unused]] int64_t as_int(c10::SymInt const& v) { return v.expect_int(); }
 
 /// Whether autograd's InputMetadata shows its shape (torch 2.x; torch 1.13 keeps it private).
