@@ -1897,14 +1897,16 @@ class Compressor:
                     ptr - off * src.element_size() if off else ptr, key64(key), bits, self.group_size, self.seed,
                     stream, role, _num_threads(), norm, pred, d.clamped, window, self._owner, boundary, floor, group)
             h, offset, shared, strides, upgraded = _C.store_put(*args)
-            if shared:
+            while shared:
                 held = _entry_storage.get(h)
-                if held is not None and not held.same(src._cdata):
-                    # the blob of a storage given up at this address (its tensor lives on: resize_, set_): forgotten,
-                    # and the save stored afresh
-                    _forget(h)
-                    _release(h)
-                    h, offset, shared, strides, upgraded = _C.store_put(*args)
+                if held is None or held.same(src._cdata):
+                    break
+                # the blob of a storage given up at this address (its tensor lives on: set_; resize_ and out= calls are
+                # seen by the op tracker, which forgets the address first): forgotten, and the save stored afresh
+                # (each blob of that address in turn: a plain and a normalized one)
+                _forget(h)
+                _release(h)
+                h, offset, shared, strides, upgraded = _C.store_put(*args)
         except _C.OutOfMemoryError as e:
             if waiting is not None:
                 self._resolve_one(waiting)

@@ -806,12 +806,14 @@ def _broadcast_factor(t, args, kwargs, frame) -> Decision:
     if isinstance(other, torch.Tensor) and _complex_part(t) and _view_of(t, other):
         return _EXACT  # (X.real * X.real: a spectrum's squared magnitude, as X.real ** 2 is in _pow)
     if isinstance(other, torch.Tensor) and other.requires_grad and not t.requires_grad and \
-            1 < t.numel() <= SHORT_BATCH_MAX:
+            (t.dim() == 1 or (t.dim() == 2 and t.shape[-1] < ROW_MIN)) and 1 < t.numel() <= SHORT_BATCH_MAX:
         # (a weight that needs no gradient, times the per-sample losses: sigma² over a ladder of sigmas, EDM's λ(σ),
         # importance weights, spanning orders of magnitude; rounded in steps of the largest, the small ones were 0 or a
-        # step at random: a score network's gradient 0.5-1.4 of its norm at 8 bits. Exact: one value a sample. Or one
-        # per sample and horizon step, (B, H): N-BEATS's MASE and MAPE weights, 1 / each series' scale over series of
-        # levels 10 to 1e4, were 15 % of the gradient's norm at 8 bits from the loss alone)
+        # step at random: a score network's gradient 0.5-1.4 of its norm at 8 bits. Exact: one value a sample. Or a few
+        # per sample, (B, H < ROW_MIN): N-BEATS's MASE and MAPE weights over the horizon, 1 / each series' scale over
+        # series of levels 10 to 1e4, were 15 % of the gradient's norm at 8 bits from the loss alone. Not a mask or a
+        # table of a sample's or a map's size (a float attention mask, dropout by hand, a per-pixel weight): stored, as
+        # a 0/1 mask loses nothing at 4 bits, where keeping them exact doubled a small transformer's step's bytes)
         return _EXACT
     if isinstance(other, torch.Tensor) and other.requires_grad and _short_direction(t):
         # (a unit vector over fewer than ROW_MIN values times another, a dot product of face normals, (n0 * n1).sum(-1):
@@ -2184,7 +2186,7 @@ _add("mul mul_ __mul__ __rmul__ __imul__ multiply", "each operand", "values; an 
      "least 8x its elements (a per-row scale, a gate) exact; the other factor of one requiring grad with one value per "
      "row normalized per row (h * rsqrt(mean(h²))); a complex tensor's part times itself exact (as its x²); a unit "
      "vector over fewer than 16 values times a tensor requiring grad exact (a dot product of normals); a weight of up to "
-     "65 536 values that needs no gradient (per sample, per sample and step), times one that does, exact; both factors exact "
+     "65 536 values that needs no gradient (per sample, or rows of fewer than 16 values), times one that does, exact; both factors exact "
      "where one is the inverse of something computed from the other element for element (h * rsqrt(1 + h²)), with the "
      "saves that inverse was computed through",
      _broadcast_factor)
@@ -2348,6 +2350,16 @@ _METHOD_WRAPPER = type(torch.Tensor.data.__get__)
 _DESCRIPTOR_CALLS = frozenset({"__get__", "__set__", "__delete__"})
 
 
+#: calls that can give a tensor's memory up while it lives, with no version change (seen by the op tracker; set_ is not)
+_GIVES_MEMORY_UP = frozenset({torch.Tensor.resize_, torch.Tensor.resize_as_, torch.Tensor.share_memory_})
+
+
+def _outs(kwargs: dict | None) -> tuple:
+    """The tensors a call's out= argument names."""
+    out = kwargs.get("out") if kwargs else None
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,) if out is not None else ()
+
+
 class OpTracker(TorchFunctionMode):
     """A TorchFunctionMode that records the torch function running on this thread, so that a pack hook
     knows which op saves its tensor. ``on_exit(frame)`` runs when a call with pending saves returns."""
@@ -2384,6 +2396,12 @@ class OpTracker(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if _compat.is_compiling():  # (traced by torch.compile: every call as torch's, see _compat.is_compiling)
             return func(*args, **(kwargs or {}))
+        if (func in _GIVES_MEMORY_UP or (kwargs and "out" in kwargs)) and self._on_alias is not None:
+            # (x.resize_, an out= call that resizes, share_memory_: x's memory given up with no version change, and a
+            # tensor made at its address next must get no blob of x's: the address forgotten first, as for .data)
+            for x in ((args[0],) if func in _GIVES_MEMORY_UP and args else ()) + _outs(kwargs):
+                if isinstance(x, torch.Tensor):
+                    self._on_alias(x)
         frame = Frame(func, args, kwargs or {})
         stack = self.stack
         stack.append(frame)
