@@ -184,8 +184,9 @@ _probing_lock = threading.Lock()
 
 
 class _TensorRef(weakref.ref):
-    """A weak reference to a stored tensor whose death tells the store to forget its blob's storage address (a later
-    tensor at the same address must not be served by it): one object per stored save where a reference and a
+    """A weak reference to a stored tensor (to a view's base, which the view holds) whose death tells the store to
+    forget its blob's storage address (a later tensor at the same address must not be served by it): one object per
+    stored save where a reference and a
     callback closure made three for Python's collector to track (a float64 LSTMCell step saves 9 000 tensors)."""
 
     __slots__ = ("handle",)
@@ -829,7 +830,7 @@ class Compressor:
         # this step's stored saves by the autograd node of the call that stored them (its address: [(weak _Packed,
         # whether it stores the tensor's values)]), for _exact_read
         self._by_node: dict[int, list] = {}
-        # per thread (by ident), the last stored results of SATURATING_CALLS, held for HOLD_STORES more stores (_hold)
+        # per thread (by ident), the last stored tensors of HELD_CALLS, held for HOLD_STORES more stores (_hold)
         self._holds: dict[int, list] = {}
         # keys kept exact by a measurement of their call (attention calls' q and k, and a fused call's v and output; a
         # squared difference's sides), and this step's measurements to read at step() (_measure_qk, _measure_near)
@@ -1661,15 +1662,15 @@ class Compressor:
     DIVIDED_EXACT_MAX = 4096
     #: how many more stores a saturating activation's result is held for (_hold)
     HOLD_STORES = 4
-    #: the calls whose result a loss may divide by where it saturates (their own save of it is held)
-    SATURATING_CALLS = frozenset("sigmoid sigmoid_ expit special_expit softmax _softmax special_softmax tanh tanh_ exp "
-                                 "exp_".split())
-    #: and the base of a power (a square's, under a root: sqrt((pred - target) ** 2 + eps), a Charbonnier loss, whose
-    #: difference is gone when the root reads it exact: one seed 24x the gradient's norm off at 4 bits on the first step)
-    HELD_CALLS = SATURATING_CALLS | frozenset("pow pow_ __pow__ square square_".split())
+    #: the calls whose stored tensor is held for a few stores (_hold): a saturating activation's result, which a loss may
+    #: divide by where it saturates, and a power's base (a square's, under a root: sqrt((pred - target) ** 2 + eps), a
+    #: Charbonnier loss, whose difference is gone when the root reads it exact: one seed 24x the gradient's norm off at
+    #: 4 bits on the first step)
+    HELD_CALLS = frozenset("sigmoid sigmoid_ expit special_expit softmax _softmax special_softmax tanh tanh_ exp exp_ "
+                           "pow pow_ __pow__ square square_".split())
 
     def _hold(self, t: torch.Tensor | None) -> None:
-        """Hold ``t``, a tensor a saturating activation's call (SATURATING_CALLS) stored, for the next HOLD_STORES
+        """Hold ``t``, a tensor a saturating activation's call or a power (HELD_CALLS) stored, for the next HOLD_STORES
         stores (None: a store that only ages the holds), and let go of the ones held that long: a loss right after
         it that divides by an elementwise function of it (log(softmax(z) + eps), which frees the softmax's result
         once the sum is made) finds it still there (_exact_read), in the step it first runs, not only from the

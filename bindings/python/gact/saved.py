@@ -1054,12 +1054,14 @@ def _view_sources(a: torch.Tensor) -> list:
 
 
 def _walks_to(start: list, a: torch.Tensor) -> bool:
-    """Whether ``a`` (its node, or the nodes it is a view of: _view_sources) lies within CORRELATION_DEPTH nodes behind
-    the nodes ``start``, through same-shape elementwise calls and views that are no broadcast, CORRELATION_NODES at
-    most."""
+    """Whether ``a`` (its node, or the nodes it is a view of: _view_sources) is one of the nodes ``start`` or lies within
+    CORRELATION_DEPTH nodes behind them, through same-shape elementwise calls and views that are no broadcast,
+    CORRELATION_NODES at most."""
     targets = _view_sources(a)
     if not targets and not a.requires_grad:
         return False
+    if any(n is g for n in start for g in targets):
+        return True
     # (a slice or select passed only where the dividend was cut the same way: h[:, :d] / (2 + sigmoid(h[:, d:])) divides
     # by another part of h, where nothing cancels)
     cuts = {_cut(g) for g in targets if type(g).__name__ in _CUTS}
@@ -1162,9 +1164,8 @@ def _inverse_pair(x: torch.Tensor, y: torch.Tensor) -> bool:
         return False
     for r, h in ((x, y), (y, x)):
         src = _inverse_source(r)
-        if src is not None:
-            if any(src is g for g in _view_sources(h)) or _walks_to([src], h):
-                return True
+        if src is not None and _walks_to([src], h):
+            return True
     return False
 
 
